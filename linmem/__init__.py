@@ -1,0 +1,3 @@
+"""linmem: memory layers of sequence models under one unified linear recurrence."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,17 @@
+"""Math on tensors: no nn.Module, no parameters."""
+
+from .recurrence import (
+    available_backends,
+    linear_recurrence,
+    linear_recurrence_step,
+    register_backend,
+    set_debug_checks,
+)
+
+__all__ = [
+    "linear_recurrence",
+    "linear_recurrence_step",
+    "register_backend",
+    "available_backends",
+    "set_debug_checks",
+]

@@ -1,0 +1,199 @@
+"""The unified linear recurrence: one entry point, several backends (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .chunk import chunk_recurrence
+from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
+from .reference import recurrence_step, reference_recurrence
+
+__all__ = [
+    "linear_recurrence",
+    "linear_recurrence_step",
+    "register_backend",
+    "available_backends",
+    "set_debug_checks",
+]
+
+logger = logging.getLogger("linmem.ops")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to compute the recurrence.
+
+    ``fn`` takes ``(q, k, v, *, decay_kind, **RecurrenceInputs.as_kwargs())``;
+    ``refusal`` returns None when the backend can serve the inputs, else the reason.
+    """
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+    refusal: Callable[[RecurrenceInputs], Optional[str]]
+
+
+_BACKENDS: dict[str, Backend] = {}
+#: the order in which "auto" tries backends: fastest first
+_AUTO_ORDER: list[str] = []
+
+
+def register_backend(backend: Backend, *, auto_priority: Optional[int] = None) -> None:
+    """Add a backend; with ``auto_priority`` it takes part in "auto" (0 = tried first)."""
+    _BACKENDS[backend.name] = backend
+    if auto_priority is not None:
+        if backend.name in _AUTO_ORDER:
+            _AUTO_ORDER.remove(backend.name)
+        _AUTO_ORDER.insert(auto_priority, backend.name)
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=``."""
+    return ["auto", *_BACKENDS]
+
+
+register_backend(Backend("reference", reference_recurrence, lambda inputs: None))
+register_backend(Backend("chunk", chunk_recurrence, lambda inputs: None), auto_priority=0)
+
+
+def _choose(backend: str, inputs: RecurrenceInputs) -> Backend:
+    if backend != "auto" and backend not in _BACKENDS:
+        raise ValueError(
+            f"linear_recurrence: unknown `backend` {backend!r}; valid: {', '.join(available_backends())}"
+        )
+    wanted = list(_AUTO_ORDER) if backend == "auto" else [backend, "chunk"]
+    for name in wanted:
+        reason = _BACKENDS[name].refusal(inputs)
+        if reason is None:
+            return _BACKENDS[name]
+        logger.debug("linear_recurrence: backend %r cannot serve these inputs (%s); trying the next", name, reason)
+    return _BACKENDS["chunk"]
+
+
+def linear_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    bonus: Optional[torch.Tensor] = None,
+    a: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The unified linear recurrence of linear attention, GLA, Mamba-2, RWKV and delta rules.
+
+    Per step, with the per-head state ``S: [K, V]``::
+
+        S' = diag(exp(log_decay_t)) S_{t-1}
+        S' = S' + a_t^T (b_t S_{t-1})                 if a, b are given
+        S_t = S' + beta_t k_t^T (v_t - k_t S')        if beta is given (delta rule)
+        S_t = S' + k_t^T v_t                          otherwise (additive)
+        o_t = scale * q_t S_t
+
+    With ``bonus`` (RWKV-6 ``u``) the read-out uses the previous state:
+    ``o_t = scale * (q_t S_{t-1} + (q_t . (u * k_t)) v_t)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.
+        log_decay: natural-log decay (<= 0), fp32 recommended: ``None``, ``[H]``
+            (constant per head), ``[B, T, H]`` (scalar per token), ``[B, T, H, K]``
+            (per key channel) or ``[B, T, H, K, V]`` (full; reference and chunk only).
+        beta: ``[B, T, H]`` delta-rule write strength.
+        bonus: ``[H, K]`` RWKV-6 bonus ``u``.
+        a, b: ``[B, T, H, K]`` diagonal-plus-low-rank transition (RWKV-7); not with ``beta``.
+        scale: read-out scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]``, N = B, or the number of sequences with ``cu_seqlens``.
+        output_final_state: also return the final state ``[N, H, K, V]`` (fp32; fp64 for fp64 inputs).
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).
+        backend: ``"auto"``, ``"reference"``, ``"chunk"`` (and ``"triton"`` when installed).
+            A backend that cannot serve the inputs falls back to ``"chunk"`` (logged at debug level).
+
+    Returns:
+        ``(o, final_state)``: ``o: [B, T, H, V]`` in the dtype of ``q``; ``final_state`` or None.
+
+    Example:
+        >>> import torch
+        >>> from linmem.ops import linear_recurrence
+        >>> q, k = torch.randn(2, 16, 4, 32), torch.randn(2, 16, 4, 32)
+        >>> v = torch.randn(2, 16, 4, 64)
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(2, 16, 4))  # Mamba-2-style decay
+        >>> o, S = linear_recurrence(q, k, v, log_decay=g, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([2, 16, 4, 64]), torch.Size([2, 4, 32, 64]))
+    """
+    inputs = validate(
+        q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+    chosen = _choose(backend, inputs)
+    return chosen.fn(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, **inputs.as_kwargs())
+
+
+def linear_recurrence_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    log_decay: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    bonus: Optional[torch.Tensor] = None,
+    a: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of :func:`linear_recurrence` against a state.
+
+    Shapes are those of ``linear_recurrence`` without the time axis: q, k, a, b
+    ``[B, H, K]``, v ``[B, H, V]``, beta ``[B, H]``, log_decay ``None``, ``[H]``,
+    ``[B, H]``, ``[B, H, K]`` or ``[B, H, K, V]``; ``state: [B, H, K, V]`` fp32.
+
+    Returns ``(o [B, H, V], state)``. When no gradient is being recorded the state
+    is updated in place and the same tensor is returned; otherwise a new tensor is
+    returned and ``state`` is left untouched.
+
+    Example:
+        >>> import torch
+        >>> from linmem.ops import linear_recurrence_step
+        >>> S = torch.zeros(1, 2, 8, 8)
+        >>> o, S = linear_recurrence_step(torch.randn(1, 2, 8), torch.randn(1, 2, 8),
+        ...                               torch.randn(1, 2, 8), S, log_decay=torch.full((2,), -0.1))
+        >>> o.shape
+        torch.Size([1, 2, 8])
+    """
+    add_time = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"linear_recurrence_step: `{name}` must be 3-D [B, H, D], got shape {list(t.shape)}")
+    g = log_decay
+    if g is not None and isinstance(g, torch.Tensor) and g.dim() >= 2:
+        g = g.unsqueeze(1)
+    inputs = validate(
+        add_time(q), add_time(k), add_time(v), log_decay=g, beta=add_time(beta), bonus=bonus,
+        a=add_time(a), b=add_time(b), scale=scale, initial_state=state, output_final_state=True,
+        cu_seqlens=None,
+    )
+    acc = compute_dtype(q)
+    if state.dtype != acc:
+        raise TypeError(f"linear_recurrence_step: `state` must be {acc} for {q.dtype} inputs, got {state.dtype}")
+    per_step = {"none": None, "constant": lambda x: x[None, :, None, None], "scalar": lambda x: x[:, 0, :, None, None],
+                "vector": lambda x: x[:, 0, ..., None], "full": lambda x: x[:, 0]}[inputs.decay_kind]
+    cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
+    o, new_state = recurrence_step(
+        state, cast(q), cast(k), cast(v),
+        log_decay=None if per_step is None else cast(per_step(inputs.log_decay)),
+        beta=cast(beta), bonus=cast(bonus), a=cast(a), b=cast(b), scale=inputs.scale,
+    )
+    if torch.is_grad_enabled() and (new_state.requires_grad or o.requires_grad):
+        return o.to(q.dtype), new_state
+    state.copy_(new_state)
+    return o.to(q.dtype), state

@@ -1,0 +1,270 @@
+"""The unified linear recurrence in chunked parallel form, in plain PyTorch.
+
+One algorithm serves every rule. Each rule is written as a *generalised low-rank
+transition* ::
+
+    S_t = diag(exp g_t) S_{t-1} + a_t^T x_t + k_t^T w_t,     x_t = b_t S^(b)_t
+
+* additive:  no a, b;                      w = v
+* delta:     a = -beta k, b = k, w = beta v, and S^(b)_t = diag(exp g_t) S_{t-1}
+* DPLR:      a, b as given,      w = v,      and S^(b)_t = S_{t-1}
+
+Inside a chunk of C tokens, with ``G_t`` the cumulative log decay from the chunk
+start (fp32), the unknown low-rank reads ``x`` solve one unit-lower-triangular
+system (the WY/UT form of the delta rule)::
+
+    (I - A_ba) X = (b * exp(G^(b))) S_0 + A_bk W,   A_xy[t, s] = sum_k x_tk y_sk exp(G^(x)_tk - G_sk)
+
+and outputs and the next chunk's state are products with ``S_0``::
+
+    O       = (q * exp(G^(q)) + A_qa Wx) S_0 + A_qk W + A_qa X_0     (+ the bonus diagonal)
+    S_next  = (diag(exp G_C) + A_d^T Wx) S_0 + K_d^T W + A_d^T X_0
+
+so the only loop is over chunks (``S_{c+1} = M_c S_c + N_c``), never over tokens.
+Decays only ever enter as ``exp`` of a non-positive difference of cumulative
+sums, so strong gates cannot overflow. Gradients come from autograd.
+
+A full ``[K, V]`` decay acts column by column, so it is served by folding the V
+columns into heads (each column is a vector-decay recurrence with V = 1); varlen
+batches are padded into a batch with neutral steps (no decay, no write).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .inputs import compute_dtype
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def chunk_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    decay_kind: str,
+    log_decay: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    bonus: Optional[torch.Tensor] = None,
+    a: Optional[torch.Tensor] = None,
+    b: Optional[torch.Tensor] = None,
+    scale: float,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked backend of :func:`linmem.ops.linear_recurrence` (inputs already validated).
+
+    ``chunk_size`` trades the C x C intra-chunk products against the number of
+    sequential chunk steps. For a per-channel decay the intra-chunk decay tensor
+    is C x C x K per chunk; the Triton backend avoids that on GPU.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_recurrence: `chunk_size` must be >= 1, got {chunk_size}")
+    args = dict(log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
+    if decay_kind == "full":
+        return _fold_value_columns(q, k, v, cu_seqlens=cu_seqlens, **args)
+    if decay_kind == "constant":  # [H] -> one scalar per token
+        B, T, H, _ = q.shape
+        args["log_decay"] = log_decay[None, None, :].expand(B, T, H)
+        decay_kind = "scalar"
+    if cu_seqlens is not None:
+        return _varlen_by_padding(q, k, v, decay_kind=decay_kind, cu_seqlens=cu_seqlens, **args)
+    return _chunked(q, k, v, decay_kind=decay_kind, **args)
+
+
+# --------------------------------------------------------------------------------------
+# the chunked algorithm for a fixed-length batch; decay kind 'none', 'scalar' or 'vector'
+
+
+def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initial_state,
+             output_final_state, chunk_size):
+    acc, out_dtype = compute_dtype(q), q.dtype
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    n = max(1, -(-T // C))
+
+    q = q.to(acc) * scale
+    k, v = k.to(acc), v.to(acc)
+    if beta is not None:  # delta rule as a low-rank transition read after the decay
+        beta = beta.to(acc)[..., None]
+        lr_a, lr_b, w, b_after_decay = -beta * k, k, beta * v, True
+    elif a is not None:  # DPLR, read before the decay
+        lr_a, lr_b, w, b_after_decay = a.to(acc), b.to(acc), v, False
+    else:
+        lr_a = lr_b = None
+        w, b_after_decay = v, False
+    low_rank = lr_a is not None
+    vector = decay_kind == "vector"
+    if log_decay is None:
+        g = q.new_zeros(B, T, H)
+    else:
+        g = log_decay.to(acc)
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...], zero-padded at the end
+        x = x.movedim(2, 1)
+        pad = n * C - T
+        if pad:
+            x = torch.cat([x, x.new_zeros(x.shape[0], x.shape[1], pad, *x.shape[3:])], dim=2)
+        return x.reshape(x.shape[0], x.shape[1], n, C, *x.shape[3:])
+
+    q, k, w, g = chunks(q), chunks(k), chunks(w), chunks(g)
+    v_raw = chunks(v) if bonus is not None else None
+    if low_rank:
+        lr_a, lr_b = chunks(lr_a), chunks(lr_b)
+
+    G = g.cumsum(dim=3)  # cumulative log decay from the chunk start, fp32
+    G_prev = G - g
+    G_q = G_prev if bonus is not None else G
+    col = (lambda x: x) if vector else (lambda x: x[..., None])  # broadcast a decay onto [.., C, K]
+
+    A_qk = _scores(q, G_q, k, G, strict=bonus is not None, vector=vector)
+    O0 = A_qk @ w
+    Q_eff = q * torch.exp(col(G_q))
+    if bonus is not None:  # RWKV-6: the current token enters with weight u
+        u = bonus.to(acc)[None, :, None, None, :]
+        O0 = O0 + (q * u * k).sum(-1, keepdim=True) * v_raw
+
+    decay_to_end = torch.exp(col(G[:, :, :, -1:]) - col(G))  # [B, H, n, C, K or 1]
+    N = (k * decay_to_end).transpose(-1, -2) @ w  # [B, H, n, K, V]
+    chunk_decay = torch.exp(G[:, :, :, -1])  # [B, H, n] or [B, H, n, K]
+
+    if low_rank:
+        G_b = G if b_after_decay else G_prev
+        A_ba = _scores(lr_b, G_b, lr_a, G, strict=True, vector=vector)
+        A_bk = _scores(lr_b, G_b, k, G, strict=True, vector=vector)
+        eye = torch.eye(C, dtype=acc, device=q.device)
+        L = eye - A_ba  # unit lower triangular
+        Wx = torch.linalg.solve_triangular(L, lr_b * torch.exp(col(G_b)), upper=False, unitriangular=True)
+        X0 = torch.linalg.solve_triangular(L, A_bk @ w, upper=False, unitriangular=True)
+        A_qa = _scores(q, G_q, lr_a, G, strict=bonus is not None, vector=vector)
+        O0 = O0 + A_qa @ X0
+        Q_eff = Q_eff + A_qa @ Wx
+        a_d = (lr_a * decay_to_end).transpose(-1, -2)  # [B, H, n, K, C]
+        N = N + a_d @ X0
+        if vector:
+            M = torch.diag_embed(chunk_decay) + a_d @ Wx
+        else:
+            M = chunk_decay[..., None, None] * torch.eye(K, dtype=acc, device=q.device) + a_d @ Wx
+
+    carry = chunk_decay[..., None] if vector else chunk_decay[..., None, None]  # diagonal M
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
+    starts = []
+    for c in range(n):  # carry the state from chunk to chunk
+        starts.append(S)
+        S = (M[:, :, c] @ S if low_rank else carry[:, :, c] * S) + N[:, :, c]
+    S_starts = torch.stack(starts, dim=2)  # [B, H, n, K, V]
+    o = Q_eff @ S_starts + O0  # [B, H, n, C, V]
+    o = o.reshape(B, H, n * C, V)[:, :, :T].movedim(1, 2)
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+SUB_BLOCK = 16  # exact pairwise decays only inside sub-blocks of this many tokens (vector decay)
+
+
+def _scores(x: torch.Tensor, G_x: torch.Tensor, y: torch.Tensor, G: torch.Tensor, *, strict: bool,
+            vector: bool) -> torch.Tensor:
+    """Decayed scores ``A[t, s] = sum_k x_tk y_sk exp(G_x[t, k] - G[s, k])`` for s <= t (s < t if strict).
+
+    x, y: [.., C, K]; G_x, G: [.., C] (scalar decay) or [.., C, K] (vector decay); -> [.., C, C].
+    Every exponent is a non-positive difference, and masked pairs are replaced before the
+    exp, so nothing overflows and their gradient is exactly zero.
+    """
+    C = x.shape[-2]
+    if not vector:
+        diff = G_x[..., :, None] - G[..., None, :]
+        return (x @ y.transpose(-1, -2)) * _masked_exp(diff, _causal(C, strict, x.device))
+    sub = SUB_BLOCK if C % SUB_BLOCK == 0 else C
+    m = C // sub
+    blocks = lambda t: t.unflatten(-2, (m, sub))  # noqa: E731  [.., C, K] -> [.., m, sub, K]
+    xb, Gxb, yb, Gb = blocks(x), blocks(G_x), blocks(y), blocks(G)
+    # pairs inside one sub-block: exact, a [sub, sub, K] tensor per block
+    diff = Gxb[..., :, None, :] - Gb[..., None, :, :]
+    inside = torch.einsum("...tk,...sk,...tsk->...ts", xb, yb,
+                          _masked_exp(diff, _causal(sub, strict, x.device)[..., None]))  # [.., m, sub, sub]
+    if m == 1:
+        return inside[..., 0, :, :]
+    # pairs with s in an earlier sub-block: factor through R_i = G just before block i,
+    # exp(G_x,t - G_s) = exp(G_x,t - R_i) exp(R_i - G_s), both factors <= 1
+    R = torch.cat([torch.zeros_like(G[..., :1, :]), G[..., sub - 1 :: sub, :][..., :-1, :]], dim=-2)  # [.., m, K]
+    earlier = torch.arange(C, device=x.device)[None, :] < (torch.arange(m, device=x.device) * sub)[:, None]
+    x_r = xb * torch.exp(Gxb - R[..., :, None, :])  # [.., m, sub, K]
+    y_r = y[..., None, :, :] * _masked_exp(R[..., :, None, :] - G[..., None, :, :], earlier[..., None])  # [.., m, C, K]
+    scores = x_r @ y_r.transpose(-1, -2)  # [.., m, sub, C]
+    on_diagonal = torch.eye(m, dtype=x.dtype, device=x.device)[:, None, :, None]  # [m, 1, m, 1]
+    scores = scores + (inside[..., :, :, None, :] * on_diagonal).flatten(-2)
+    return scores.flatten(-3, -2)
+
+
+def _causal(C: int, strict: bool, device: torch.device) -> torch.Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def _masked_exp(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(diff) where mask, exactly 0 elsewhere (without evaluating exp of the masked values)."""
+    return torch.exp(torch.where(mask, diff, torch.full_like(diff, float("-inf"))))
+
+
+# --------------------------------------------------------------------------------------
+# reductions of the other cases to `_chunked`
+
+
+def _fold_value_columns(q, k, v, *, cu_seqlens, log_decay, beta, bonus, a, b, initial_state, **rest):
+    """Full [K, V] decay: every value column is a vector-decay recurrence with V = 1."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    per_column = lambda x: x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
+    o, S = chunk_recurrence(
+        per_column(q), per_column(k), v.reshape(B, T, H * V, 1),
+        decay_kind="vector",
+        log_decay=log_decay.transpose(-1, -2).reshape(B, T, H * V, K),
+        beta=None if beta is None else beta[..., None].expand(B, T, H, V).reshape(B, T, H * V),
+        bonus=None if bonus is None else bonus[:, None, :].expand(H, V, K).reshape(H * V, K),
+        a=None if a is None else per_column(a),
+        b=None if b is None else per_column(b),
+        initial_state=None if initial_state is None else
+        initial_state.transpose(-1, -2).reshape(initial_state.shape[0], H * V, K, 1),
+        cu_seqlens=cu_seqlens,
+        **rest,
+    )
+    o = o.reshape(B, T, H, V)
+    if S is not None:
+        S = S.reshape(S.shape[0], H, V, K).transpose(-1, -2)
+    return o, S
+
+
+def _varlen_by_padding(q, k, v, *, decay_kind, cu_seqlens, log_decay, beta, a, b, **rest):
+    """Pack -> pad: sequence n becomes row n of a batch; padded steps neither decay nor write."""
+    T = q.shape[1]
+    bounds = cu_seqlens.to(torch.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    N = lengths.shape[0]
+    t_max = int(lengths.max()) if N else 0  # one host sync; the Triton backend avoids it
+    steps = torch.arange(max(t_max, 1), device=q.device)
+    valid = steps[None, :] < lengths[:, None]  # [N, t_max]
+    index = (bounds[:-1, None] + steps[None, :]).clamp(max=max(T - 1, 0))
+
+    def pad(x):
+        if x is None:
+            return None
+        y = x[0][index]  # [N, t_max, ...]
+        keep = valid.view(N, -1, *([1] * (y.dim() - 2)))
+        return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+    if T == 0:
+        o = v.new_zeros(1, 0, q.shape[2], v.shape[-1])
+        S0 = rest["initial_state"]
+        if not rest["output_final_state"]:
+            return o, None
+        shape = (N, q.shape[2], q.shape[3], v.shape[-1])
+        return o, (S0.to(compute_dtype(q)) if S0 is not None else q.new_zeros(shape, dtype=compute_dtype(q)))
+
+    o, S = _chunked(pad(q), pad(k), pad(v), decay_kind=decay_kind, log_decay=pad(log_decay),
+                    beta=pad(beta), a=pad(a), b=pad(b), **rest)
+    return o[valid][None], S

@@ -1,0 +1,225 @@
+"""Validation and normalisation of the inputs of the unified linear recurrence.
+
+Every backend receives a :class:`RecurrenceInputs` that has passed these checks, so
+backends never re-validate. Shape and dtype checks always run; checks of values
+(``log_decay <= 0``, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors
+only when debug checks are on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`), so the
+hot path never waits for the device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_DEBUG_CHECKS = os.environ.get("LINMEM_DEBUG", "0") not in ("", "0", "false", "False")
+
+#: the decay kinds, named by the shape of ``log_decay``
+DECAY_KINDS = ("none", "constant", "scalar", "vector", "full")
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn value checks of device tensors on or off (they synchronise the device)."""
+    global _DEBUG_CHECKS
+    _DEBUG_CHECKS = bool(enabled)
+
+
+def _values_checkable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" or _DEBUG_CHECKS
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+@dataclass
+class RecurrenceInputs:
+    """Validated inputs of :func:`linmem.ops.linear_recurrence` (see its docstring)."""
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, H, V]
+    log_decay: Optional[torch.Tensor]  # as given; its kind is in `decay_kind`
+    decay_kind: str  # one of DECAY_KINDS
+    beta: Optional[torch.Tensor]  # [B, T, H]
+    bonus: Optional[torch.Tensor]  # [H, K]
+    a: Optional[torch.Tensor]  # [B, T, H, K]
+    b: Optional[torch.Tensor]  # [B, T, H, K]
+    scale: float
+    initial_state: Optional[torch.Tensor]  # [N, H, K, V]
+    output_final_state: bool
+    cu_seqlens: Optional[torch.Tensor]  # [N + 1]
+
+    @property
+    def num_sequences(self) -> int:
+        if self.cu_seqlens is not None:
+            return self.cu_seqlens.shape[0] - 1
+        return self.q.shape[0]
+
+    @property
+    def rule(self) -> str:
+        """'delta', 'dplr' or 'additive'."""
+        if self.beta is not None:
+            return "delta"
+        if self.a is not None:
+            return "dplr"
+        return "additive"
+
+    def as_kwargs(self) -> dict:
+        """The inputs as keyword arguments of a backend function."""
+        return dict(
+            log_decay=self.log_decay, beta=self.beta, bonus=self.bonus, a=self.a, b=self.b,
+            scale=self.scale, initial_state=self.initial_state,
+            output_final_state=self.output_final_state, cu_seqlens=self.cu_seqlens,
+        )
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"linear_recurrence: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"linear_recurrence: `{name}` must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, expected: list[int], meaning: str) -> None:
+    if _shape(t) != expected:
+        raise ValueError(
+            f"linear_recurrence: `{name}` must have shape {meaning} = {expected}, got {_shape(t)}"
+        )
+
+
+def decay_kind_of(log_decay: Optional[torch.Tensor], B: int, T: int, H: int, K: int, V: int) -> str:
+    """Classify ``log_decay`` by its shape; raise a ValueError naming every accepted shape."""
+    if log_decay is None:
+        return "none"
+    shapes = {
+        "constant": [H],
+        "scalar": [B, T, H],
+        "vector": [B, T, H, K],
+        "full": [B, T, H, K, V],
+    }
+    for kind, shape in shapes.items():
+        if _shape(log_decay) == shape:
+            return kind
+    raise ValueError(
+        "linear_recurrence: `log_decay` must be None or have shape [H] = "
+        f"{shapes['constant']}, [B, T, H] = {shapes['scalar']}, [B, T, H, K] = "
+        f"{shapes['vector']} or [B, T, H, K, V] = {shapes['full']}; got {_shape(log_decay)}"
+    )
+
+
+def _check_cu_seqlens(cu: torch.Tensor, B: int, T: int) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"linear_recurrence: `cu_seqlens` must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"linear_recurrence: `cu_seqlens` must be int32 or int64, got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"linear_recurrence: `cu_seqlens` must have shape [N + 1] with N >= 1, got {_shape(cu)}")
+    if B != 1:
+        raise ValueError(f"linear_recurrence: `cu_seqlens` needs batch size B == 1 (sequences packed along T), got B = {B}")
+    if _values_checkable(cu):
+        c = cu.cpu()
+        if int(c[0]) != 0:
+            raise ValueError(f"linear_recurrence: `cu_seqlens` must start at 0, got {int(c[0])}")
+        if bool((c[1:] < c[:-1]).any()):
+            raise ValueError(f"linear_recurrence: `cu_seqlens` must be non-decreasing, got {c.tolist()}")
+        if int(c[-1]) != T:
+            raise ValueError(f"linear_recurrence: `cu_seqlens` must end at T = {T}, got {int(c[-1])}")
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: Optional[torch.Tensor],
+    beta: Optional[torch.Tensor],
+    bonus: Optional[torch.Tensor],
+    a: Optional[torch.Tensor],
+    b: Optional[torch.Tensor],
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor],
+) -> RecurrenceInputs:
+    """Check every argument of ``linear_recurrence``; return the normalised inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, t)
+        if t.dim() != 4:
+            raise ValueError(
+                f"linear_recurrence: `{name}` must be 4-D [B, T, H, {'V' if name == 'v' else 'K'}], "
+                f"got {t.dim()}-D shape {_shape(t)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"linear_recurrence: `q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_shape("k", k, [B, T, H, K], "[B, T, H, K] (same as q)")
+    _check_shape("v", v, [B, T, H, V], "[B, T, H, V] (B, T, H as q)")
+
+    for name, t in (("log_decay", log_decay), ("beta", beta), ("bonus", bonus), ("a", a), ("b", b),
+                    ("initial_state", initial_state)):
+        if t is not None:
+            _check_float(name, t)
+            if t.device != q.device:
+                raise ValueError(f"linear_recurrence: `{name}` is on {t.device}, but `q` is on {q.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"linear_recurrence: `{name}` is on {t.device}, but `q` is on {q.device}")
+
+    kind = decay_kind_of(log_decay, B, T, H, K, V)
+    if log_decay is not None and _values_checkable(log_decay):
+        # `max()` of an empty tensor raises, hence the numel guard
+        if log_decay.numel() and bool((log_decay.detach() > 0).any()):
+            worst = float(log_decay.detach().max())
+            raise ValueError(
+                f"linear_recurrence: `log_decay` must be <= 0 (a decay in (0, 1] in log space); "
+                f"got a maximum of {worst:g}"
+            )
+
+    if beta is not None:
+        _check_shape("beta", beta, [B, T, H], "[B, T, H]")
+    if bonus is not None:
+        _check_shape("bonus", bonus, [H, K], "[H, K]")
+    if (a is None) != (b is None):
+        raise ValueError("linear_recurrence: `a` and `b` (the low-rank transition a^T b) must be given together")
+    if a is not None:
+        _check_shape("a", a, [B, T, H, K], "[B, T, H, K]")
+        _check_shape("b", b, [B, T, H, K], "[B, T, H, K]")
+        if beta is not None:
+            raise ValueError(
+                "linear_recurrence: `beta` (delta rule) and `a`, `b` (low-rank transition) are mutually "
+                "exclusive; the delta rule is the low-rank case a = -beta k, b = k exp(g)"
+            )
+
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T)
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"linear_recurrence: `cu_seqlens` is on {cu_seqlens.device}, but `q` is on {q.device}")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if initial_state is not None:
+        _check_shape("initial_state", initial_state, [N, H, K, V],
+                     "[N, H, K, V] (N = number of sequences)")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"linear_recurrence: `scale` must be a Python float or None, got {type(scale).__name__}")
+
+    return RecurrenceInputs(
+        q=q, k=k, v=v, log_decay=log_decay, decay_kind=kind, beta=beta, bonus=bonus, a=a, b=b,
+        scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the PyTorch backends: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

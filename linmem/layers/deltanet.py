@@ -1,0 +1,96 @@
+"""DeltaNet (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length") and Gated DeltaNet (Yang et al. 2025, "Gated Delta Networks").
+
+    S_t = a_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,   o_t = q_t S_t
+
+q, k: short conv + SiLU, L2-normalised per head; beta_t = sigmoid(W_b x_t).
+Gated DeltaNet adds the Mamba-2 gate log a_t = -exp(A_log) * softplus(W_a x_t + dt_bias)
+and an output gate: o = RMSNorm(o) * silu(W_g x).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .base import LayerState, MixerArgs, register_mixer
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
+from .recurrent import MemoryMixer, RecurrenceArgs
+
+
+def mamba2_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
+    """Inverse-softplus of dt drawn log-uniformly in [dt_min, dt_max] (Mamba-2 initialisation)."""
+    dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class _DeltaRule(MemoryMixer):
+    gated = False
+
+    def __init__(self, args: MixerArgs) -> None:
+        super().__init__(args)
+        D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.use_short_conv = True if args.use_short_conv is None else args.use_short_conv
+        if self.use_short_conv:
+            self.q_conv = ShortConvolution(H * K, args.conv_size)
+            self.k_conv = ShortConvolution(H * K, args.conv_size)
+            self.v_conv = ShortConvolution(H * V, args.conv_size)
+        if self.gated:
+            self.a_proj = nn.Linear(D, H, bias=False)
+            self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
+            self.dt_bias = nn.Parameter(mamba2_dt_bias(H))
+            self.g_proj = nn.Linear(D, H * V, bias=False)
+            self.o_norm = GatedRMSNorm(V, eps=args.norm_eps)
+        else:
+            self.o_norm = RMSNorm(V, eps=args.norm_eps)
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+
+    def recurrence_inputs(
+        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+    ) -> RecurrenceArgs:
+        H = self.args.num_heads
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.use_short_conv:
+            q = self.q_conv(q, cache=cache, key="conv_q", cu_seqlens=cu_seqlens)
+            k = self.k_conv(k, cache=cache, key="conv_k", cu_seqlens=cu_seqlens)
+            v = self.v_conv(v, cache=cache, key="conv_v", cu_seqlens=cu_seqlens)
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q, k, v = (rearrange(x, "b t (h d) -> b t h d", h=H) for x in (q, k, v))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.b_proj(hidden).float())
+        log_decay = None
+        if self.gated:
+            dt = F.softplus(self.a_proj(hidden).float() + self.dt_bias)
+            log_decay = -torch.exp(self.A_log.float()) * dt  # [B, T, H]
+        return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay, beta=beta)
+
+    def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
+        if self.gated:
+            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+            o = self.o_norm(o, gate)
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+
+
+@register_mixer("deltanet")
+class DeltaNet(_DeltaRule):
+    """DeltaNet: the delta rule with no decay."""
+
+
+@register_mixer("gated_deltanet")
+class GatedDeltaNet(_DeltaRule):
+    """Gated DeltaNet: the delta rule with a Mamba-2 scalar decay and an output gate."""
+
+    gated = True

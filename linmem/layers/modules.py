@@ -114,16 +114,21 @@ def token_shift(
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half form) for q, k: [B, T, H, D]."""
+    """Rotary position embedding (rotate-half form) for q, k: [B, T, H, D].
+
+    The frequencies are computed in ``forward`` rather than stored in a buffer, so a
+    model built on the meta device (as ``from_pretrained`` does) has nothing to restore.
+    """
 
     def __init__(self, dim: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.theta = dim, theta
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D], position_ids: [B, T] -> rotated x."""
-        angles = position_ids.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        steps = torch.arange(0, self.dim, 2, dtype=torch.float32, device=x.device)
+        inv_freq = 1.0 / (self.theta ** (steps / self.dim))
+        angles = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
         cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
         sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)

@@ -1,0 +1,317 @@
+"""Softmax-attention mixers of hybrid models: full (``softmax``), sliding-window (``swa``) and
+the Forgetting Transformer (``fox``, Lin et al. 2025, arXiv 2503.02130).
+
+    o_i = sum_{j <= i} softmax_j(q_i . k_j / sqrt(D) + c_i - c_j) v_j,    c_i = sum_{l <= i} log f_l
+
+``softmax`` and ``swa`` use RoPE and no forget gate (c = 0); ``swa`` and a windowed ``fox``
+only see the last ``window`` keys. FoX has no RoPE; its gate is ``f_t = sigmoid(w^T x_t + b)``
+per head, and its "Pro" options are QK-norm, an output gate, an output norm and KV-shift.
+
+Decoding cache (a :class:`LayerState`), one entry per key, batch-first and in time order:
+``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``, ``key_mask [B, S]`` (False at padding and at
+empty slots) and for FoX ``cum_forget [B, S, H]`` (fp32). Without a window the cache grows
+(S = tokens seen); with one it is a ring of S = ``window`` slots where the token at
+position p lives in slot ``p % window``. ``cache.seen_tokens`` counts every token of every
+call (padding included): it is the position of the next token and the ring's write pointer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from ..ops.attention import cached_attention, cumulative_forget, forgetting_attention
+from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
+from .modules import RMSNorm, RotaryEmbedding, positions_in_sequence
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over the head dim of ``x: [B, T, H, D]`` with its own scale per head (weight ``[H, D]``)."""
+
+    def __init__(self, num_heads: int, dim: int, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.ones(num_heads, dim))
+
+
+def previous_real_token(
+    x: torch.Tensor,
+    token_mask: Optional[torch.Tensor],
+    *,
+    history: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every token, the features of the closest earlier real (unpadded) token.
+
+    Args:
+        x: ``[B, T, C]``.
+        token_mask: ``[B, T]`` bool, False at padding (skipped), or None.
+        history: ``[B, 1, C]`` the last real token of the previous call (zeros when None).
+        cu_seqlens: ``[N + 1]``; at a sequence start the previous token is zeros.
+
+    Returns:
+        ``(previous [B, T, C], newest [B, 1, C])``: newest is the last real token of
+        ``x``, or ``history`` when the call has none (the next call's history).
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1)
+        >>> prev, last = previous_real_token(x, torch.tensor([[True, False, True, False]]))
+        >>> prev.flatten().tolist(), last.flatten().tolist()
+        ([0.0, 1.0, 1.0, 3.0], [3.0])
+    """
+    B, T, C = x.shape
+    start = history if history is not None else x.new_zeros(B, 1, C)
+    timeline = torch.cat([start.to(x.dtype), x], dim=1)  # [B, T + 1, C]; index 0 = before the call
+    real = torch.ones(B, T + 1, dtype=torch.bool, device=x.device)
+    if token_mask is not None:
+        real[:, 1:] = token_mask
+    index = torch.arange(T + 1, device=x.device).expand(B, -1)
+    newest = torch.where(real, index, 0).cummax(dim=1).values  # [B, T + 1] newest real index so far
+    before = newest[:, :-1]  # token t (timeline index t + 1) looks at timeline indices <= t
+    if cu_seqlens is not None:  # timeline index of each token's sequence start
+        first = 1 + torch.arange(T, device=x.device) - positions_in_sequence(T, cu_seqlens, x.device)
+        before = torch.where(before >= first, before, 0)
+    gather = lambda idx: timeline.gather(1, idx[..., None].expand(-1, -1, C))  # noqa: E731
+    return gather(before), gather(newest[:, -1:])
+
+
+def extend_cache(cache: LayerState, new: dict[str, torch.Tensor], slots: Optional[int]) -> dict[str, torch.Tensor]:
+    """The cached entries followed by ``new`` (time order, [B, S + T, ...]); writes the cache.
+
+    ``slots=None``: the cache grows by T. ``slots=W``: a ring of W slots, slot of position
+    p = p % W; it is read in time order (oldest first, empty slots masked) and rewritten
+    with the newest W entries. ``cum_forget`` is stored relative to the newest token
+    (c_j - c_last), so the values of recent keys keep full precision however long decoding runs.
+    """
+    seen = cache.seen_tokens
+    old = {n: cache.get(n) for n in new}
+    if slots is not None and old["k"] is None:
+        old = {n: x.new_zeros(x.shape[0], slots, *x.shape[2:]) for n, x in new.items()}  # key_mask: False
+    if slots is not None:
+        old = {n: x.roll(-(seen % slots), dims=1) for n, x in old.items()}  # oldest first
+    full = {n: new[n] if old[n] is None else torch.cat([old[n].to(new[n].dtype), new[n]], 1) for n in new}
+    stored = dict(full)
+    if "cum_forget" in stored:
+        stored["cum_forget"] = full["cum_forget"] - full["cum_forget"][:, -1:]
+    if slots is not None:
+        stored = {n: x[:, -slots:].roll((seen + new["k"].shape[1]) % slots, dims=1) for n, x in stored.items()}
+    for name, x in stored.items():
+        cache.set(name, x.detach())
+    return full
+
+
+class _Attention(Mixer):
+    """Causal softmax attention with q/k/v/o projections (no bias) and GQA; subclasses choose
+    the window, RoPE and the forget gate."""
+
+    kind = "attention"
+
+    def __init__(self, args: MixerArgs, window: Optional[int]) -> None:
+        super().__init__(args)
+        D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
+        Hkv = args.num_kv_heads if args.num_kv_heads is not None else H
+        if Hkv < 1 or H % Hkv:
+            raise ValueError(f"{self.name}: `num_heads` = {H} must be a multiple of `num_kv_heads` = {Hkv}")
+        if window is not None and window < 1:
+            raise ValueError(f"{self.name}: `window` must be >= 1, got {window}")
+        self.num_kv_heads = Hkv
+        self.window = window
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, Hkv * K, bias=False)
+        self.v_proj = nn.Linear(D, Hkv * V, bias=False)
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[LayerState] = None,
+        token_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        check_cache_and_varlen(cache, cu_seqlens)
+        q, k, v, log_forget = self.project(hidden, cache=cache, token_mask=token_mask,
+                                           position_ids=position_ids, cu_seqlens=cu_seqlens)
+        o = self.attend(q, k, v, log_forget, cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.seen_tokens += hidden.shape[1]
+        return self.output(o, hidden)
+
+    def project(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V], log_forget [B, T, H] or None."""
+        return (*self.heads(self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), None)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split the projections into heads: [B, T, heads * d] -> [B, T, heads, d]."""
+        H, Hkv = self.args.num_heads, self.num_kv_heads
+        return (rearrange(q, "b t (h d) -> b t h d", h=H), rearrange(k, "b t (h d) -> b t h d", h=Hkv),
+                rearrange(v, "b t (h d) -> b t h d", h=Hkv))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_forget: Optional[torch.Tensor],
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The attention of this call's queries over the cached and the new keys: o [B, T, H, V]."""
+        if cache is None and token_mask is None:
+            return forgetting_attention(q, k, v, log_forget=log_forget, window=self.window, cu_seqlens=cu_seqlens)
+        B, T = q.shape[:2]
+        present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        keys = {"k": k, "v": v, "key_mask": present}
+        if log_forget is not None:  # padded tokens do not forget
+            keys["cum_forget"] = cumulative_forget(log_forget * present[..., None], cu_seqlens=cu_seqlens)
+        if cache is not None:
+            keys = extend_cache(cache, keys, self.window)
+        return cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"],
+                                cum_forget=keys.get("cum_forget"), window=self.window, cu_seqlens=cu_seqlens)
+
+    def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, V] -> [B, T, D]."""
+        return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+
+
+class _RotaryAttention(_Attention):
+    """Attention with rotary positions on q and k."""
+
+    def __init__(self, args: MixerArgs, window: Optional[int]) -> None:
+        super().__init__(args, window)
+        self.rotary = RotaryEmbedding(args.key_dim, theta=args.rope_theta)
+
+    def project(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        q, k, v, _ = super().project(hidden, cache=cache, token_mask=token_mask, position_ids=position_ids,
+                                     cu_seqlens=cu_seqlens)
+        if position_ids is None:
+            position_ids = self.default_positions(hidden, cache, cu_seqlens)
+        return self.rotary(q, position_ids), self.rotary(k, position_ids), v, None
+
+    @staticmethod
+    def default_positions(
+        hidden: torch.Tensor, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """[B, T] positions: tokens seen before the call + the index in the call (per sequence)."""
+        B, T = hidden.shape[:2]
+        seen = cache.seen_tokens if cache is not None else 0
+        return (seen + positions_in_sequence(T, cu_seqlens, hidden.device)).expand(B, T)
+
+
+@register_mixer("softmax")
+class SoftmaxAttention(_RotaryAttention):
+    """Causal multi-head (or grouped-query) softmax attention with RoPE and a growing KV cache."""
+
+    def __init__(self, args: MixerArgs) -> None:
+        super().__init__(args, window=None)
+
+
+@register_mixer("swa")
+class SlidingWindowAttention(_RotaryAttention):
+    """Sliding-window attention with RoPE: query i sees keys i - window < j <= i; its KV cache
+    is a ring of ``window`` slots."""
+
+    def __init__(self, args: MixerArgs) -> None:
+        if args.window is None:
+            raise ValueError("swa: `window` must be set in MixerArgs (the number of keys a query sees)")
+        super().__init__(args, window=args.window)
+
+
+@register_mixer("fox")
+class ForgettingAttention(_Attention):
+    """Forgetting Transformer: softmax attention biased by cumulative log forget gates, no RoPE.
+
+    MixerArgs switches the "Pro" block on: ``qk_norm`` (per-head RMSNorm of q and k),
+    ``output_norm`` (per-head RMSNorm of o), ``output_gate`` (o * sigmoid(W_g x)) and
+    ``kv_shift`` (k~_t = a_t k_{t-1} + (1 - a_t) k_t with a_t = sigmoid(W_s x_t) per KV
+    head; the same for v with its own gate). ``window`` makes it local.
+    """
+
+    def __init__(self, args: MixerArgs) -> None:
+        super().__init__(args, window=args.window)
+        D, H, K, V, Hkv = args.hidden_size, args.num_heads, args.key_dim, args.value_dim, self.num_kv_heads
+        self.f_proj = nn.Linear(D, H, bias=True)
+        if args.qk_norm:
+            self.q_norm = HeadRMSNorm(H, K, eps=args.norm_eps)
+            self.k_norm = HeadRMSNorm(Hkv, K, eps=args.norm_eps)
+        if args.kv_shift:
+            self.k_shift_proj = nn.Linear(D, Hkv, bias=False)
+            self.v_shift_proj = nn.Linear(D, Hkv, bias=False)
+        if args.output_norm:
+            self.o_norm = HeadRMSNorm(H, V, eps=args.norm_eps)
+        if args.output_gate:
+            self.g_proj = nn.Linear(D, H * V, bias=False)
+
+    def project(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        k, v = self.k_proj(hidden), self.v_proj(hidden)
+        if self.args.kv_shift:
+            k = self.shift(k, self.k_shift_proj(hidden), "shift_k", cache=cache, token_mask=token_mask,
+                           cu_seqlens=cu_seqlens)
+            v = self.shift(v, self.v_shift_proj(hidden), "shift_v", cache=cache, token_mask=token_mask,
+                           cu_seqlens=cu_seqlens)
+        q, k, v = self.heads(self.q_proj(hidden), k, v)
+        if self.args.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        log_forget = F.logsigmoid(self.f_proj(hidden).float())  # [B, T, H]
+        return q, k, v, log_forget
+
+    def shift(
+        self,
+        x: torch.Tensor,
+        gate_logit: torch.Tensor,
+        key: str,
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """KV-shift: x [B, T, Hkv * d], gate_logit [B, T, Hkv] -> a x_{t-1} + (1 - a) x_t.
+
+        x_{t-1} is the previous real token of the same sequence (``cache[key]`` across calls).
+        """
+        history = cache.get(key) if cache is not None else None
+        previous, newest = previous_real_token(x, token_mask, history=history, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.set(key, newest.detach())
+        a = torch.sigmoid(gate_logit.float())[..., None]  # [B, T, Hkv, 1]
+        split = lambda t: rearrange(t.float(), "b t (h d) -> b t h d", h=self.num_kv_heads)  # noqa: E731
+        mixed = a * split(previous) + (1 - a) * split(x)
+        return rearrange(mixed, "b t h d -> b t (h d)").to(x.dtype)
+
+    def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.args.output_norm:
+            o = self.o_norm(o)
+        if self.args.output_gate:
+            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+            o = o * torch.sigmoid(gate)
+        return super().output(o, hidden)

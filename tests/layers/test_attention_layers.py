@@ -1,0 +1,146 @@
+"""The attention mixers beyond the shared invariants: the sliding-window ring buffer, the FoX
+"Pro" options, GQA, RoPE positions under padding, padding inside the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linmem.layers import LayerState, MixerArgs, build_mixer
+
+D, H = 32, 4
+TOL = 1e-4
+PRO = ("qk_norm", "output_gate", "output_norm", "kv_shift")
+
+
+def make(name: str, **over) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_mixer(name, MixerArgs(hidden_size=D, num_heads=H, **over)).eval()
+
+
+def max_err(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def decode(m, x, prefill: int, **kw):
+    """Prefill ``prefill`` tokens, then one token per call; the concatenated outputs."""
+    cache = LayerState()
+    parts = [m(x[:, :prefill], cache=cache, **kw)]
+    parts += [m(x[:, t : t + 1], cache=cache, **kw) for t in range(prefill, x.shape[1])]
+    return torch.cat(parts, 1), cache
+
+
+@torch.no_grad()
+def test_swa_ring_buffer_is_constant_size_and_exact():
+    m = make("swa", window=4, num_kv_heads=2)
+    x = torch.randn(2, 19, D)
+    out, cache = decode(m, x[:, :3], prefill=2)
+    size = cache.nbytes()
+    assert cache.get("k").shape == (2, 4, 2, D // H)
+    for t in range(3, 19):  # far more than `window` decoded tokens
+        out = torch.cat([out, m(x[:, t : t + 1], cache=cache)], 1)
+        assert cache.nbytes() == size
+    assert cache.seen_tokens == 19
+    assert max_err(out, m(x)) < TOL
+
+
+@torch.no_grad()
+def test_softmax_cache_grows_and_counts_tokens():
+    m = make("softmax")
+    out, cache = decode(m, torch.randn(1, 9, D), prefill=5)
+    assert cache.seen_tokens == 9 and cache.get("k").shape[1] == 9
+
+
+@pytest.mark.parametrize("option", PRO)
+def test_each_fox_pro_option_changes_the_output(option):
+    x = torch.randn(2, 11, D)
+    with torch.no_grad():
+        assert max_err(make("fox", **{option: True})(x), make("fox")(x)) > 1e-3
+
+
+CONFIGS = [{}, *({o: True} for o in PRO), {**{o: True for o in PRO}, "num_kv_heads": 2, "window": 5}]
+CONFIG_IDS = ["plain", *PRO, "all+gqa+window"]
+
+
+@pytest.mark.parametrize("over", CONFIGS, ids=CONFIG_IDS)
+@torch.no_grad()
+def test_fox_decode_and_chunked_prefill_equal_forward(over):
+    m = make("fox", **over)
+    x = torch.randn(2, 14, D)
+    full = m(x)
+    assert max_err(decode(m, x, prefill=5)[0], full) < TOL
+    cache = LayerState()
+    chunks = [m(x[:, a:b], cache=cache) for a, b in ((0, 3), (3, 10), (10, 14))]
+    assert max_err(torch.cat(chunks, 1), full) < TOL
+
+
+@pytest.mark.parametrize("over", CONFIGS, ids=CONFIG_IDS)
+@torch.no_grad()
+def test_fox_varlen_and_left_padding(over):
+    m = make("fox", **over)
+    xs = [torch.randn(1, n, D) for n in (6, 1, 9)]
+    cu = torch.tensor([0, 6, 7, 16])
+    packed = m(torch.cat(xs, 1), cu_seqlens=cu)
+    for i, x in enumerate(xs):
+        assert max_err(packed[:, cu[i] : cu[i + 1]], m(x)) < TOL
+    padded = torch.cat([torch.zeros(1, 4, D), xs[2]], 1)
+    mask = torch.arange(13)[None] >= 4
+    assert max_err(m(padded, token_mask=mask)[:, 4:], m(xs[2])) < TOL
+
+
+@pytest.mark.parametrize("over", [{}, {"num_kv_heads": 1}, {"num_kv_heads": 2}], ids=["mha", "mqa", "gqa"])
+@torch.no_grad()
+def test_softmax_rope_is_position_consistent_under_left_padding(over):
+    m = make("softmax", **over)
+    x = torch.randn(1, 8, D)
+    ref = m(x)
+    pad = 5
+    padded = torch.cat([torch.randn(1, pad, D), x], 1)  # even garbage in the padding is ignored
+    mask = torch.arange(pad + 8)[None] >= pad
+    positions = (torch.arange(pad + 8) - pad).clamp_min(0)[None]
+    out = m(padded, token_mask=mask, position_ids=positions)
+    assert max_err(out[:, pad:], ref) < TOL
+    shifted = m(x, position_ids=torch.arange(8)[None] + 1000)  # RoPE only sees relative positions
+    assert max_err(shifted, ref) < TOL
+    cache = LayerState()
+    pre = m(padded[:, : pad + 3], cache=cache, token_mask=mask[:, : pad + 3], position_ids=positions[:, : pad + 3])
+    dec = [m(padded[:, t : t + 1], cache=cache, position_ids=positions[:, t : t + 1]) for t in range(pad + 3, pad + 8)]
+    assert max_err(torch.cat([pre, *dec], 1)[:, pad:], ref) < TOL
+
+
+@pytest.mark.parametrize("name, over", [("softmax", {}), ("fox", {o: True for o in PRO})], ids=["softmax", "fox"])
+@torch.no_grad()
+def test_right_padding_inside_the_cache_is_skipped(name, over):
+    """Prefill a right-padded batch row, then decode: as if the padding had never been there."""
+    m = make(name, **over)
+    x = torch.randn(1, 9, D)
+    ref = m(x)
+    padded = torch.cat([x[:, :5], torch.zeros(1, 3, D), x[:, 5:]], 1)  # 3 pads after 5 real tokens
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[:, 5:8] = False
+    positions = torch.cat([torch.arange(5), torch.full((3,), 4), torch.arange(5, 9)])[None]
+    cache = LayerState()
+    pre = m(padded[:, :8], cache=cache, token_mask=mask[:, :8], position_ids=positions[:, :8])
+    dec = [m(padded[:, t : t + 1], cache=cache, position_ids=positions[:, t : t + 1]) for t in range(8, 12)]
+    out = torch.cat([pre[:, :5], *dec], 1)
+    assert max_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("name", ["softmax", "swa", "fox"])
+def test_fully_padded_row_is_finite(name):
+    m = make(name, window=3, **({o: True for o in PRO} if name == "fox" else {})).train()
+    x = torch.randn(2, 7, D, requires_grad=True)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1] = False
+    out = m(x, token_mask=mask)
+    out.square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    with torch.no_grad():
+        assert max_err(out[:1], m(x[:1])) < TOL
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="window"):
+        make("swa")
+    with pytest.raises(ValueError, match="multiple of `num_kv_heads` = 3"):
+        make("softmax", num_kv_heads=3)

@@ -1,0 +1,251 @@
+"""Typed run configuration: model, data, optimiser, schedule and run sections.
+
+A config comes from defaults, a YAML file or a named recipe (``recipes/<name>.yaml``),
+then ``key.sub=value`` overrides from the command line; it is validated before
+anything runs and printed with the run.
+
+Example:
+    >>> cfg = load_config(overrides=["model.memory=gla", "schedule.steps=10"])
+    >>> cfg.model.memory, cfg.schedule.steps
+    ('gla', 10)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class ConfigError(ValueError):
+    """A config key, value or combination that cannot run."""
+
+
+@dataclass
+class ModelSection:
+    recipe: Optional[str] = None  # a named model recipe (linmem.models.MODEL_RECIPES); then only `options` apply
+    hidden_size: int = 64  # model width D
+    num_heads: int = 2  # heads of every mixer
+    layer_pattern: str = "LL"  # one letter per layer: L memory, N attention
+    memory: str = "gated_deltanet"  # mixer of L layers
+    attention: str = "softmax"  # mixer of N layers: softmax, swa, fox
+    options: dict[str, Any] = field(default_factory=dict)  # any other LinmemConfig field
+
+
+@dataclass
+class MQARSection:
+    settings: list[list[int]] = field(default_factory=lambda: [[64, 4]])  # (seq_len, kv pairs) trained on, mixed
+    eval_settings: list[list[int]] = field(default_factory=list)  # evaluated on (default: the trained ones)
+    vocab_size: int = 8192  # tokens (keys from [1, V/2), values from [V/2, V))
+    train_examples: int = 20000  # per setting
+    eval_examples: int = 1000  # per setting
+    power_a: float = 0.01  # power-law parameter of query gaps
+
+
+@dataclass
+class TextSection:
+    paths: list[str] = field(default_factory=list)  # files/folders; empty: the Python stdlib sources (bytes)
+    dataset: Optional[str] = None  # a local HF dataset folder or json/jsonl/parquet file (needs tokenizer)
+    text_field: str = "text"  # column holding the text
+    tokenizer: Optional[str] = None  # local tokenizer folder; None: bytes (vocab 256)
+    max_files: Optional[int] = None  # cap on stdlib / folder files read
+    val_fraction: float = 0.02  # documents held out for perplexity
+
+
+@dataclass
+class DataSection:
+    task: str = "mqar"  # mqar or text
+    batch_size: int = 64  # examples per micro-batch (mqar)
+    tokens_per_batch: int = 4096  # tokens per packed micro-batch (text)
+    max_document_tokens: Optional[int] = 1024  # longer documents are cut into pieces (text)
+    seed: int = 0  # data order and synthetic examples
+    mqar: MQARSection = field(default_factory=MQARSection)
+    text: TextSection = field(default_factory=TextSection)
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3  # peak learning rate
+    weight_decay: float = 0.1  # AdamW decay of matrices (not of norms, biases, embeddings)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+
+
+@dataclass
+class ScheduleSection:
+    steps: int = 1000  # optimiser steps
+    warmup_steps: int = 50  # linear warm-up
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_accum: int = 1  # micro-batches per optimiser step
+
+
+@dataclass
+class RunSection:
+    out_dir: str = "runs/default"  # checkpoints, metrics, plots
+    seed: int = 0  # model init and every other RNG
+    device: str = "auto"  # auto, cpu, cuda, cuda:1
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp32
+    compile: bool = False  # torch.compile the model
+    log_every: int = 10  # steps between metric lines
+    eval_every: int = 0  # steps between evaluations (0 = only at the end)
+    save_every: int = 500  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the newest valid checkpoint in out_dir
+    progress: bool = True  # progress bar
+    tensorboard: bool = True  # also write TensorBoard events (when tensorboard is installed)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def validate(self) -> "TrainConfig":
+        """Check values and combinations; returns self. Model names are checked by LinmemConfig."""
+        checks = [
+            (self.data.task in ("mqar", "text"), f"data.task must be 'mqar' or 'text', got {self.data.task!r}"),
+            (self.data.batch_size >= 1, "data.batch_size must be >= 1"),
+            (self.data.tokens_per_batch >= 2, "data.tokens_per_batch must be >= 2"),
+            (self.optim.lr > 0, "optim.lr must be > 0"),
+            (0 <= self.optim.grad_clip, "optim.grad_clip must be >= 0"),
+            (self.schedule.steps >= 1, "schedule.steps must be >= 1"),
+            (0 <= self.schedule.warmup_steps, "schedule.warmup_steps must be >= 0"),
+            (0 <= self.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
+            (self.schedule.grad_accum >= 1, "schedule.grad_accum must be >= 1"),
+            (self.run.dtype in ("auto", "bf16", "fp32"), f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
+            (self.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1"),
+            (all(len(s) == 2 for s in self.data.mqar.settings + self.data.mqar.eval_settings),
+             "data.mqar.settings entries must be [seq_len, num_kv_pairs]"),
+            (bool(self.data.mqar.settings), "data.mqar.settings must not be empty"),
+            (self.data.text.dataset is None or self.data.text.tokenizer is not None,
+             "data.text.dataset needs data.text.tokenizer (a local tokenizer folder)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from a dict, refusing unknown keys with the valid ones."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = _type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; valid: {', '.join(names)}")
+    values = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _from_dict(hint, value, f"{where}{name}.")
+        else:
+            values[name] = _check_type(value, hint, where + name)
+    return cls(**values)
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], key)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = origin or hint
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+    return value
+
+
+def _parse_override(text: str, hint: Any, key: str) -> Any:
+    """Turn the right-hand side of ``key=value`` into a value of the field's type."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional[X]
+        if text.lower() in ("none", "null"):
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    target = typing.get_origin(hint) or hint
+    try:
+        if target is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if target in (int, float, str):
+            return target(text)
+        return _check_type(yaml.safe_load(text), hint, key)
+    except ValueError as err:
+        raise ConfigError(f"{key}={text!r}: cannot read a {getattr(hint, '__name__', hint)}") from err
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """Apply ``section.key=value`` (or ``model.options.<field>=value``) overrides in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        path, text = item.split("=", 1)
+        parts = path.split(".")
+        target = config
+        for depth, part in enumerate(parts[:-1]):
+            if isinstance(target, dict):
+                target = target.setdefault(part, {})
+                continue
+            if not hasattr(target, part):
+                valid = [f.name for f in dataclasses.fields(target)]
+                raise ConfigError(f"unknown key {'.'.join(parts[:depth + 1])!r}; valid: {', '.join(valid)}")
+            target = getattr(target, part)
+        leaf = parts[-1]
+        if isinstance(target, dict):  # free-form model options: YAML-typed values
+            target[leaf] = yaml.safe_load(text)
+            continue
+        if not dataclasses.is_dataclass(target) or leaf not in {f.name for f in dataclasses.fields(target)}:
+            valid = [f.name for f in dataclasses.fields(target)] if dataclasses.is_dataclass(target) else []
+            raise ConfigError(f"unknown key {path!r}; valid: {', '.join(valid)}")
+        setattr(target, leaf, _parse_override(text, _type_hints(type(target))[leaf], path))
+    return config
+
+
+def recipe_path(name: str) -> Path:
+    """recipes/<name>.yaml; unknown names are refused with the list of recipes."""
+    path = RECIPES_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe {name!r}; valid: {', '.join(known)}")
+    return path
+
+
+def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
+                overrides: Sequence[str] = ()) -> TrainConfig:
+    """Defaults <- YAML file or recipe <- overrides; validated."""
+    if path is not None and recipe is not None:
+        raise ConfigError("give a config file or a recipe, not both")
+    source = Path(path) if path is not None else (recipe_path(recipe) if recipe is not None else None)
+    data = yaml.safe_load(source.read_text()) if source is not None else {}
+    config = _from_dict(TrainConfig, data or {}, "")
+    return apply_overrides(config, overrides).validate()

@@ -1,0 +1,118 @@
+"""The trainer: exact resume, refusal of corrupt checkpoints, skipped non-finite steps,
+configs from YAML / recipes / overrides, and eval / generate on a saved run directory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from linmem.cli import main
+from linmem.train import CheckpointError, ConfigError, Trainer, load_config
+from linmem.train.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint
+from linmem.train.config import RECIPES_DIR
+
+
+def tiny_mqar(out_dir: Path, *extra: str):
+    return load_config(overrides=[
+        "data.mqar.vocab_size=32", "data.mqar.settings=[[16, 2]]", "data.mqar.train_examples=64",
+        "data.mqar.eval_examples=16", "data.batch_size=8", "model.hidden_size=16", "model.layer_pattern=LN",
+        "schedule.steps=12", "schedule.warmup_steps=2", "run.save_every=4", "run.log_every=1",
+        "run.progress=false", "run.tensorboard=false", f"run.out_dir={out_dir}", *extra,
+    ])
+
+
+def test_resume_after_interruption_reproduces_the_losses(tmp_path):
+    whole = Trainer(tiny_mqar(tmp_path / "whole")).train()
+    assert sorted(whole.losses) == list(range(1, 13))
+    first = Trainer(tiny_mqar(tmp_path / "cut")).train(stop_at=10)  # "crash" after step 10, last checkpoint at 8
+    assert first.steps == 10
+    resumed = Trainer(tiny_mqar(tmp_path / "cut")).train()
+    assert sorted(resumed.losses) == list(range(9, 13))
+    for step in range(9, 13):
+        assert resumed.losses[step] == whole.losses[step], f"step {step}"
+    metric_steps = [line for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(metric_steps) == 12  # the lines of the crashed steps 9-10 were replaced, not duplicated
+
+
+def test_truncated_or_corrupted_checkpoint_is_refused_and_the_previous_survives(tmp_path, caplog):
+    Trainer(tiny_mqar(tmp_path / "run", "schedule.steps=8")).train()
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000004", "step_00000008"]
+    weights = ckpts[-1] / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    trainer = Trainer(tiny_mqar(tmp_path / "run", "schedule.steps=8"))
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(ckpts[-1], model=trainer.model)
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_checkpoint(ckpts[-1], model=trainer.model)
+    with caplog.at_level(logging.WARNING, logger="linmem.train"):
+        assert latest_valid_checkpoint(tmp_path / "run" / "checkpoints") == ckpts[0]
+    assert "corrupted" in caplog.text and ckpts[0].exists()
+    result = Trainer(tiny_mqar(tmp_path / "run", "schedule.steps=8")).train()
+    assert sorted(result.losses) == [5, 6, 7, 8]  # resumed from the surviving step-4 checkpoint
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    Trainer(tiny_mqar(tmp_path / "run", "schedule.steps=4")).train()
+    partial = tmp_path / "run" / "checkpoints" / "step_00000099"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    assert latest_valid_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000004"
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
+    trainer = Trainer(tiny_mqar(tmp_path / "nan", "schedule.steps=3", "run.save_every=0"))
+    original = trainer._micro_step
+    calls = {"n": 0}
+
+    def poisoned(batch):
+        calls["n"] += 1
+        loss = original(batch)
+        if calls["n"] == 2:
+            for p in trainer.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        return loss
+
+    monkeypatch.setattr(trainer, "_micro_step", poisoned)
+    trainer.train()
+    assert trainer.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_config_sources_and_errors(tmp_path):
+    for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
+        load_config(recipe=recipe.stem)  # every shipped recipe validates
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  memory: gla\nschedule:\n  steps: 7\n")
+    cfg = load_config(str(path), overrides=["schedule.steps=9"])
+    assert cfg.model.memory == "gla" and cfg.schedule.steps == 9
+    path.write_text("model:\n  memroy: gla\n")
+    with pytest.raises(ConfigError, match="memroy.*valid: recipe, hidden_size"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="valid: .*mqar-attention"):
+        load_config(recipe="nope")
+    with pytest.raises(ConfigError, match="schedule.steps"):
+        load_config(overrides=["schedule.steps=0"])
+
+
+def test_train_eval_generate_from_the_command_line(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 8)
+    run_dir = tmp_path / "run"
+    assert main(["train", "data.task=text", f"data.text.paths=[{str(corpus)!r}]", "data.text.val_fraction=0.2",
+                 "data.tokens_per_batch=256", "data.max_document_tokens=128", "model.hidden_size=16",
+                 "model.layer_pattern=LN", "schedule.steps=6", "run.progress=false", "run.tensorboard=false",
+                 f"run.out_dir={run_dir}"]) == 0
+    assert (run_dir / "model" / "model.safetensors").exists()
+    assert main(["eval", str(run_dir)]) == 0
+    assert "val_ppl" in capsys.readouterr().out
+    assert main(["generate", str(run_dir), "--prompt", "the quick", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.startswith("the quick")

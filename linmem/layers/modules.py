@@ -90,11 +90,16 @@ class ShortConvolution(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
         history = cache.get(key) if cache is not None else None
-        window = causal_window(x, self.size, history=history, cu_seqlens=cu_seqlens)
-        y = torch.einsum("btwc,cw->btc", window, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
+        past = history.to(x.dtype) if history is not None else x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
+        seen = torch.cat([past, x], dim=1)  # [B, size - 1 + T, C]
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        if cu_seqlens is None:  # one depthwise conv1d
+            y = F.conv1d(seen.transpose(1, 2), weight[:, None, :], bias, groups=x.shape[2]).transpose(1, 2)
+        else:  # packed sequences: windows that stop at each sequence start
+            window = causal_window(x, self.size, history=history, cu_seqlens=cu_seqlens)
+            y = torch.einsum("btwc,cw->btc", window, weight) + bias
         if cache is not None and self.size > 1:
-            seen = window[:, -1, 1:] if x.shape[1] else history  # the newest size - 1 inputs
-            cache.set(key, seen.detach())
+            cache.set(key, seen[:, -(self.size - 1):].detach())
         return F.silu(y) if self.activation else y
 
 

@@ -92,9 +92,11 @@ def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initia
 
     q = q.to(acc) * scale
     k, v = k.to(acc), v.to(acc)
+    a_scale = None  # delta rule: a = a_scale * k, so scores against a are scores against k, rescaled
     if beta is not None:  # delta rule as a low-rank transition read after the decay
         beta = beta.to(acc)[..., None]
         lr_a, lr_b, w, b_after_decay = -beta * k, k, beta * v, True
+        a_scale = -beta[..., 0]
     elif a is not None:  # DPLR, read before the decay
         lr_a, lr_b, w, b_after_decay = a.to(acc), b.to(acc), v, False
     else:
@@ -115,6 +117,8 @@ def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initia
         return x.reshape(x.shape[0], x.shape[1], n, C, *x.shape[3:])
 
     q, k, w, g = chunks(q), chunks(k), chunks(w), chunks(g)
+    if a_scale is not None:
+        a_scale = chunks(a_scale)[..., None, :]  # [B, H, n, 1, C]: scales the key (column) side
     v_raw = chunks(v) if bonus is not None else None
     if low_rank:
         lr_a, lr_b = chunks(lr_a), chunks(lr_b)
@@ -137,13 +141,14 @@ def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initia
 
     if low_rank:
         G_b = G if b_after_decay else G_prev
-        A_ba = _scores(lr_b, G_b, lr_a, G, strict=True, vector=vector)
         A_bk = _scores(lr_b, G_b, k, G, strict=True, vector=vector)
+        A_ba = A_bk * a_scale if a_scale is not None else _scores(lr_b, G_b, lr_a, G, strict=True, vector=vector)
         eye = torch.eye(C, dtype=acc, device=q.device)
         L = eye - A_ba  # unit lower triangular
         Wx = torch.linalg.solve_triangular(L, lr_b * torch.exp(col(G_b)), upper=False, unitriangular=True)
         X0 = torch.linalg.solve_triangular(L, A_bk @ w, upper=False, unitriangular=True)
-        A_qa = _scores(q, G_q, lr_a, G, strict=bonus is not None, vector=vector)
+        A_qa = A_qk * a_scale if a_scale is not None else _scores(q, G_q, lr_a, G, strict=bonus is not None,
+                                                                  vector=vector)
         O0 = O0 + A_qa @ X0
         Q_eff = Q_eff + A_qa @ Wx
         a_d = (lr_a * decay_to_end).transpose(-1, -2)  # [B, H, n, K, C]

@@ -1,9 +1,15 @@
 """One configurable model for every architecture: a stack of (mixer, MLP) blocks whose
-mixers follow the config's layer pattern (DESIGN section 5)."""
+mixers follow the config's layer pattern (DESIGN section 5).
+
+Routed layers (MoM mixers, MoE feed-forwards) leave a :class:`~linmem.ops.routing.RouterStats`
+after each call; the model collects them layer by layer, returns them, and adds their weighted
+balancing (and z-) losses to ``loss`` as ``aux_loss``.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,23 +19,27 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from ..layers import LayerState, build_mixer
 from ..layers.modules import RMSNorm, positions_in_sequence
+from ..layers.moe import MoEFeedForward, SwiGLU
+from ..layers.mom import MixtureOfMemories
+from ..ops.routing import RouterStats
 from .cache import LinmemCache
 from .config import LinmemConfig
 
 
-class SwiGLU(nn.Module):
-    """down(silu(x W_gate) * x W_up)."""
+@dataclass
+class LinmemModelOutput(BaseModelOutputWithPast):
+    """BaseModelOutputWithPast plus the reports of the routed layers, in layer order."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, std: float) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-        for linear in (self.gate_up, self.down):
-            nn.init.normal_(linear.weight, std=std)
+    router_stats: Optional[tuple[RouterStats, ...]] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+
+@dataclass
+class LinmemCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus what the routers (MoM mixers, MoE feed-forwards) report."""
+
+    aux_loss: Optional[torch.FloatTensor] = None  # weighted balancing + z losses (already inside `loss`)
+    router_logits: Optional[tuple[torch.FloatTensor, ...]] = None  # per routed layer [B * T, E]
+    router_stats: Optional[tuple[RouterStats, ...]] = None  # per routed layer: losses and load
 
 
 class LinmemBlock(nn.Module):
@@ -40,7 +50,8 @@ class LinmemBlock(nn.Module):
         self.mixer_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = build_mixer(config.mixer_name(layer_idx), config.mixer_args(layer_idx))
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.mlp_width, config.initializer_range)
+        self.mlp = (MoEFeedForward(config.moe_args()) if config.mlp == "moe"
+                    else SwiGLU(config.hidden_size, config.mlp_width, config.initializer_range))
 
     def forward(
         self,
@@ -56,7 +67,18 @@ class LinmemBlock(nn.Module):
             x = x * token_mask[..., None].to(x.dtype)
         hidden = hidden + self.mixer(x, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask,
                                      position_ids=position_ids)
-        return hidden + self.mlp(self.mlp_norm(hidden))
+        x = self.mlp_norm(hidden)
+        return hidden + (self.mlp(x, token_mask) if isinstance(self.mlp, MoEFeedForward) else self.mlp(x))
+
+    def pop_router_stats(self) -> list[RouterStats]:
+        """What the block's routers (MoM mixer, MoE feed-forward) reported in the last call; cleared as read."""
+        stats = []
+        for module in (self.mixer, self.mlp):
+            report = getattr(module, "router_stats", None)
+            if report is not None:
+                stats.append(report)
+                module.router_stats = None
+        return stats
 
 
 class LinmemPreTrainedModel(PreTrainedModel):
@@ -100,7 +122,7 @@ class LinmemModel(LinmemPreTrainedModel):
         use_cache: Optional[bool] = None,
         output_hidden_states: bool = False,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> LinmemModelOutput:
         """input_ids: [B, T] (or inputs_embeds [B, T, D]); attention_mask: [B, past + T] 1 = token, 0 = pad;
         cu_seqlens: [N + 1] boundaries of packed sequences (B == 1)."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -117,21 +139,23 @@ class LinmemModel(LinmemPreTrainedModel):
         if position_ids is None:
             position_ids = _positions(B, T, past, attention_mask, cu_seqlens, hidden.device)
 
-        all_hidden = []
+        all_hidden, router_stats = [], []
         for i, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
             hidden = layer(hidden, cu_seqlens=cu_seqlens, cache=past_key_values[i] if use_cache else None,
                            token_mask=token_mask, position_ids=position_ids)
+            router_stats += layer.pop_router_stats()
         hidden = self.norm(hidden)
         if use_cache:
             past_key_values.seen_tokens += T
         if output_hidden_states:
             all_hidden.append(hidden)
-        return BaseModelOutputWithPast(
+        return LinmemModelOutput(
             last_hidden_state=hidden,
             past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            router_stats=tuple(router_stats) or None,
         )
 
 
@@ -207,12 +231,16 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         use_cache: Optional[bool] = None,
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
+        output_router_logits: Optional[bool] = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> LinmemCausalLMOutput:
         """Logits [B, T, vocab]; with ``labels`` [B, T] (-100 = ignore) the next-token loss.
 
         Labels are shifted inside: position t predicts label t + 1. Under ``cu_seqlens``
-        the last token of a sequence predicts nothing of the next one.
+        the last token of a sequence predicts nothing of the next one. With routed layers
+        (MoM, MoE) ``aux_loss`` is their weighted balancing and z-losses, and it is part of
+        ``loss`` (set its coefficients to 0 to train without); ``output_router_logits``
+        (default: the config's) also returns every routed layer's logits ``[B * T, E]``.
         """
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -223,11 +251,35 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
+        stats = out.router_stats or ()
+        aux_loss = router_aux_loss(stats, self.config) if stats else None
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, cu_seqlens)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states)
+            if aux_loss is not None:
+                loss = loss + aux_loss
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        return LinmemCausalLMOutput(
+            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+            aux_loss=aux_loss, router_logits=tuple(s.logits for s in stats) if output_router_logits and stats else None,
+            router_stats=out.router_stats,
+        )
+
+    def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters one token uses: all, less the experts and memories its routers leave out.
+
+        ``exclude_embeddings`` also leaves out the input embedding and an untied ``lm_head``.
+        Works on the meta device.
+        """
+        idle = sum(m.inactive_parameter_count() for m in self.modules()
+                   if isinstance(m, (MoEFeedForward, MixtureOfMemories)))
+        return self.num_all_parameters(exclude_embeddings) - idle
+
+    def num_all_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Every parameter (tied ones once); ``exclude_embeddings`` as in :meth:`num_active_parameters`."""
+        embeddings = {self.model.embed_tokens.weight, self.lm_head.weight} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters() if p not in embeddings)
 
     def prepare_inputs_for_generation(
         self,
@@ -248,6 +300,24 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         if kwargs.get("logits_to_keep") is not None:
             inputs["logits_to_keep"] = kwargs["logits_to_keep"]
         return inputs
+
+
+def router_aux_loss(stats: Sequence[RouterStats], config: LinmemConfig) -> torch.Tensor:
+    """The routers' share of the loss, each kind averaged over its layers::
+
+        mom_aux_loss_coef * mean(MoM balance) + router_aux_loss_coef * mean(MoE balance)
+        + router_z_loss_coef * mean(MoE z-loss)
+    """
+    total = torch.zeros((), device=stats[0].balance_loss.device)
+    mean = lambda values: torch.stack(values).mean()  # noqa: E731
+    mom = [s for s in stats if s.kind == "mom"]
+    moe = [s for s in stats if s.kind == "moe"]
+    if mom:
+        total = total + config.mom_aux_loss_coef * mean([s.balance_loss for s in mom])
+    if moe:
+        total = total + config.router_aux_loss_coef * mean([s.balance_loss for s in moe])
+        total = total + config.router_z_loss_coef * mean([s.z_loss for s in moe])
+    return total
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,

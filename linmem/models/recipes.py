@@ -2,14 +2,18 @@
 
 Sizes follow the papers: the 340M / 1.3B settings of MoM (arXiv 2502.13685: 24 layers,
 width 1024 / 2048, Llama tokenizer of 32000 tokens) and FoX's 760M setting (arXiv
-2503.02130: 24 layers, width 1536). ``nominal_params`` is the paper's label; the exact
-count of our parameterisation is checked on the meta device by the tests.
+2503.02130: 24 layers, width 1536), and the Linear-MoE families (arXiv 2503.05447)
+A0.3B-2B (width 1024, 12 layers) and A1B-7B (width 2048, 16 layers), both with 64 SwiGLU
+experts of width 896 / 1024, 8 per token, pure (``L`` only) or hybrid (``LLLN`` repeated).
+``nominal_params`` is the paper's label (``nominal_active_params`` the parameters one token
+uses, for mixtures of experts); the exact count of our parameterisation is checked on the
+meta device by the tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from .config import LinmemConfig
 
@@ -21,6 +25,7 @@ class ModelRecipe:
     name: str
     nominal_params: float  # in millions, as the source names it
     config: dict[str, Any] = field(default_factory=dict)  # LinmemConfig fields
+    nominal_active_params: Optional[float] = None  # in millions: the parameters one token uses (MoE models)
 
     def build_config(self, **overrides: Any) -> LinmemConfig:
         return LinmemConfig(**{**self.config, **overrides})
@@ -28,6 +33,13 @@ class ModelRecipe:
 
 def _sized(width: int, heads: int) -> dict[str, Any]:
     return dict(vocab_size=32000, hidden_size=width, num_heads=heads, layer_pattern="L" * 24)
+
+
+def _linear_moe(width: int, layers: int, expert_width: int, hybrid: bool) -> dict[str, Any]:
+    """Linear-MoE: Gated DeltaNet memories (any rule fits: override ``memory``), 64 experts, top-8."""
+    return dict(vocab_size=32000, hidden_size=width, num_heads=width // 128, memory="gated_deltanet",
+                layer_pattern="LLLN" * (layers // 4) if hybrid else "L" * layers, mlp="moe", num_experts=64,
+                num_experts_per_tok=8, moe_intermediate_size=expert_width)
 
 
 MODEL_RECIPES: dict[str, ModelRecipe] = {
@@ -46,6 +58,10 @@ MODEL_RECIPES: dict[str, ModelRecipe] = {
                                               layer_pattern="N" * 24, attention="fox", qk_norm=True,
                                               output_gate=True, output_norm=True, kv_shift=True)),
         ModelRecipe("transformer-340m", 340, {**_sized(1024, 16), "layer_pattern": "N" * 24}),
+        ModelRecipe("linear-moe-a0.3b-2b", 2000, _linear_moe(1024, 12, 896, hybrid=False), 300),
+        ModelRecipe("linear-moe-a0.3b-2b-hybrid", 2000, _linear_moe(1024, 12, 896, hybrid=True), 300),
+        ModelRecipe("linear-moe-a1b-7b", 7000, _linear_moe(2048, 16, 1024, hybrid=False), 1000),
+        ModelRecipe("linear-moe-a1b-7b-hybrid", 7000, _linear_moe(2048, 16, 1024, hybrid=True), 1000),
     ]
 }
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
+from ..models.modeling import LinmemCausalLMOutput
+from ..ops.routing import load_summary
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from .config import ModelSection, TrainConfig
 from .tasks import Task, build_task
@@ -68,7 +70,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+        matrix = p.dim() >= 2 and not name.endswith("bias")  # stacked per-memory biases (MoM) are 2-D
+        (decay if matrix and "embed" not in name else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -187,13 +190,14 @@ class Trainer:
         self.model.save_pretrained(self.out_dir / "model")  # the latest weights, loadable with from_pretrained
         return path
 
-    def _micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _micro_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward + backward of one micro-batch: (loss, router metrics)."""
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            loss = self.forward(**batch, use_cache=False).loss
-        (loss / self.config.schedule.grad_accum).backward()
+            out = self.forward(**batch, use_cache=False)
+        (out.loss / self.config.schedule.grad_accum).backward()
         self.tokens_seen += batch["input_ids"].numel()
-        return loss.detach()
+        return out.loss.detach(), _router_metrics(out)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -222,7 +226,7 @@ class Trainer:
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         try:
             while self.step < cfg.schedule.steps:
-                loss, grad_norm = self._optimizer_step(batches)
+                loss, grad_norm, router = self._optimizer_step(batches)
                 self.step += 1
                 result.losses[self.step] = loss
                 elapsed = time.perf_counter() - started
@@ -232,7 +236,7 @@ class Trainer:
                 if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
                     log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                                           "tokens": self.tokens_seen, "tok_s": tok_s,
-                                          "skipped_steps": self.skipped_steps})
+                                          "skipped_steps": self.skipped_steps, **router})
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
                     result.metrics = self.evaluate()
                     log.write(self.step, result.metrics)
@@ -250,12 +254,16 @@ class Trainer:
         result.steps, result.skipped_steps = self.step, self.skipped_steps
         return result
 
-    def _optimizer_step(self, batches) -> tuple[float, float]:
-        """One optimiser step over grad_accum micro-batches; non-finite steps are skipped and counted."""
+    def _optimizer_step(self, batches) -> tuple[float, float, dict[str, float]]:
+        """One optimiser step over grad_accum micro-batches; non-finite steps are skipped and counted.
+
+        Returns the mean loss, the gradient norm and the mean router metrics (aux loss, load).
+        """
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        losses = [self._micro_step(next(batches)) for _ in range(cfg.schedule.grad_accum)]
+        losses, routers = zip(*(self._micro_step(next(batches)) for _ in range(cfg.schedule.grad_accum)))
         loss = float(torch.stack(losses).float().mean())
+        router = {name: float(torch.stack([r[name] for r in routers]).float().mean()) for name in routers[0]}
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -265,7 +273,14 @@ class Trainer:
             logger.warning("step %d: non-finite loss %.4g or grad norm %.4g: update skipped (%d so far)",
                            self.step + 1, loss, grad_norm, self.skipped_steps)
         self.scheduler.step()
-        return loss, grad_norm
+        return loss, grad_norm, router
+
+
+def _router_metrics(out: LinmemCausalLMOutput) -> dict[str, torch.Tensor]:
+    """The routed layers' aux loss and load summary (``moe_load_max`` ...); empty without routed layers."""
+    if out.router_stats is None:
+        return {}
+    return {"aux_loss": out.aux_loss.detach(), **load_summary(out.router_stats)}
 
 
 def _progress(start: int, total: int, enabled: bool):

@@ -1,0 +1,142 @@
+"""Feed-forward layers: the dense SwiGLU MLP and the mixture of SwiGLU experts (DESIGN.md section 4,
+"Mixture of experts"; Linear-MoE, arXiv 2503.05447).
+
+    y = sum_{e in top-k(x)} w_e(x) SwiGLU_e(x)  +  SwiGLU_shared(x)
+    SwiGLU(x) = W_down (silu(W_gate x) * W_up x)
+
+The router scores ``softmax(W_r x)`` (or ``sigmoid``), keeps the top k experts and renormalises
+their weights. Expert weights are stacked (``gate_up: [E, 2F, D]``, ``down: [E, D, F]``); tokens are
+sorted by expert and every expert runs once on its rows (:func:`linmem.ops.routing.grouped_linear`:
+one ``torch._grouped_mm`` on Hopper-class GPUs, a loop over experts elsewhere). Dropless by default;
+with ``capacity_factor`` an expert takes at most ``ceil(factor * N * k / E)`` tokens, the earliest
+first, and the dropped assignments contribute nothing (the residual carries those tokens).
+Shared experts are fused into one SwiGLU of width ``num_shared_experts * F``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.routing import (
+    GROUPED_BACKENDS,
+    ROUTERS,
+    RouterStats,
+    capacity_of,
+    combine,
+    dispatch,
+    grouped_linear,
+    limit_capacity,
+    router_logits,
+    router_stats,
+    top_k_routing,
+)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(x W_gate) * x W_up): x ``[..., D]`` -> ``[..., D]``.
+
+    Example:
+        >>> SwiGLU(16, 32, std=0.02)(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, std: float) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        for linear in (self.gate_up, self.down):
+            nn.init.normal_(linear.weight, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@dataclass
+class MoEArgs:
+    """Hyper-parameters of :class:`MoEFeedForward`."""
+
+    hidden_size: int  # model width D
+    intermediate_size: int  # width F of every expert
+    num_experts: int = 8  # routed experts E
+    num_experts_per_tok: int = 2  # experts per token k
+    num_shared_experts: int = 0  # always-on experts (fused into one SwiGLU of width num_shared_experts * F)
+    router: str = "softmax"  # router scores: softmax or sigmoid
+    capacity_factor: Optional[float] = None  # None = dropless; else tokens per expert <= ceil(factor * N * k / E)
+    init_std: float = 0.02  # std of the normal init of router and experts
+    expert_backend: str = "auto"  # grouped_linear backend: auto, grouped_mm or loop
+
+    def validate(self) -> "MoEArgs":
+        """Refuse inconsistent values, naming the valid choices."""
+        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok = {self.num_experts_per_tok} must lie in [1, num_experts = "
+                             f"{self.num_experts}]")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown moe_router {self.router!r}; valid: {', '.join(ROUTERS)}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"moe_capacity_factor must be > 0 or None (dropless), got {self.capacity_factor}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.expert_backend not in GROUPED_BACKENDS:
+            raise ValueError(f"unknown expert_backend {self.expert_backend!r}; valid: {', '.join(GROUPED_BACKENDS)}")
+        return self
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of SwiGLU experts with optional shared experts: x ``[B, T, D]`` -> ``[B, T, D]``.
+
+    After each call ``router_stats`` holds the layer's :class:`~linmem.ops.routing.RouterStats`
+    (balancing loss, z-loss, expert load), which the model collects.
+
+    Example:
+        >>> moe = MoEFeedForward(MoEArgs(hidden_size=16, intermediate_size=32, num_experts=4))
+        >>> moe(torch.randn(2, 5, 16)).shape, moe.router_stats.load.shape
+        (torch.Size([2, 5, 16]), torch.Size([4]))
+    """
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args.validate()
+        E, D, Fw = args.num_experts, args.hidden_size, args.intermediate_size
+        self.router = nn.Linear(D, E, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * Fw, D))  # per expert: [gate; up] rows, nn.Linear layout
+        self.down = nn.Parameter(torch.empty(E, D, Fw))
+        for weight in (self.router.weight, self.gate_up, self.down):
+            nn.init.normal_(weight, std=args.init_std)
+        shared = args.num_shared_experts * Fw
+        self.shared = SwiGLU(D, shared, args.init_std) if shared else None
+        self.router_stats: Optional[RouterStats] = None
+
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: ``[B, T, D]``; token_mask: ``[B, T]`` bool, False at padding (routed nowhere, left out of the stats)."""
+        a = self.args
+        flat = x.reshape(-1, x.shape[-1])
+        logits = router_logits(flat, self.router.weight)
+        weights, experts, probs = top_k_routing(logits, a.num_experts_per_tok, a.router)
+        valid = None if token_mask is None else token_mask.reshape(-1)
+        self.router_stats = router_stats("moe", logits, probs, experts, valid)
+        keep = None if valid is None else valid[:, None].expand_as(experts)
+        d = dispatch(experts, num_groups=a.num_experts, keep=keep)
+        if a.capacity_factor is not None:
+            tokens = flat.shape[0] if valid is None else int(valid.sum())
+            d = limit_capacity(d, capacity_of(tokens, a.num_experts_per_tok, a.num_experts, a.capacity_factor))
+        y = combine(self.experts(flat[d.token], d.group_sizes), d, weights).to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view_as(x)
+
+    def experts(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of every expert on its rows: rows ``[A, D]`` sorted by expert -> ``[A, D]``."""
+        backend = self.args.expert_backend
+        gate, up = grouped_linear(rows, self.gate_up, group_sizes, backend).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down, group_sizes, backend)
+
+    def inactive_parameter_count(self) -> int:
+        """Parameters of the experts a token does not use: ``(E - k) * (gate_up + down of one expert)``."""
+        per_expert = self.gate_up[0].numel() + self.down[0].numel()
+        return (self.args.num_experts - self.args.num_experts_per_tok) * per_expert

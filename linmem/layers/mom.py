@@ -1,0 +1,327 @@
+"""Mixture of Memories (Du et al. 2025, "MoM: Linear Sequence Modeling with Mixture-of-Memories",
+arXiv 2502.13685) over the update rules of the unified recurrence.
+
+    p_t = softmax(W_r x_t)                       router over M memories; top-k, weights renormalised
+    memory m: its own key, value and gate projections; its state S^m changes only on its tokens
+    o_t = sum_{m in top-k(t)} w_{t,m} q_t S^m_t  (+ q_t S^shared_t: one more memory every token writes)
+    y_t = the rule's output stage (norm, output gate, o_proj) applied to o_t
+
+The rule is one of the memory mixers (``mom_memory``): MoM builds it once and replaces the
+projections listed in :data:`MEMORY_PROJECTIONS` by :class:`MemoryLinear` (one weight per memory,
+stacked); the query, the convolution weights, decay constants and the output stage stay shared,
+computed by the rule's own code. Mixing the read-outs before the output stage reads the mixed memory
+``sum_m w_m S^m``, as the paper defines it (for normalised linear attention the numerators and the
+normaliser are mixed alike). Tensors the rule hands from its inputs to its output stage (Mamba-2's
+x and z) are mixed with the same weights.
+
+Routing (:mod:`linmem.ops.routing`): every token gets k + 1 slots (its top-k memories and the shared
+one), the (token, slot) assignments are sorted by (memory, sequence, time), and the runs of every
+(memory, sequence) pair are one varlen batch: the per-memory projections run as one grouped GEMM
+over it, the rule's short convolutions see each memory's own token stream, and the recurrence runs
+once with ``cu_seqlens`` over all pairs. With a cache, each pair keeps its state and its last
+``conv_size - 1`` inputs (``history``), which are put in front of the pair's new tokens so the
+convolutions continue exactly; only the pairs that receive tokens are computed and written, the
+others stay bit-identical.
+
+Rules left out: retention (its rotary positions would restart on every memory's stream), RWKV-6/7
+(their per-memory parts are LoRA token-shift mixes, and RWKV-7's output stage reads q, k, v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import linear_recurrence, linear_recurrence_step
+from ..ops.routing import (
+    Dispatch,
+    RouterStats,
+    combine,
+    dispatch,
+    grouped_linear,
+    router_logits,
+    router_stats,
+    segment_context,
+    segment_tails,
+    top_k_routing,
+)
+from .base import LayerState, Mixer, MixerArgs, build_mixer, check_cache_and_varlen, register_mixer
+from .modules import ShortConvolution
+from .recurrent import RecurrenceArgs
+
+#: per update rule, the projections every memory owns (paths inside the rule's mixer); all else is shared.
+#: Mamba-2 fuses z, x, B, C, dt into one projection, so each of its memories owns all five.
+MEMORY_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "deltanet": ("k_proj", "v_proj", "b_proj"),
+    "gated_deltanet": ("k_proj", "v_proj", "b_proj", "a_proj"),
+    "gla": ("k_proj", "v_proj", "gk_proj.0", "gk_proj.1"),
+    "hgrn2": ("f_proj", "i_proj"),
+    "lightning": ("k_proj", "v_proj"),
+    "linear_attention": ("k_proj", "v_proj"),
+    "mamba2": ("in_proj",),
+}
+
+
+@dataclass
+class MoMArgs(MixerArgs):
+    """:class:`MixerArgs` plus the mixture's own fields."""
+
+    mom_memory: str = "gated_deltanet"  # update rule of every memory: a key of MEMORY_PROJECTIONS
+    num_memories: int = 4  # routed memories M
+    top_k: int = 2  # memories each token is routed to
+    shared_memory: bool = True  # one more memory that every token writes (weight 1)
+
+    @classmethod
+    def of(cls, args: MixerArgs) -> "MoMArgs":
+        """``args`` itself if it is MoMArgs, else its fields with the mixture's defaults."""
+        if isinstance(args, MoMArgs):
+            return args
+        return cls(**{name: getattr(args, name) for name in MixerArgs.field_names()})
+
+    def rule_args(self) -> MixerArgs:
+        """The arguments of the rule's mixer (the MixerArgs fields)."""
+        return MixerArgs(**{name: getattr(self, name) for name in MixerArgs.field_names()})
+
+    def validate(self) -> "MoMArgs":
+        """Refuse an unknown rule or a top_k outside [1, num_memories], naming the valid choices."""
+        if self.mom_memory not in MEMORY_PROJECTIONS:
+            raise ValueError(f"unknown mom_memory {self.mom_memory!r}; valid: {', '.join(MEMORY_PROJECTIONS)}")
+        if self.num_memories < 1:
+            raise ValueError(f"num_memories must be >= 1, got {self.num_memories}")
+        if not 1 <= self.top_k <= self.num_memories:
+            raise ValueError(f"top_k = {self.top_k} must lie in [1, num_memories = {self.num_memories}]")
+        return self
+
+
+class MemoryLinear(nn.Module):
+    """One linear map per memory, applied to rows sorted by memory with one grouped GEMM.
+
+    ``weight: [M, out, in]`` (and ``bias: [M, out]``) stack the given ``nn.Linear`` layers. The
+    owner sets ``group_sizes`` (``[M]`` rows per memory) around each call; x ``[..., in]`` -> ``[..., out]``.
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.stack([linear.weight.detach() for linear in linears]))
+        has_bias = linears[0].bias is not None
+        self.bias = nn.Parameter(torch.stack([linear.bias.detach() for linear in linears])) if has_bias else None
+        self.group_sizes: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_sizes is None:
+            raise RuntimeError("MemoryLinear runs inside MixtureOfMemories, which sets `group_sizes` first")
+        rows = x.reshape(-1, x.shape[-1])
+        y = grouped_linear(rows, self.weight, self.group_sizes)
+        if self.bias is not None:
+            y = y + torch.repeat_interleave(self.bias, self.group_sizes, dim=0, output_size=rows.shape[0]).to(y.dtype)
+        return y.view(*x.shape[:-1], -1)
+
+    def per_memory_parameters(self) -> int:
+        """Parameters of one memory's map."""
+        return self.weight[0].numel() + (self.bias[0].numel() if self.bias is not None else 0)
+
+
+@register_mixer("mom")
+class MixtureOfMemories(Mixer):
+    """MoM over any rule of :data:`MEMORY_PROJECTIONS`: hidden ``[B, T, D]`` -> ``[B, T, D]``.
+
+    The cache holds per (sequence, memory) ``recurrent: [B, M', H, K, V]`` (fp32), and when the rule
+    has short convolutions ``history: [B, M', conv_size - 1, D]`` with ``history_len: [B, M']``;
+    M' = M (+ 1 with the shared memory). After each call ``router_stats`` holds the router's
+    :class:`~linmem.ops.routing.RouterStats`.
+
+    Example:
+        >>> from linmem.layers import build_mixer
+        >>> from linmem.layers.mom import MoMArgs
+        >>> mom = build_mixer("mom", MoMArgs(hidden_size=32, num_heads=2, mom_memory="gla", num_memories=4))
+        >>> mom(torch.randn(2, 7, 32)).shape
+        torch.Size([2, 7, 32])
+    """
+
+    kind = "memory"
+
+    def __init__(self, args: MixerArgs) -> None:
+        args = MoMArgs.of(args).validate()
+        super().__init__(args)
+        self.num_states = args.num_memories + int(args.shared_memory)  # M'
+        rule_args = args.rule_args()
+        self.memory = build_mixer(args.mom_memory, rule_args)
+        others = [build_mixer(args.mom_memory, rule_args) for _ in range(self.num_states - 1)]
+        for path in MEMORY_PROJECTIONS[args.mom_memory]:
+            self.memory.set_submodule(path, MemoryLinear([m.get_submodule(path) for m in (self.memory, *others)]))
+        self.router = nn.Linear(args.hidden_size, args.num_memories, bias=False)
+        convs = [m.size for m in self.memory.modules() if isinstance(m, ShortConvolution)]
+        self.context = max(convs, default=1) - 1  # past inputs a memory's convolutions read
+        self.router_stats: Optional[RouterStats] = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[LayerState] = None,
+        token_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        check_cache_and_varlen(cache, cu_seqlens)
+        B, T, D = hidden.shape
+        flat = hidden.reshape(B * T, D)
+        weights, memories, valid = self._route(flat, token_mask)
+        segments, num_segments = _sequence_of_tokens(B, T, cu_seqlens, hidden.device)
+        d = dispatch(memories, num_groups=self.num_states, segments=segments, num_segments=num_segments,
+                     keep=None if valid is None else valid[:, None].expand_as(memories))
+        if cache is None:
+            args = self._recurrence_inputs(flat[d.token], d.cu_seqlens, d.group_sizes)
+            o, _ = linear_recurrence(args.q, args.k, args.v, **_op_kwargs(args), cu_seqlens=d.cu_seqlens,
+                                     backend=self.args.backend)
+        else:
+            args, o = self._cached(flat, d, B, cache)
+        return self._mix(o, args, d, weights, hidden)
+
+    def _route(
+        self, flat: torch.Tensor, token_mask: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """flat ``[N, D]`` -> (weights ``[N, S]``, memories ``[N, S]``, valid ``[N]`` or None), S = k (+ 1 shared)."""
+        logits = router_logits(flat, self.router.weight)
+        weights, memories, probs = top_k_routing(logits, self.args.top_k)
+        valid = None if token_mask is None else token_mask.reshape(-1)
+        self.router_stats = router_stats("mom", logits, probs, memories, valid)
+        if self.args.shared_memory:
+            memories = torch.cat([memories, torch.full_like(memories[:, :1], self.args.num_memories)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        return weights, memories, valid
+
+    def _recurrence_inputs(
+        self, rows: torch.Tensor, cu_seqlens: torch.Tensor, group_sizes: torch.Tensor
+    ) -> RecurrenceArgs:
+        """The rule's inputs on packed rows ``[A, D]`` sorted by memory (``group_sizes: [M']`` rows each)."""
+        linears = [m for m in self.memory.modules() if isinstance(m, MemoryLinear)]
+        for linear in linears:
+            linear.group_sizes = group_sizes
+        try:
+            return self.memory.recurrence_inputs(rows[None], cache=None, cu_seqlens=cu_seqlens)
+        finally:
+            for linear in linears:
+                linear.group_sizes = None
+
+    def _cached(
+        self, flat: torch.Tensor, d: Dispatch, B: int, cache: LayerState
+    ) -> tuple[RecurrenceArgs, torch.Tensor]:
+        """Run only the (memory, sequence) pairs that receive tokens, from their cached states and histories."""
+        counts = d.cu_seqlens.diff()
+        pairs = torch.nonzero(counts).squeeze(1)  # pair = memory * B + sequence
+        b, m = pairs % B, pairs // B
+        cu = F.pad(counts[pairs].cumsum(0), (1, 0))
+        rows, packed_cu, index = self._after_history(flat[d.token], cu, b, m, B, cache)
+        sizes = torch.zeros(self.num_states, dtype=torch.long, device=flat.device).index_add_(0, m, packed_cu.diff())
+        args = self._recurrence_inputs(rows, packed_cu, sizes)
+        if index is not None:
+            args = _take_rows(args, index)
+        return args, self._continue_states(args, cu, b, m, B, cache)
+
+    def _after_history(
+        self, rows: torch.Tensor, cu: torch.Tensor, b: torch.Tensor, m: torch.Tensor, B: int, cache: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Put each pair's cached last inputs before its new rows (for the convolutions), and cache the new
+        last inputs. Returns (rows, their cu_seqlens, where the new rows went) or, without convolutions,
+        (rows, cu, None)."""
+        if not self.context:
+            return rows, cu, None
+        shape = (B, self.num_states, self.context, rows.shape[1])
+        history = _cached_tensor(cache, "history", shape, rows.dtype, rows.device)
+        length = _cached_tensor(cache, "history_len", shape[:2], torch.long, rows.device)
+        rows, packed_cu, index = segment_context(rows, cu, history[b, m], length[b, m])
+        tails, tail_len = segment_tails(rows.detach(), packed_cu, self.context)
+        _write_pairs(cache, "history", b, m, tails)
+        _write_pairs(cache, "history_len", b, m, tail_len)
+        return rows, packed_cu, index
+
+    def _continue_states(
+        self, args: RecurrenceArgs, cu: torch.Tensor, b: torch.Tensor, m: torch.Tensor, B: int, cache: LayerState
+    ) -> torch.Tensor:
+        """The recurrence of the pairs (b, m) from their cached states; the new states go back to the cache."""
+        H, K, V = args.q.shape[2], args.q.shape[3], args.v.shape[3]
+        acc = torch.promote_types(args.q.dtype, torch.float32)
+        state = _cached_tensor(cache, "recurrent", (B, self.num_states, H, K, V), acc, args.q.device)[b, m]
+        pairs = b.numel()
+        if args.q.shape[1] == pairs and not torch.is_grad_enabled():  # one token per pair: a decoding step
+            step = {name: _rows_as_batch(x, pairs) for name, x in _op_kwargs(args).items()}
+            o, state = linear_recurrence_step(args.q[0], args.k[0], args.v[0], state, **step)
+            o = o[None]
+        else:
+            o, state = linear_recurrence(args.q, args.k, args.v, **_op_kwargs(args), initial_state=state,
+                                         output_final_state=True, cu_seqlens=cu, backend=self.args.backend)
+        _write_pairs(cache, "recurrent", b, m, state)
+        return o
+
+    def _mix(
+        self, o: torch.Tensor, args: RecurrenceArgs, d: Dispatch, weights: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Weighted sum of each token's read-outs (and per-row extras), then the rule's output stage."""
+        B, T = hidden.shape[:2]
+        A = d.token.numel()
+        mix = lambda x: combine(x[0], d, weights).view(B, T, *x.shape[2:])  # noqa: E731
+        extras = {name: mix(x) if _per_row(x, A) else x for name, x in args.extras.items()}
+        return self.memory.output(mix(o), hidden, replace(args, extras=extras))
+
+    def inactive_parameter_count(self) -> int:
+        """Parameters of the memories a token is not routed to: (M - k) memories' own projections."""
+        idle = self.args.num_memories - self.args.top_k
+        return idle * sum(m.per_memory_parameters() for m in self.memory.modules() if isinstance(m, MemoryLinear))
+
+
+def _sequence_of_tokens(
+    B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """The sequence of each flattened token ``[B * T]`` and the number of sequences."""
+    if cu_seqlens is None:
+        return torch.arange(B, device=device).repeat_interleave(T), B
+    starts = cu_seqlens.to(device=device, dtype=torch.long)
+    return torch.searchsorted(starts[1:], torch.arange(T, device=device), right=True), starts.numel() - 1
+
+
+def _op_kwargs(args: RecurrenceArgs) -> dict:
+    return dict(log_decay=args.log_decay, beta=args.beta, bonus=args.bonus, a=args.a, b=args.b, scale=args.scale)
+
+
+def _per_row(x: object, rows: int) -> bool:
+    """Whether x is a per-token tensor ``[1, rows, ...]`` of a packed batch (not a per-head constant)."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:2]) == (1, rows)
+
+
+def _take_rows(args: RecurrenceArgs, index: torch.Tensor) -> RecurrenceArgs:
+    """Keep the packed rows ``index`` of every per-token tensor of ``args``."""
+    rows = args.q.shape[1]
+    take = lambda x: x[:, index] if _per_row(x, rows) else x  # noqa: E731
+    return RecurrenceArgs(
+        q=take(args.q), k=take(args.k), v=take(args.v), log_decay=take(args.log_decay), beta=take(args.beta),
+        bonus=args.bonus, a=take(args.a), b=take(args.b), scale=args.scale,
+        extras={name: take(x) for name, x in args.extras.items()},
+    )
+
+
+def _rows_as_batch(x: object, rows: int) -> object:
+    """A per-token tensor ``[1, rows, ...]`` as a batch of one-token steps ``[rows, ...]``."""
+    return x[0] if _per_row(x, rows) else x
+
+
+def _cached_tensor(
+    cache: LayerState, name: str, shape: tuple, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``cache[name]``, created as zeros of ``shape`` on first use."""
+    if name not in cache:
+        cache.set(name, torch.zeros(shape, dtype=dtype, device=device))
+    return cache.get(name)
+
+
+def _write_pairs(cache: LayerState, name: str, b: torch.Tensor, m: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[name][b, m] = values``; in place when no gradient is recorded, else out of place."""
+    current = cache.get(name)
+    if torch.is_grad_enabled():
+        cache.set(name, current.index_put((b, m), values.to(current.dtype)))
+    else:
+        current.index_put_((b, m), values.to(current.dtype))

@@ -1,8 +1,10 @@
-"""Command line: ``linmem train | eval | generate | demo``.
+"""Command line: ``linmem train | eval | generate | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
     linmem eval runs/gdn
     linmem generate runs/text --prompt "def main(" --max-new-tokens 200
+    linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
+    linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
     linmem demo                      # the built-in default job (CPU, ~10 minutes)
 """
 
@@ -50,10 +52,35 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import mom_study, print_table, run_demo
 
-    run_demo(Path(args.out), quick=args.quick)
+    if args.mom:
+        print_table(mom_study(Path(args.out), device=args.device, quick=args.quick))
+    else:
+        run_demo(Path(args.out), quick=args.quick)
     return 0
+
+
+def _bench_ops(args: argparse.Namespace) -> int:
+    from .bench.ops import BenchConfig, main
+
+    shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(","))
+    if args.launch:
+        from .ops.recurrence.triton import launch
+
+        for item in args.launch.split(","):
+            name, config = item.split("=")
+            launch.LAUNCH[name] = tuple(int(x) for x in config.lower().split("x"))
+    config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                         ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")), peers=args.peers,
+                         decode_batch=args.decode_batch)
+    return main(config, json_path=args.json)
+
+
+def _bench_layers(args: argparse.Namespace) -> int:
+    from .bench.layers import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,9 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("overrides", nargs="*")
     generate.set_defaults(func=_generate)
 
+    bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    ops = bench_sub.add_parser("ops", help="forward and forward+backward time of every op and backend (CUDA)")
+    ops.add_argument("--shapes", default="8x2048,4x4096,2x8192,1x16384", help="BxT pairs, comma-separated")
+    ops.add_argument("--heads", type=int, default=16)
+    ops.add_argument("--head-dim", type=int, default=128)
+    ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,attention",
+                     help="memory ops of the unified recurrence, 'attention' (causal) and 'fox' (forgetting)")
+    ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
+    ops.add_argument("--peers", action="store_true", help="add PyTorch SDPA flash and flash-linear-attention")
+    ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
+    ops.add_argument("--json", help="also write the rows to this JSON file")
+    ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,state_fwd=4x3 (warps x stages)")
+    ops.set_defaults(func=_bench_ops)
+    layers = bench_sub.add_parser("layers", help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
+    from .bench.layers import add_arguments
+
+    add_arguments(layers)
+    layers.set_defaults(func=_bench_layers)
+
     demo = sub.add_parser("demo", help="the built-in default job: MQAR study + a small hybrid on text (CPU)")
     demo.add_argument("--out", default="runs/demo", help="where runs, table and plots go")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
+    demo.add_argument("--mom", action="store_true",
+                      help="instead: MoM (4 Gated DeltaNet memories, top-2) vs one Gated DeltaNet memory on MQAR")
+    demo.add_argument("--device", default="auto", help="device of the --mom study (auto, cpu, cuda)")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -51,7 +51,7 @@ from ..ops.routing import (
 )
 from .base import LayerState, Mixer, MixerArgs, build_mixer, check_cache_and_varlen, register_mixer
 from .modules import ShortConvolution
-from .recurrent import RecurrenceArgs
+from .recurrent import RecurrenceArgs, activation_dtype
 
 #: per update rule, the projections every memory owns (paths inside the rule's mixer); all else is shared.
 #: Mamba-2 fuses z, x, B, C, dt into one projection, so each of its memories owns all five.
@@ -203,7 +203,8 @@ class MixtureOfMemories(Mixer):
         for linear in linears:
             linear.group_sizes = group_sizes
         try:
-            return self.memory.recurrence_inputs(rows[None], cache=None, cu_seqlens=cu_seqlens)
+            args = self.memory.recurrence_inputs(rows[None], cache=None, cu_seqlens=cu_seqlens)
+            return args.cast(activation_dtype(rows))
         finally:
             for linear in linears:
                 linear.group_sizes = None

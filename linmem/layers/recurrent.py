@@ -10,7 +10,7 @@ the cache, one-token decoding with :func:`linmem.ops.linear_recurrence_step`.
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -34,6 +34,11 @@ class RecurrenceArgs:
     scale: Optional[float] = None
     extras: dict[str, Any] = field(default_factory=dict)  # what `output` needs besides o
 
+    def cast(self, dtype: torch.dtype) -> "RecurrenceArgs":
+        """q, k, v (and a, b) in one activation dtype, as the op requires; gates keep their fp32."""
+        to = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+        return replace(self, q=to(self.q), k=to(self.k), v=to(self.v), a=to(self.a), b=to(self.b))
+
     def masked(self, token_mask: torch.Tensor) -> "RecurrenceArgs":
         """Padded tokens (token_mask False) neither decay nor write the state."""
         B, T = token_mask.shape
@@ -49,6 +54,16 @@ class RecurrenceArgs:
             beta=per_token(self.beta, 1), bonus=self.bonus, a=per_token(self.a, 2), b=self.b,
             scale=self.scale, extras=self.extras,
         )
+
+
+def activation_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the recurrence runs in: autocast's when autocast is on, else the layer input's.
+
+    Inside a mixer some activations leave autocast in fp32 (norms, gates times values), so
+    the arguments are brought to this one dtype before the op.
+    """
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 class MemoryMixer(Mixer):
@@ -76,7 +91,7 @@ class MemoryMixer(Mixer):
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         check_cache_and_varlen(cache, cu_seqlens)
-        args = self.recurrence_inputs(hidden, cache=cache, cu_seqlens=cu_seqlens)
+        args = self.recurrence_inputs(hidden, cache=cache, cu_seqlens=cu_seqlens).cast(activation_dtype(hidden))
         run = args.masked(token_mask) if token_mask is not None else args
         state = cache.get("recurrent") if cache is not None else None
         kwargs = dict(log_decay=run.log_decay, beta=run.beta, bonus=run.bonus, a=run.a, b=run.b, scale=run.scale)

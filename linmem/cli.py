@@ -55,7 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import mom_study, print_table, run_demo
 
     if args.mom:
-        print_table(mom_study(Path(args.out), device=args.device, quick=args.quick))
+        print_table(mom_study(Path(args.out), device=args.device, width=args.width, quick=args.quick))
     else:
         run_demo(Path(args.out), quick=args.quick)
     return 0
@@ -72,7 +72,8 @@ def _bench_ops(args: argparse.Namespace) -> int:
             name, config = item.split("=")
             launch.LAUNCH[name] = tuple(int(x) for x in config.lower().split("x"))
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
-                         ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")), peers=args.peers,
+                         ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
+                         peers=tuple(p for p in args.peers.split(",") if p),
                          decode_batch=args.decode_batch)
     return main(config, json_path=args.json)
 
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,attention",
                      help="memory ops of the unified recurrence, 'attention' (causal) and 'fox' (forgetting)")
     ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
-    ops.add_argument("--peers", action="store_true", help="add PyTorch SDPA flash and flash-linear-attention")
+    ops.add_argument("--peers", nargs="?", const="sdpa,fla", default="",
+                     help="add peers measured in the same run: sdpa (PyTorch flash), fla (flash-linear-attention)")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--json", help="also write the rows to this JSON file")
     ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,state_fwd=4x3 (warps x stages)")
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mom", action="store_true",
                       help="instead: MoM (4 Gated DeltaNet memories, top-2) vs one Gated DeltaNet memory on MQAR")
     demo.add_argument("--device", default="auto", help="device of the --mom study (auto, cpu, cuda)")
+    demo.add_argument("--width", type=int, default=64, help="model width of the --mom study")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -29,10 +29,11 @@ class DemoModel:
     name: str
     fields: dict[str, Any] = field(default_factory=dict)  # model.* overrides
     widths: tuple[int, ...] = (64,)  # model widths trained
+    lr: float = 2e-3  # peak learning rate (tuned per model, as Zoology sweeps it)
 
 
 MQAR_MODELS = [
-    DemoModel("attention", {"layer_pattern": "NN", "attention": "softmax"}, widths=(64, 32)),
+    DemoModel("attention", {"layer_pattern": "NN", "attention": "softmax"}, widths=(64, 32), lr=1e-3),
     DemoModel("gated_deltanet", {"layer_pattern": "LL", "memory": "gated_deltanet"}, widths=(64, 32)),
     DemoModel("gla", {"layer_pattern": "LL", "memory": "gla"}),
     DemoModel("linear_attention", {"layer_pattern": "LL", "memory": "linear_attention"}),
@@ -57,8 +58,7 @@ def _mqar_overrides(steps: int, quick: bool) -> list[str]:
         "data.task=mqar", f"data.mqar.settings={TRAIN_SETTINGS}", f"data.mqar.eval_settings={EVAL_SETTINGS}",
         f"data.mqar.vocab_size={MQAR_VOCAB}", f"data.mqar.train_examples={500 if quick else 20000}",
         f"data.mqar.eval_examples={64 if quick else 500}",
-        "data.batch_size=64", f"schedule.steps={steps}", "schedule.warmup_steps=50", "optim.lr=1e-3",
-        "optim.weight_decay=0.1", "run.log_every=10", "run.save_every=0", "run.progress=false",
+        "data.batch_size=64", f"schedule.steps={steps}", "schedule.warmup_steps=50", "optim.weight_decay=0.1", "run.log_every=10", "run.save_every=0", "run.progress=false",
     ]
 
 
@@ -72,7 +72,7 @@ def mqar_study(out: Path, *, quick: bool) -> list[dict]:
         for model in (m for m in MQAR_MODELS if width in m.widths):
             run_dir = out / "mqar" / f"{model.name.replace(' ', '_').replace('+', '_')}-d{width}"
             config = load_config(overrides=base + _overrides("model", {**model.fields, "hidden_size": width})
-                                 + [f"run.out_dir={run_dir}", "run.resume=false"])
+                                 + [f"optim.lr={model.lr}", f"run.out_dir={run_dir}", "run.resume=false"])
             if task is None:
                 task = MQARTask(config.data)
             started = time.perf_counter()
@@ -97,19 +97,21 @@ MOM_MODELS = [
 ]
 
 
-def mom_study(out: Path, *, device: str = "auto", quick: bool = False) -> list[dict]:
+def mom_study(out: Path, *, device: str = "auto", width: int = 64, quick: bool = False) -> list[dict]:
     """MoM (Gated DeltaNet memories, 4 memories, top-2, shared) against one Gated DeltaNet memory
     of the same width, on the demo's MQAR settings; returns rows of (model, width, kv, accuracy)."""
     steps = 10 if quick else MQAR_STEPS
     rows = []
     for model in MOM_MODELS:
-        run_dir = out / "mom" / model.name.replace(" ", "_")
-        config = load_config(overrides=_mqar_overrides(steps, quick) + _overrides("model", model.fields)
-                             + [f"run.out_dir={run_dir}", "run.resume=false", f"run.device={device}"])
+        run_dir = out / "mom" / f"{model.name.replace(' ', '_')}-d{width}"
+        config = load_config(overrides=_mqar_overrides(steps, quick)
+                             + _overrides("model", {**model.fields, "hidden_size": width})
+                             + [f"optim.lr={model.lr}", f"run.out_dir={run_dir}", "run.resume=false",
+                                f"run.device={device}"])
         started = time.perf_counter()
         result = Trainer(config).train()
         for seq_len, kv in map(tuple, EVAL_SETTINGS):
-            rows.append({"model": model.name, "width": 64, "seq_len": seq_len, "kv": kv,
+            rows.append({"model": model.name, "width": width, "seq_len": seq_len, "kv": kv,
                          "accuracy": result.metrics[f"mqar_acc/L{seq_len}_kv{kv}"]})
         accs = "  ".join(f"{r['accuracy']:.3f}" for r in rows[-len(EVAL_SETTINGS):])
         print(f"  {model.name:<28} {time.perf_counter() - started:6.1f} s   accuracy {accs}", flush=True)

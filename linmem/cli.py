@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory ops of the unified recurrence, 'attention' (causal) and 'fox' (forgetting)")
     ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
     ops.add_argument("--peers", nargs="?", const="sdpa,fla", default="",
-                     help="add peers measured in the same run: sdpa (PyTorch flash), fla (flash-linear-attention)")
+                     help="add peers measured in the same run: sdpa (PyTorch SDPA, causal), fla (flash-linear-attention)")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--json", help="also write the rows to this JSON file")
     ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,state_fwd=4x3 (warps x stages)")

@@ -50,6 +50,24 @@ def register_backend(backend: Backend, *, auto_priority: Optional[int] = None) -
         _AUTO_ORDER.insert(auto_priority, backend.name)
 
 
+@dataclass(frozen=True)
+class StepKernel:
+    """A fused kernel for one decoding step: ``fn(inputs, state) -> o [B, H, V]`` updates ``state`` in place;
+    ``refusal(inputs, state)`` returns None when it can serve the step, else the reason."""
+
+    name: str
+    fn: Callable[[RecurrenceInputs, torch.Tensor], torch.Tensor]
+    refusal: Callable[[RecurrenceInputs, torch.Tensor], Optional[str]]
+
+
+_STEP_KERNELS: list[StepKernel] = []
+
+
+def register_step_kernel(kernel: StepKernel) -> None:
+    """Add a decoding kernel; ``linear_recurrence_step`` tries them in order when no gradient is recorded."""
+    _STEP_KERNELS.append(kernel)
+
+
 def available_backends() -> list[str]:
     """Names accepted by ``backend=``."""
     return ["auto", *_BACKENDS]
@@ -185,6 +203,13 @@ def linear_recurrence_step(
     acc = compute_dtype(q)
     if state.dtype != acc:
         raise TypeError(f"linear_recurrence_step: `state` must be {acc} for {q.dtype} inputs, got {state.dtype}")
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                            for t in (q, k, v, state, log_decay, beta, bonus, a, b))):
+        for kernel in _STEP_KERNELS:
+            reason = kernel.refusal(inputs, state)
+            if reason is None:
+                return kernel.fn(inputs, state), state
+            logger.debug("linear_recurrence_step: kernel %r cannot serve this step (%s)", kernel.name, reason)
     per_step = {"none": None, "constant": lambda x: x[None, :, None, None], "scalar": lambda x: x[:, 0, :, None, None],
                 "vector": lambda x: x[:, 0, ..., None], "full": lambda x: x[:, 0]}[inputs.decay_kind]
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
@@ -197,3 +222,9 @@ def linear_recurrence_step(
         return o.to(q.dtype), new_state
     state.copy_(new_state)
     return o.to(q.dtype), state
+
+
+try:  # registers the "triton" backend and its decoding kernel
+    from . import triton as _triton  # noqa: E402,F401
+except ImportError as error:
+    logger.debug("linear_recurrence: no triton backend (%s)", error)

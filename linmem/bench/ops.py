@@ -1,0 +1,294 @@
+"""``linmem bench ops``: forward and forward+backward times of linmem's ops, per backend, beside peers.
+
+One table for the shapes asked for (``[B, T, H, D]``, bf16 by default, 16K tokens per
+step at the DESIGN.md section 8 shapes): every memory op of the unified recurrence on
+each backend, linmem's softmax attention op, and with ``--peers`` PyTorch SDPA (causal,
+the backend PyTorch picks, flash or cuDNN) and the flash-linear-attention kernels when that
+package is installed. A peer that fails prints its error in the table (fla refuses gated
+backward on Hopper with Triton < 3.7.1). Decoding rows time one ``linear_recurrence_step``
+(host work included); ceilings are measured in the same run. Times are medians of
+``triton.testing.do_bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import linear_recurrence, linear_recurrence_step
+from ..ops.attention import forgetting_attention
+
+#: the memory ops: (decay kind, delta rule, RWKV-6 bonus) of the unified recurrence
+MEMORY_OPS = {
+    "linear_attention": ("none", False, False),
+    "retention": ("constant", False, False),
+    "mamba2": ("scalar", False, False),
+    "gla": ("vector", False, False),
+    "rwkv6": ("vector", False, True),
+    "deltanet": ("none", True, False),
+    "gated_deltanet": ("scalar", True, False),
+    "kda": ("vector", True, False),
+}
+#: peers timed on the inputs of a memory op: fla function name per op
+FLA_PEERS = {
+    "mamba2": "chunk_simple_gla",
+    "gla": "chunk_gla",
+    "deltanet": "chunk_delta_rule",
+    "gated_deltanet": "chunk_gated_delta_rule",
+}
+DEFAULT_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``linmem bench ops`` times."""
+
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES  # (B, T) pairs
+    heads: int = 16  # H
+    head_dim: int = 128  # K = V
+    dtype: str = "bfloat16"  # activations; gates stay fp32
+    ops: tuple[str, ...] = tuple(MEMORY_OPS) + ("attention",)  # memory ops and/or "attention", "fox"
+    backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
+    peers: tuple[str, ...] = ()  # "sdpa" and/or "fla", measured in the same run
+    decode_batch: int = 64  # B of the decoding rows (0: none)
+    warmup_ms: int = 25
+    rep_ms: int = 100
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    op: str
+    impl: str
+    B: int
+    T: int
+    fwd_ms: float = math.nan
+    fwdbwd_ms: float = math.nan
+    error: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _timer(config: BenchConfig) -> Callable[[Callable[[], object]], float]:
+    import triton
+
+    return lambda fn: triton.testing.do_bench(fn, warmup=config.warmup_ms, rep=config.rep_ms, return_mode="median")
+
+
+def _time_fwd_bwd(bench, fn: Callable[[], torch.Tensor], row: Row, backward: bool = True) -> Row:
+    """Fill a row with the median time of fn() and of fn().backward(g); errors go into the row."""
+    try:
+        row.fwd_ms = bench(fn)
+        if backward:
+            out = fn()
+            grad = torch.randn_like(out)
+            row.fwdbwd_ms = bench(lambda: fn().backward(grad))
+    except Exception as error:  # a peer or backend that cannot run these shapes says so in the table
+        row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
+    finally:
+        torch.cuda.empty_cache()
+    return row
+
+
+def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> dict:
+    """Inputs of a memory op as linear_recurrence keywords (bench_peers conventions): unit keys for
+    the delta rule, gates logsigmoid(randn) / 10 in fp32, beta in (0, 1)."""
+    kind, delta, bonus = MEMORY_OPS[op]
+    leaf = lambda x: x.detach().requires_grad_(True)  # noqa: E731
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype) for _ in range(3))
+    if delta:
+        k = F.normalize(k.float(), dim=-1).to(dtype)
+    args = {"q": leaf(q), "k": leaf(k), "v": leaf(v)}
+    gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D)}.get(kind)
+    if gate is not None:
+        args["log_decay"] = leaf(F.logsigmoid(torch.randn(*gate, device=device)) * 0.1)
+    if delta:
+        args["beta"] = leaf(torch.rand(B, T, H, device=device, dtype=dtype))
+    if bonus:
+        args["bonus"] = leaf(torch.randn(H, D, device=device, dtype=dtype) * 0.1)
+    return args
+
+
+def _fla_call(name: str, args: dict) -> Callable[[], torch.Tensor]:
+    import importlib
+
+    module = {"chunk_simple_gla": "fla.ops.simple_gla", "chunk_gla": "fla.ops.gla",
+              "chunk_delta_rule": "fla.ops.delta_rule", "chunk_gated_delta_rule": "fla.ops.gated_delta_rule"}[name]
+    fn = getattr(importlib.import_module(module), name)
+    q, k, v = args["q"], args["k"], args["v"]
+    if name in ("chunk_simple_gla", "chunk_gla"):
+        return lambda: fn(q, k, v, args["log_decay"])[0]
+    if name == "chunk_delta_rule":
+        return lambda: fn(q, k, v, args["beta"])[0]
+    return lambda: fn(q, k, v, args["log_decay"], args["beta"])[0]
+
+
+def nominal_cost(op: str, B: int, T: int, H: int, D: int, act_bytes: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of forward+backward of a memory op, for the achieved fractions.
+
+    FLOPs: the matrix products of the chunked algorithm (chunk 64) per token and head: forward
+    2C(K + V) intra-chunk + 4KV state read/write (+ 2CK + 2C(K+V) + 2KV for the WY form of
+    the delta rule), backward twice the forward. Bytes: each input and output read or
+    written once per pass: forward reads q, k, v, gates and writes o; backward reads them and
+    do and writes every gradient.
+    """
+    kind, delta, _ = MEMORY_OPS[op]
+    C, K, V = 64, D, D
+    fwd = 2 * C * (K + V) + 4 * K * V + (2 * C * K + 2 * C * (K + V) + 2 * K * V if delta else 0)
+    flops = 3 * fwd * B * T * H
+    gate = {"none": 0, "constant": 0, "scalar": 4, "vector": 4 * K}[kind] + (act_bytes if delta else 0)
+    per_token = (3 * D * act_bytes + gate)  # inputs
+    fwd_bytes = per_token + D * act_bytes
+    bwd_bytes = 2 * per_token + D * act_bytes
+    return flops, float((fwd_bytes + bwd_bytes) * B * T * H)
+
+
+def ceilings(device: str) -> dict:
+    """Measured bf16 matmul rate (TFLOP/s) and copy bandwidth (TB/s, read + write) of the device."""
+    import triton
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t_mm = bench(lambda: a @ b)
+    x = torch.randn(2**30, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x))
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return {"bf16_tflops": 2 * 8192**3 / t_mm / 1e9, "copy_TBps": 2 * 2**30 * 2 / t_copy / 1e9}
+
+
+def run_ops(config: BenchConfig, device: str = "cuda", report: Callable[[Row], None] = lambda row: None
+            ) -> list[Row]:
+    """Time every op, backend and peer of ``config`` at every shape; ``report`` sees each row when done."""
+    bench = _timer(config)
+    dtype = getattr(torch, config.dtype)
+    H, D = config.heads, config.head_dim
+    rows = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        report(row)
+
+    for B, T in config.shapes:
+        for op in config.ops:
+            if op in MEMORY_OPS:
+                args = memory_inputs(op, B, T, H, D, dtype, device)
+                for backend in config.backends:
+                    fn = lambda args=args, backend=backend: linear_recurrence(**args, backend=backend)[0]  # noqa: E731
+                    add(_time_fwd_bwd(bench, fn, Row(op, backend, B, T)))
+                if "fla" in config.peers and op in FLA_PEERS:
+                    add(_fla_row(bench, FLA_PEERS[op], op, args, B, T))
+                del args
+            elif op in ("attention", "fox"):
+                for row in _attention_rows(bench, op, config, B, T, H, D, dtype, device):
+                    add(row)
+    if config.decode_batch:
+        for row in decode_rows(config, device):
+            add(row)
+    return rows
+
+
+def _fla_row(bench, name: str, op: str, args: dict, B: int, T: int) -> Row:
+    row = Row(op, f"fla.{name}", B, T)
+    try:
+        fn = _fla_call(name, args)
+    except ImportError as error:
+        row.error = f"fla not installed ({error})"
+        return row
+    return _time_fwd_bwd(bench, fn, row)
+
+
+def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
+    leaf = lambda: torch.randn(B, T, H, D, device=device, dtype=dtype).requires_grad_(True)  # noqa: E731
+    q, k, v = leaf(), leaf(), leaf()
+    rows = []
+    log_f = None
+    if op == "fox":
+        log_f = F.logsigmoid(torch.randn(B, T, H, device=device) + 3).requires_grad_(True)
+    rows.append(_time_fwd_bwd(bench, lambda: forgetting_attention(q, k, v, log_forget=log_f),
+                              Row(op, "linmem", B, T)))
+    if "sdpa" in config.peers and op == "attention":  # as shared/peers/bench_peers.py: PyTorch picks the kernel
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+        sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
+        rows.append(_time_fwd_bwd(bench, sdpa, Row(op, "torch.sdpa_causal", B, T)))
+    return rows
+
+
+def decode_rows(config: BenchConfig, device: str) -> list[Row]:
+    """One linear_recurrence_step per memory op at B = decode_batch against an fp32 state [B, H, K, V]."""
+    bench = _timer(config)
+    dtype = getattr(torch, config.dtype)
+    B, H, D = config.decode_batch, config.heads, config.head_dim
+    rows = []
+    for op in config.ops:
+        if op not in MEMORY_OPS:
+            continue
+        args = {n: x.detach() for n, x in memory_inputs(op, B, 1, H, D, dtype, device).items()}
+        step = {n: (x if n == "bonus" or (n == "log_decay" and x.dim() == 1) else x[:, 0]) for n, x in args.items()}
+        state = torch.zeros(B, H, D, D, device=device)
+        q, k, v = step.pop("q"), step.pop("k"), step.pop("v")
+        row = Row(op, "step", B, 1)
+        with torch.no_grad():
+            _time_fwd_bwd(bench, lambda: linear_recurrence_step(q, k, v, state, **step)[0], row, backward=False)
+        row.extra["state_TBps"] = 2 * state.numel() * 4 / (row.fwd_ms * 1e-3) / 1e12
+        rows.append(row)
+    return rows
+
+
+TABLE_HEAD = (f"{'op':18s} {'impl':28s} {'B':>3s} {'T':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'Mtok/s':>7s} "
+              f"{'%flop':>6s} {'%bw':>5s}  note")
+
+
+def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
+    """One line: times, tokens/s and, for memory ops, achieved fractions of the measured ceilings."""
+    act_bytes = torch.finfo(getattr(torch, config.dtype)).bits // 8
+    tok = r.B * r.T / (r.fwdbwd_ms * 1e-3) / 1e6 if not math.isnan(r.fwdbwd_ms) else math.nan
+    fl = bw = math.nan
+    note = r.error
+    if r.op in MEMORY_OPS and r.T > 1 and ceil and not math.isnan(r.fwdbwd_ms):
+        flops, nbytes = nominal_cost(r.op, r.B, r.T, config.heads, config.head_dim, act_bytes)
+        fl = 100 * flops / (r.fwdbwd_ms * 1e-3) / (ceil["bf16_tflops"] * 1e12)
+        bw = 100 * nbytes / (r.fwdbwd_ms * 1e-3) / (ceil["copy_TBps"] * 1e12)
+    if "state_TBps" in r.extra:
+        note = f"{r.fwd_ms * 1e3:.1f} us/step, state {r.extra['state_TBps']:.2f} TB/s " + note
+        if ceil:
+            note += f"({100 * r.extra['state_TBps'] / ceil['copy_TBps']:.0f}% of copy)"
+    return (f"{r.op:18s} {r.impl:28s} {r.B:3d} {r.T:6d} {r.fwd_ms:8.3f} {r.fwdbwd_ms:8.3f} {tok:7.2f} "
+            f"{fl:6.1f} {bw:5.1f}  {note}")
+
+
+def environment() -> dict:
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none"}
+    try:
+        import fla
+
+        env["fla"] = getattr(fla, "__version__", "installed")
+    except ImportError:
+        env["fla"] = "not installed"
+    return env
+
+
+def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
+    """Run the benchmark and print the table (and write rows as JSON)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("linmem bench ops times CUDA kernels: no CUDA device found")
+    env = environment()
+    ceil = ceilings("cuda")
+    print(json.dumps({**env, **{k: round(v, 3) for k, v in ceil.items()}}), flush=True)
+    print(TABLE_HEAD + "\n" + "-" * len(TABLE_HEAD), flush=True)
+    rows = run_ops(config, report=lambda row: print(format_row(row, config, ceil), flush=True))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": env, "ceilings": ceil, "config": asdict(config), "rows": [asdict(r) for r in rows]}, f,
+                      indent=1)
+    return 0

@@ -1,0 +1,274 @@
+"""Backward kernels of the chunked recurrence (the forward is in ``chunk_fwd``).
+
+With ``dH`` the gradient of a chunk's end state, the chunk's gradients are::
+
+    dd    = A_qk^T dO + (k e^(Gamma - G)) dH                 gradient of the writes d
+    dH'   = e^Gamma dH + scale (q e^Gq)^T dO  (- W^T dd)     gradient of the chunk-start state
+    dq    = scale (e^Gq dO h^T + A-side of dO d^T) (+ bonus)
+    dk    = e^(Gamma - G) (d dH^T) + A-side of (dO d^T)^T (+ bonus)
+    delta rule, with Y = T^T dd:
+          dv = beta Y,   d(beta k e^G) = -Y h^T,   dL = -Y d^T   (L = I + diag(beta) strict(A_kk))
+
+(``dL = -Y d^T`` because U - W h = d, so the U and W parts of the inverse's gradient
+combine.) The gate gradient follows from G entering only as exp(+-G) factors:
+``dG_t = q_t dq_t - k_t dk_t(e^-G parts) + k_t dk_t(e^+G parts)``, plus the chunk-end term
+``e^Gamma sum_v h dH + sum_t k_t dk_t(end state)``; dg is the reverse cumulative sum of dG
+inside the chunk (exclusive on the query side with the bonus, whose reads use G_{t-1}).
+
+``state_bwd_kernel`` is the sequential pass (dH of every chunk, dd, the initial state's
+gradient); ``grads_kernel`` then computes every input gradient, chunk by chunk in parallel.
+Transposed products are computed as products of transposed loads, never by transposing a
+product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits that pattern).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (first_slot, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
+                     masked_exp, mm, running_total, sequence_bounds, store_rows, store_state, total)
+
+
+@triton.jit
+def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale, T, H, N, K, V,
+                     DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     HAS_DFINAL: tl.constexpr, STORE_DINIT: tl.constexpr,
+                     C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
+    """The reverse sequential pass: gradients of the chunk-end states and of the writes d.
+
+    Per chunk, last to first: dHs[slot] = dH; dd = A^T dO + (k e^(Gamma-G)) dH (stored to
+    dd_out); dH = e^Gamma dH + scale (q e^Gq)^T dO (- W^T dd for the delta rule).
+    A: [tokens, H, C] (scaled scores of the forward); dHs: [slots, H, K, V]; dhN, dh0:
+    [N, H, K, V] fp32. Grid (V blocks, N * H).
+    """
+    DT: tl.constexpr = q.dtype.element_ty
+    X: tl.constexpr = DT == tl.float32  # fp32 inputs: fp32-accurate products
+    vb, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
+    s0 = first_slot(n, bos, T, C, IS_VARLEN)
+    kr = tl.arange(0, BKF)
+    vr = vb * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    if HAS_DFINAL:
+        dS = load_state(dhN, n, h, H, K, V, kr, vr, K, False).to(tl.float32)
+    else:
+        dS = tl.full([BKF, BV], 0.0, tl.float32)
+    nchunks = (eos - bos + C - 1) // C
+    for i in range(nchunks):
+        c = nchunks - 1 - i
+        t0 = bos + c * C
+        nrows = tl.minimum(eos - t0, C)
+        valid = rows < nrows
+        store_state(dHs, dS, s0 + c, h, H, K, V, kr, vr)
+        dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
+        kt = load_rows(k, t0, nrows, h, H, K, rows, kr, False)
+        qT = load_rows(q, t0, nrows, h, H, K, rows, kr, True)
+        if DECAY == 1:
+            last = tl.load(G + (t0 + nrows - 1) * H + h)
+            kt = kt * masked_exp(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
+            qT = qT * tl.exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
+        elif DECAY == 2:
+            last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
+            kt = kt * masked_exp(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
+            qT = qT * tl.exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
+        AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
+        dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
+        store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
+        if DECAY == 1:
+            dS = dS * tl.exp(last)
+        elif DECAY == 2:
+            dS = dS * tl.exp(last)[:, None]
+        dS += scale * mm(qT, dO, DT, X)
+        if DELTA:
+            dS -= mm(load_rows(W, t0, nrows, h, H, K, rows, kr, True), dd, W.dtype.element_ty, X)
+    if STORE_DINIT:
+        store_state(dh0, dS, n, h, H, K, V, kr, vr)
+
+
+@triton.jit
+def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbeta, dg, du,
+                 cu_seqlens, scale, T, H, N, K, V,
+                 DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Every input gradient of one chunk, from the saved forward and the state gradients.
+
+    Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
+    [slots, H, K, V]), do: [tokens, H, V], dd: gradient of the writes d (for the additive
+    rule it is also dv, written in place; the bonus term is added here). Outputs: dq, dk
+    [tokens, H, K]; dv [tokens, H, V]; dbeta [tokens, H]; dg [tokens, H(, K)] (reverse
+    cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K]. All fp32
+    except dq, dk, dv (input dtype). Grid (slots, H).
+
+    Phase 1 loops over V blocks for the score gradients dA = dO d^T (and its transpose as
+    its own product); phase 2 loops over K blocks for everything per key channel.
+    """
+    ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
+    WYT: tl.constexpr = Tinv.dtype.element_ty  # the delta rule's WY factors
+    WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
+    X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    slot, h = tl.program_id(0), tl.program_id(1)
+    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    valid = rows < nrows
+    Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
+    last_row = tl.maximum(t0 + nrows - 1, 0)
+    # pairs (t, s) of the scores and the same pairs as (s, t)
+    if BONUS:
+        causal = (rows[:, None] > rows[None, :]) & valid[:, None]
+        causalT = (rows[None, :] > rows[:, None]) & valid[None, :]
+    else:
+        causal = (rows[:, None] >= rows[None, :]) & valid[:, None]
+        causalT = (rows[None, :] >= rows[:, None]) & valid[None, :]
+    strict = (rows[:, None] > rows[None, :]) & valid[:, None]
+    strictT = (rows[None, :] > rows[:, None]) & valid[None, :]
+
+    # ---- phase 1: score gradients, over V
+    dA = tl.full([C, C], 0.0, tl.float32)  # [t, s]
+    dAT = tl.full([C, C], 0.0, tl.float32)  # [s, t]
+    if DELTA:
+        b = load_gate_rows(beta, t0, nrows, h, H, rows)
+        dL = tl.full([C, C], 0.0, tl.float32)  # [s, r]
+        dLT = tl.full([C, C], 0.0, tl.float32)  # [r, s]
+        db = tl.full([C], 0.0, tl.float32)
+    if BONUS:
+        dov = tl.full([C], 0.0, tl.float32)
+    for v0 in range(0, V, BV):
+        vr = v0 + tl.arange(0, BV)
+        dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
+        dOT = load_rows(do, t0, nrows, h, H, V, rows, vr, True)
+        dt = load_rows(d, t0, nrows, h, H, V, rows, vr, False)
+        dtT = load_rows(d, t0, nrows, h, H, V, rows, vr, True)
+        dA += mm(dO, dtT, WT, X)
+        dAT += mm(dt, dOT, WT, X)
+        if DELTA:
+            ddt = load_rows(dd, t0, nrows, h, H, V, rows, vr, False)
+            Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True), ddt, WYT, X)  # T^T dd
+            YT = mm(load_rows(dd, t0, nrows, h, H, V, rows, vr, True), load_rows(Tinv, t0, nrows, h, H, C, rows, rows,
+                                                                                 False), WYT, X)
+            vt = load_rows(v, t0, nrows, h, H, V, rows, vr, False)
+            store_rows(dv, b[:, None] * Y, t0, nrows, h, H, V, rows, vr)
+            db += total(vt * Y, 1)
+            dL -= mm(Y, dtT, WYT, X)
+            dLT -= mm(dt, YT, WYT, X)
+        if BONUS:
+            dov += total(dO.to(tl.float32) * dt, 1)
+    dA = tl.where(causal, dA, 0.0) * scale
+    dAT = tl.where(causalT, dAT, 0.0) * scale
+    if DELTA:
+        dL = tl.where(strict, dL, 0.0)
+        dLT = tl.where(strictT, dLT, 0.0) * b[None, :]
+    if DECAY == 1:  # fold the pairwise decays into the score gradients
+        Gr = load_gate_rows(G, t0, nrows, h, H, rows)
+        Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
+        dA = dA * masked_exp(causal, Gqr[:, None] - Gr[None, :])
+        dAT = dAT * masked_exp(causalT, Gqr[None, :] - Gr[:, None])
+        if DELTA:
+            dL = dL * masked_exp(strict, Gr[:, None] - Gr[None, :])
+            dLT = dLT * masked_exp(strictT, Gr[None, :] - Gr[:, None])
+        last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
+        dGk = tl.full([C], 0.0, tl.float32)
+        dGq = tl.full([C], 0.0, tl.float32)
+        gam = total(tl.full([C], 0.0, tl.float32), 0)
+    if BONUS:
+        qku = tl.full([C], 0.0, tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            qku += total(load_rows(q, t0, nrows, h, H, K, rows, cols, False) * uu[None, :]
+                          * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
+        for v0 in range(0, V, BV):
+            vr = v0 + tl.arange(0, BV)
+            extra = scale * qku[:, None] * load_rows(do, t0, nrows, h, H, V, rows, vr, False)
+            store_rows(dv, load_rows(dv, t0, nrows, h, H, V, rows, vr, False) + extra, t0, nrows, h, H, V, rows, vr)
+
+    # ---- phase 2: per key channel, over K
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
+        kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
+        dqh = tl.full([C, BK], 0.0, tl.float32)  # dO h^T
+        dkh = tl.full([C, BK], 0.0, tl.float32)  # d dH^T
+        gH = tl.full([BK], 0.0, tl.float32)  # sum_v h dH
+        if DELTA:
+            dkw = tl.full([C, BK], 0.0, tl.float32)  # Y h^T
+        for v0 in range(0, V, BV):
+            vr = v0 + tl.arange(0, BV)
+            hT = load_state(hs, slot, h, H, K, V, cols, vr, Klive, True)
+            dHT = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, True)
+            dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
+            dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
+            gH += total(hT.to(tl.float32) * dHT, 0)
+            if DELTA:
+                Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True),
+                       load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)
+                dkw += mm(Y, hT, WYT, X)
+        if DECAY == 2:
+            Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
+            Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
+            lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
+            eq = tl.exp(Gq)
+            ek = masked_exp(valid[:, None], lastk[None, :] - Gk)
+            eG = tl.exp(Gk)
+        elif DECAY == 1:
+            Gk = Gr
+            Gq = Gqr
+            eq = tl.exp(Gqr)[:, None]
+            ek = masked_exp(valid, last - Gr)[:, None]
+            eG = tl.exp(Gr)[:, None]
+        else:
+            Gk = tl.full([C, BK], 0.0, tl.float32)
+            Gq = Gk
+        if DECAY == 0:
+            dqt = scale * dqh + intra_rows(dA, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
+            dkt = dkh + intra_cols(dAT, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, C, SB, X)
+        else:
+            dqt = scale * dqh * eq + intra_rows(dA, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
+            kend = dkh * ek
+            dkA = intra_cols(dAT, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, C, SB, X)
+            dkt = kend + dkA
+            gq = qt * dqt
+            gk = -kt * dkt
+            if DECAY == 2:
+                gam_k = tl.exp(lastk) * gH + total(kt * kend, 0)
+            else:
+                gam += total(tl.exp(last) * gH + total(kt * kend, 0), 0)
+        if DELTA:
+            # W = T (beta k e^G): d(beta k e^G) = -Y h^T
+            dkW = -dkw
+            if DECAY != 0:
+                dkW = dkW * eG
+            db += total(kt * dkW, 1)
+            dkW = dkW * b[:, None]
+            # L = I + diag(beta) strict(A_kk): rows (e^+G side) and columns (e^-G side)
+            R = intra_rows(dL, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, C, SB, X)
+            db += total(kt * R, 1)
+            Ccol = intra_cols(dLT, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, 0, C, SB, X)
+            dkt += dkW + b[:, None] * R + Ccol
+            if DECAY != 0:
+                gk += kt * (dkW + b[:, None] * R - Ccol)
+        if BONUS:
+            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            dqt += scale * dov[:, None] * uu[None, :] * kt
+            dkt += scale * dov[:, None] * uu[None, :] * qt
+            tl.store(du + (slot.to(tl.int64) * H + h) * K + cols, scale * total(dov[:, None] * qt * kt, 0),
+                     mask=cols < K)
+        store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
+        store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
+        if DECAY == 2:
+            gk_rev = total(gk, 0)[None, :] - running_total(gk, 0) + gk
+            gq_rev = total(gq, 0)[None, :] - running_total(gq, 0)
+            if not BONUS:
+                gq_rev += gq
+            store_rows(dg, gk_rev + gq_rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
+        elif DECAY == 1:
+            dGk += total(gk, 1)
+            dGq += total(gq, 1)
+    if DECAY == 1:
+        rev = total(dGk, 0) - running_total(dGk, 0) + dGk + total(dGq, 0) - running_total(dGq, 0)
+        if not BONUS:
+            rev += dGq
+        tl.store(dg + (t0 * H + h) + rows * H, rev + gam, mask=valid)
+    if DELTA:
+        tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)

@@ -1,0 +1,326 @@
+"""Pieces shared by the Triton kernels of the unified recurrence.
+
+Layout conventions of every kernel (DESIGN.md section 3):
+
+* activations are read as ``[tokens, H, D]`` with ``tokens = B * T`` (fixed length) or the
+  packed varlen axis; sequence ``n`` owns tokens ``[bos, eos)``;
+* a sequence is cut into chunks of ``C`` tokens; chunk ``c`` of sequence ``n`` has a *slot*
+  (``first_slot(n) + c``) in the per-chunk buffers (chunk-start states ``[slots, H, K, V]``);
+  for varlen batches ``first_slot(n) = bos // C + n``, which never overlaps and needs no
+  host synchronisation; a few slots stay idle and every kernel masks them out;
+* gates arrive as chunk-local cumulative sums ``G`` (fp32); a decay between two tokens is
+  always ``exp`` of a non-positive difference of them, masked *before* the ``exp``.
+
+Per-channel decays are exact inside sub-blocks of ``SUB`` tokens; across sub-blocks a
+reference point (the cumulative gate at the end of the earlier sub-block) splits
+``exp(G_t - G_s) = exp(G_t - R) exp(R - G_s)`` into two factors <= 1 that enter a matrix
+product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+#: chunk length of the chunked algorithm
+CHUNK = 64
+#: sub-block length inside which per-channel decays are computed pairwise
+SUB = 16
+#: True when the kernels run on the CPU through the Triton interpreter
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_INTERP: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def total(x, axis: tl.constexpr):
+    """tl.sum, spelled with Triton builtins only.
+
+    ``triton.language``'s own helpers are jit functions fixed when ``triton`` is imported; these
+    work in the interpreter even when TRITON_INTERPRET=1 was set only after that import.
+    """
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def running_total(x, axis: tl.constexpr):
+    """tl.cumsum (inclusive), spelled with Triton builtins only (see :func:`total`)."""
+    return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def rounded(x, DT: tl.constexpr):
+    """x rounded to DT (round to nearest even), as DT.
+
+    The interpreter truncates fp32 -> bf16; there the rounding is done on the bits first, so
+    the CPU sees the same precision as the GPU.
+    """
+    if _INTERP and DT == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
+def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
+    """a @ b with both operands rounded to the dot dtype DT, fp32 accumulation.
+
+    X: the kernel's inputs are fp32, so products keep fp32 accuracy (IEEE fp32, no tensor-core
+    rounding); fp32 intermediates of bf16/fp16 inputs use tf32 products. The interpreter
+    multiplies bf16 bit patterns as integers, so there the rounded operands are widened to fp32.
+    """
+    a = rounded(a, DT)
+    b = rounded(b, DT)
+    if _INTERP:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if X and DT == tl.float32:
+        acc = tl.dot(a, b, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b)
+    return acc
+
+
+@triton.jit
+def sequence_bounds(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
+    """First and one-past-last token of sequence n (int64)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
+def first_slot(n, bos, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Slot of the first chunk of sequence n (see the module docstring)."""
+    if IS_VARLEN:
+        slot = bos // C + n
+    else:
+        slot = n.to(tl.int64) * ((T + C - 1) // C)
+    return slot
+
+
+@triton.jit
+def locate_chunk(slot, cu_seqlens, N, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The chunk behind a slot: (sequence n, first token t0, valid rows nrows; nrows <= 0 if idle).
+
+    Varlen: a binary search for the last sequence whose first slot is <= slot.
+    """
+    if IS_VARLEN:
+        lo = slot * 0
+        hi = lo + N - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(cu_seqlens + mid).to(tl.int64) // C + mid <= slot
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        n = lo
+    else:
+        n = slot // ((T + C - 1) // C)
+    bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
+    t0 = bos + (slot - first_slot(n, bos, T, C, IS_VARLEN)) * C
+    nrows = tl.minimum(eos - t0, C)
+    return n, t0, nrows
+
+
+@triton.jit
+def load_rows(ptr, t0, nrows, h, H, D, r, cols, TRANS: tl.constexpr):
+    """x[t0 + r, h, cols] of a [tokens, H, D] tensor, in its dtype: [R, BD], or [BD, R] if TRANS.
+
+    Rows outside [0, nrows) and columns >= D read as 0.
+    """
+    ok_r = (r >= 0) & (r < nrows)
+    ok_c = cols < D
+    base = ptr + (t0 * H + h) * D  # 64-bit scalar base, 32-bit offsets
+    if TRANS:
+        x = tl.load(base + r[None, :] * (H * D) + cols[:, None], mask=ok_r[None, :] & ok_c[:, None], other=0.0)
+    else:
+        x = tl.load(base + r[:, None] * (H * D) + cols[None, :], mask=ok_r[:, None] & ok_c[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def store_rows(ptr, x, t0, nrows, h, H, D, r, cols):
+    """x[R, BD] -> y[t0 + r, h, cols] for the valid rows and columns."""
+    p = ptr + (t0 * H + h) * D + r[:, None] * (H * D) + cols[None, :]
+    m = ((r >= 0) & (r < nrows))[:, None] & (cols < D)[None, :]
+    tl.store(p, rounded(x, ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def load_gate_rows(ptr, t0, nrows, h, H, r):
+    """One value per token: g[t0 + r, h] of a [tokens, H] tensor as fp32 (0 outside the chunk)."""
+    ok = (r >= 0) & (r < nrows)
+    return tl.load(ptr + (t0 * H + h) + r * H, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_state(ptr, idx, h, H, K, V, kr, vr, nk, TRANS: tl.constexpr):
+    """S[idx, h, kr, vr] of a [*, H, K, V] state buffer, in its dtype: [BK, BV], or [BV, BK] if TRANS.
+
+    Only key rows < nk are read (nk = K, or 0 to read nothing); the rest is 0.
+    """
+    base = ptr + (idx.to(tl.int64) * H + h) * K * V
+    if TRANS:
+        m = (kr[None, :] < nk) & (vr[:, None] < V)
+        x = tl.load(base + kr[None, :] * V + vr[:, None], mask=m, other=0.0)
+    else:
+        m = (kr[:, None] < nk) & (vr[None, :] < V)
+        x = tl.load(base + kr[:, None] * V + vr[None, :], mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def store_state(ptr, x, idx, h, H, K, V, kr, vr):
+    """x[BK, BV] -> S[idx, h, kr, vr]."""
+    base = ptr + (idx.to(tl.int64) * H + h) * K * V
+    m = (kr[:, None] < K) & (vr[None, :] < V)
+    tl.store(base + kr[:, None] * V + vr[None, :], rounded(x, ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def masked_exp(mask, x):
+    """exp(x) where mask, exactly 0 elsewhere (the exponent is masked first, so nothing overflows)."""
+    return tl.exp(tl.where(mask, x, float("-inf")))
+
+
+@triton.jit
+def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
+                 DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr,
+                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr):
+    """Decayed scores of one chunk, ``A[t, s] = sum_k x_tk y_sk exp(Gx_tk - G_sk)``: [C, C] fp32.
+
+    Pairs s <= t (s < t if STRICT); 0 elsewhere. ``Gx`` is ``G`` of row t, or of row t - 1
+    if SHIFT (the RWKV-6 read-out before the step's decay). DECAY: 0 none, 1 one gate per
+    token ([tokens, H]), 2 one per key channel ([tokens, H, K]). x, y: [tokens, H, K].
+    """
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    rows = tl.arange(0, C)
+    valid = rows < nrows
+    if STRICT:
+        causal = rows[:, None] > rows[None, :]
+    else:
+        causal = rows[:, None] >= rows[None, :]
+    acc = tl.full([C, C], 0.0, tl.float32)
+    if DECAY == 2:
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
+            yT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True)
+            Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
+            GT = load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True)
+            # s in an earlier sub-block j than t: through the reference point R_j
+            for j in range(C // SB - 1):
+                ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
+                R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
+                later = valid & (rows >= (j + 1) * SB)
+                inside = valid & (rows // SB == j)
+                xf = x * masked_exp(later[:, None], Gx - R[None, :])
+                yfT = yT * masked_exp(inside[None, :], R[:, None] - GT)
+                acc += mm(xf, yfT, DT, X)
+            # s in the same sub-block as t: pairwise, one column offset at a time
+            for off in range(SB):
+                src = (rows // SB) * SB + off
+                ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
+                Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
+                if STRICT:
+                    pair = valid & (rows % SB > off)
+                else:
+                    pair = valid & (rows % SB >= off)
+                part = total(x.to(tl.float32) * ysel * masked_exp(pair[:, None], Gx - Gsel), 1)
+                acc += tl.where(rows[None, :] == src[:, None], part[:, None], 0.0)
+    else:
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
+            yT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True)
+            acc += mm(x, yT, DT, X)
+        if DECAY == 1:
+            Gx = load_gate_rows(G_ptr, t0, nrows, h, H, rows - SHIFT)
+            Gs = load_gate_rows(G_ptr, t0, nrows, h, H, rows)
+            acc = acc * masked_exp(causal & valid[:, None], Gx[:, None] - Gs[None, :])
+        else:
+            acc = tl.where(causal, acc, 0.0)
+    return acc
+
+
+@triton.jit
+def intra_rows(dA, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+               DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
+    """``Z[t] = sum_s dA[t, s] y_s exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+
+    dA [C, C] fp32 is zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is
+    the gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
+    Gx: [C, BK] (DECAY 2). Products run in dtype MT.
+    """
+    rows = tl.arange(0, C)
+    y = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False)
+    if DECAY == 2:
+        valid = rows < nrows
+        Gy = load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False)
+        Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+        for j in range(C // SB - 1):
+            ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
+            R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
+            later = valid & (rows >= (j + 1) * SB)
+            inside = valid & (rows // SB == j)
+            yf = y * masked_exp(inside[:, None], R[None, :] - Gy)
+            dAj = tl.where(later[:, None] & inside[None, :], dA, 0.0)
+            Z += masked_exp(later[:, None], Gx - R[None, :]) * mm(dAj, yf, MT, X)
+        for off in range(SB):
+            src = (rows // SB) * SB + off
+            coef = total(tl.where(rows[None, :] == src[:, None], dA, 0.0), 1)
+            ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
+            Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
+            if STRICT:
+                pair = valid & (src < nrows) & (rows % SB > off)
+            else:
+                pair = valid & (src < nrows) & (rows % SB >= off)
+            Z += coef[:, None] * ysel * masked_exp(pair[:, None], Gx - Gsel)
+    else:
+        Z = mm(dA, y, MT, X)
+    return Z
+
+
+@triton.jit
+def intra_cols(dAT, x_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+               DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, C: tl.constexpr,
+               SB: tl.constexpr, X: tl.constexpr):
+    """``Z[s] = sum_t dAT[s, t] x_t exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+
+    The transposed companion of :func:`intra_rows` (dAT is the transposed score gradient,
+    computed as its own product, never by transposing a product). Gx is G of row t
+    (t - 1 if SHIFT); Gs: [C, BK] (DECAY 2). Products run in dtype MT.
+    """
+    rows = tl.arange(0, C)
+    x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
+    if DECAY == 2:
+        valid = rows < nrows
+        Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
+        Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+        for j in range(C // SB - 1):
+            ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
+            R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
+            later = valid & (rows >= (j + 1) * SB)
+            inside = valid & (rows // SB == j)
+            xf = x * masked_exp(later[:, None], Gx - R[None, :])
+            dATj = tl.where(inside[:, None] & later[None, :], dAT, 0.0)
+            Z += masked_exp(inside[:, None], R[None, :] - Gs) * mm(dATj, xf, MT, X)
+        for off in range(SB):
+            src = (rows // SB) * SB + off
+            coef = total(tl.where(rows[None, :] == src[:, None], dAT, 0.0), 1)
+            xsel = load_rows(x_ptr, t0, nrows, h, H, K, src, cols, False)
+            Gxsel = load_rows(G_ptr, t0, nrows, h, H, K, src - SHIFT, cols, False)
+            if STRICT:
+                pair = valid & (src < nrows) & (off > rows % SB)
+            else:
+                pair = valid & (src < nrows) & (off >= rows % SB)
+            Z += coef[:, None] * xsel * masked_exp(pair[:, None], Gxsel - Gs)
+    else:
+        Z = mm(dAT, x, MT, X)
+    return Z

@@ -1,0 +1,218 @@
+"""Launchers of the Triton kernels: tensors in, tensors out, no autograd.
+
+``chunk_forward`` and ``chunk_backward`` run the kernel family of ``chunk_fwd`` and
+``chunk_bwd`` for one configuration (decay kind, rule, bonus, varlen); ``recurrent_step``
+runs the fused recurrent kernel. Everything here is shape arithmetic: no host
+synchronisation, so a varlen batch costs no more host time than a fixed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.runtime.errors
+
+from . import chunk_bwd, chunk_fwd, recurrent
+from .common import CHUNK, SUB
+
+logger = logging.getLogger("linmem.ops")
+
+#: decay kinds of the kernels (``constant`` is expanded to ``scalar`` before launch)
+DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
+
+#: (num_warps, num_stages) per kernel (``linmem bench ops --launch`` tries others). The sequential
+#: passes stay at 4 warps: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
+#: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21).
+LAUNCH = {
+    "cumsum": (4, 2),
+    "prep": (8, 2),
+    "state_fwd": (4, 2),
+    "output": (8, 2),
+    "state_bwd": (4, 2),
+    "grads": (8, 1),
+    "recurrent": (4, 2),
+}
+#: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32)
+STATE_BV = 32
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes of the saved intermediates; a product involving one runs in its dtype (fp32 ones in
+    tf32 for bf16/fp16 inputs, in IEEE fp32 for fp32 inputs)."""
+
+    state: torch.dtype  # chunk-start states hs and chunk-end state gradients dHs
+    scores: torch.dtype  # the scaled intra-chunk scores A
+    wy: torch.dtype  # delta rule: T, W, U, the corrected writes d and their gradient dd
+
+
+def precision_for(dtype: torch.dtype) -> Precision:
+    """The intermediates of fp16/bf16 inputs: the delta rule's WY factors stay fp32 (their products
+    cancel: d = U - W h), states and scores take the input dtype."""
+    return Precision(state=dtype, scores=dtype, wy=torch.float32)
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Static sizes of one call: tokens TT = B * T (packed), N sequences, chunk slots."""
+
+    T: int  # tokens per sequence (fixed length) or all tokens (varlen)
+    TT: int  # rows of the [tokens, H, D] views
+    N: int
+    H: int
+    K: int
+    V: int
+    varlen: bool
+
+    @property
+    def slots(self) -> int:
+        if self.varlen:
+            return self.TT // CHUNK + self.N + 1
+        return self.N * triton.cdiv(self.T, CHUNK)
+
+    @property
+    def BKF(self) -> int:  # the whole key dimension as one tile
+        return _pow2(self.K)
+
+    @property
+    def BK(self) -> int:
+        return min(self.BKF, 64)
+
+    @property
+    def BV(self) -> int:
+        return min(_pow2(self.V), 64)
+
+    @property
+    def state_BV(self) -> int:
+        return min(_pow2(self.V), STATE_BV)
+
+
+def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Shapes:
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return Shapes(T=T, TT=B * T, N=N, H=H, K=K, V=v.shape[-1], varlen=cu_seqlens is not None)
+
+
+#: (kernel, its constexprs, dtypes) whose configured pipelining did not fit in shared memory
+_ONE_STAGE: set = set()
+
+
+def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
+    """kernel[grid](*args) with the LAUNCH config of ``name``; a config whose software pipelining
+    does not fit the device's shared memory (fp32 or K = 256 tiles) runs again with one stage."""
+    warps, stages = LAUNCH[name]
+    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args))
+    if key in _ONE_STAGE:
+        stages = 1
+    try:
+        kernel[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
+    except triton.runtime.errors.OutOfResources as error:
+        if stages == 1:
+            raise
+        logger.debug("linear_recurrence: %s with %d stages does not fit (%s); using 1", name, stages, error)
+        _ONE_STAGE.add(key)
+        kernel[grid](*args, **constexprs, num_warps=warps, num_stages=1)
+
+
+def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
+    """Forward of the chunked recurrence.
+
+    q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or
+    [B, T, H, K] fp32; beta: [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or
+    None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tinv, W)`` for the backward
+    (``d``, ``Tinv``, ``W`` only for the delta rule, else None).
+    """
+    s = shapes_of(q, v, cu_seqlens)
+    dev, P = q.device, precision_for(q.dtype)
+    cu = cu_seqlens if cu_seqlens is not None else q
+    delta, bonus = beta is not None, u is not None
+    G = None
+    if decay:
+        G = torch.empty(g.shape, device=dev, dtype=torch.float32)
+        nkb = triton.cdiv(s.K, s.BK) if decay == 2 else 1
+        _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
+                g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
+    Gp = G if G is not None else q
+    Tinv = W = U = d = None
+    if delta:
+        Tinv = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.wy)
+        W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
+        _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
+                k, v, beta, Gp, Tinv, W, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
+                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+        d = torch.empty_like(v, dtype=P.wy)
+    hs = torch.empty(s.slots, s.H, s.K, s.V, device=dev, dtype=P.state)
+    hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
+    BVs = s.state_BV
+    _launch("state_fwd", chunk_fwd.state_fwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
+            k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
+            hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
+            IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
+            BKF=s.BKF, BV=BVs)
+    A = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.scores)
+    o = torch.empty_like(v)
+    _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
+            q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
+            DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+    return o, hN, (G, hs, A, d, Tinv, W)
+
+
+def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
+    """Backward of :func:`chunk_forward`: returns ``(dq, dk, dv, dg, dbeta, du, dh0)``.
+
+    do: [B, T, H, V]; dhN: [N, H, K, V] or None. dg is fp32 shaped like g, dbeta fp32
+    [B, T, H], du fp32 [H, K], dh0 fp32; entries for absent inputs are None.
+    """
+    G, hs, A, d, Tinv, W = saved
+    s = shapes_of(q, v, cu_seqlens)
+    dev = q.device
+    cu = cu_seqlens if cu_seqlens is not None else q
+    delta, bonus = beta is not None, u is not None
+    Gp = G if G is not None else q
+    do = do.contiguous()
+    dhN = dhN.contiguous() if dhN is not None else None
+    dHs = torch.empty_like(hs)
+    dd = torch.empty_like(d if delta else v)  # the gradient of the writes; for the additive rule it is dv
+    dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
+    BVs = s.state_BV
+    _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
+            q, k, W if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
+            dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
+            BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
+            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv = torch.empty_like(v) if delta else dd
+    dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
+    dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
+    du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
+    _launch("grads", chunk_bwd.grads_kernel, (s.slots, s.H),
+            q, k, v, beta if delta else q, Gp, u if bonus else q, Tinv if delta else q, d if delta else v, hs, dHs,
+            do, dd, dq, dk, dv, dbeta if delta else q, dg if decay else q, du if bonus else q, cu, scale,
+            s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
+            C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+    return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
+
+
+def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
+    """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
+
+    g: None, [N, T, H] (decay 1) or [N, T, H, K] (decay 2); beta: [N, T, H] or None;
+    u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
+    """
+    N, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty_like(v)
+    BK = _pow2(K)
+    BV = min(_pow2(V), STATE_BV)
+    _launch("recurrent", recurrent.recurrent_kernel, (triton.cdiv(V, BV), N * H),
+            q, k, v, g if decay else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
+            T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)
+    return o

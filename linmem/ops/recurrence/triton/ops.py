@@ -1,0 +1,152 @@
+"""The Triton backend as PyTorch custom ops (``torch.library``), so models compile without graph breaks.
+
+``linmem::recurrence_chunk_fwd`` / ``linmem::recurrence_chunk_bwd`` wrap the chunk kernels
+(the forward also returns what the backward needs, as extra outputs), joined by
+``register_autograd``; ``linmem::recurrence_step`` is the in-place decode kernel.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import RecurrenceInputs
+from . import launch
+from .common import CHUNK
+
+#: at most this many tokens without autograd run through the fused recurrent kernel
+RECURRENT_MAX_T = 16
+
+
+def _or_empty(x: Optional[Tensor], like: Tensor) -> Tensor:
+    return x if x is not None else like.new_empty(0)
+
+
+def _or_none(x: Tensor) -> Optional[Tensor]:
+    return x if x.numel() else None
+
+
+@torch.library.custom_op("linmem::recurrence_chunk_fwd", mutates_args=())
+def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
+                 bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+                 decay: int, output_final: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (o, final state, and for the backward: G, hs, A, d, Tinv, W); absent ones are empty."""
+    o, hN, (G, hs, A, d, Tinv, W) = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay,
+                                                          output_final)
+    return o, _or_empty(hN, q), _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tinv, q), _or_empty(W, q)
+
+
+@chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
+    s = launch.shapes_of(q, v, cu_seqlens)
+    f32 = torch.float32
+    empty = q.new_empty(0)
+    hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=f32) if output_final else empty
+    G = q.new_empty(g.shape, dtype=f32) if decay else empty
+    hs = q.new_empty(s.slots, s.H, s.K, s.V)
+    A = q.new_empty(*q.shape[:3], CHUNK)
+    delta = beta is not None
+    return (torch.empty_like(v), hN, G, hs, A, torch.empty_like(v) if delta else empty,
+            q.new_empty(*q.shape[:3], CHUNK) if delta else empty, torch.empty_like(k) if delta else empty)
+
+
+@torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())
+def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
+                 bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], G: Tensor,
+                 hs: Tensor, A: Tensor, d: Tensor, Tinv: Tensor, W: Tensor, do: Tensor, dhN: Optional[Tensor],
+                 scale: float, decay: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
+    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tinv), _or_none(W))
+    grads = launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
+    return tuple(_or_empty(x, q) for x in grads)
+
+
+@chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W, do, dhN, scale, decay):
+    f32 = torch.float32
+    empty = q.new_empty(0)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(g.shape, dtype=f32) if g is not None else empty,
+            q.new_empty(beta.shape, dtype=f32) if beta is not None else empty,
+            q.new_empty(bonus.shape, dtype=f32) if bonus is not None else empty,
+            q.new_empty(h0.shape, dtype=f32) if h0 is not None else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, _ = inputs
+    _, _, G, hs, A, d, Tinv, W = output
+    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W)
+    ctx.scale, ctx.decay = scale, decay
+    ctx.mark_non_differentiable(G, hs, A, d, Tinv, W)
+    ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
+
+
+def _backward(ctx, do, dhN, *_):
+    q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if dhN is not None and dhN.numel() == 0:  # the final state was not returned
+        dhN = None
+    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd_op(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W,
+                                                  do, dhN, ctx.scale, ctx.decay)
+    cast = lambda grad, x: None if x is None else grad.to(x.dtype)  # noqa: E731
+    return dq, dk, dv, cast(dg, g), cast(dbeta, beta), cast(du, bonus), cast(dh0, h0), None, None, None, None
+
+
+chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("linmem::recurrence_step", mutates_args=("state",))
+def step_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], bonus: Optional[Tensor],
+            state: Tensor, scale: float, decay: int) -> Tensor:
+    """Tokens [N, T, H, *] against ``state`` [N, H, K, V] fp32, updated in place; -> o [N, T, H, V]."""
+    return launch.recurrent_step(q, k, v, g, beta, bonus, state, scale, decay)
+
+
+@step_op.register_fake
+def _(q, k, v, g, beta, bonus, state, scale, decay):
+    return torch.empty_like(v)
+
+
+def _per_token_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
+    """log_decay as fp32 [B, T, H] or [B, T, H, K] (a constant [H] is expanded) and its kernel code."""
+    g = inputs.log_decay
+    if inputs.decay_kind == "none":
+        return None, 0
+    if inputs.decay_kind == "constant":
+        B, T, H, _ = inputs.q.shape
+        g = g[None, None, :].expand(B, T, H)
+    return g.float().contiguous(), launch.DECAY_CODES["vector" if inputs.decay_kind == "vector" else "scalar"]
+
+
+def _contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.contiguous()
+
+
+def _needs_grad(inputs: RecurrenceInputs) -> bool:
+    tensors = (inputs.q, inputs.k, inputs.v, inputs.log_decay, inputs.beta, inputs.bonus, inputs.initial_state)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def triton_recurrence(inputs: RecurrenceInputs) -> tuple[Tensor, Optional[Tensor]]:
+    """The "triton" backend of ``linear_recurrence`` for inputs its refusal accepted."""
+    g, decay = _per_token_decay(inputs)
+    q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
+    h0 = None if inputs.initial_state is None else inputs.initial_state.float().contiguous()
+    T = q.shape[1]
+    if inputs.cu_seqlens is None and T <= RECURRENT_MAX_T and not _needs_grad(inputs):
+        B, _, H, K = q.shape
+        state = h0.clone() if h0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
+        o = step_op(q, k, v, g, beta, bonus, state, inputs.scale, decay)
+        return o, (state if inputs.output_final_state else None)
+    o, hN, *_ = chunk_fwd_op(q, k, v, g, beta, bonus, h0, _contiguous(inputs.cu_seqlens), inputs.scale, decay,
+                             inputs.output_final_state)
+    return o, (hN if inputs.output_final_state else None)
+
+
+def triton_step(inputs: RecurrenceInputs, state: Tensor) -> Tensor:
+    """One decoding step (inputs with a time axis of 1) against ``state``, updated in place: -> o [B, H, V]."""
+    g, decay = _per_token_decay(inputs)
+    q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
+    return step_op(q, k, v, g, beta, bonus, state, inputs.scale, decay)[:, 0]

@@ -1,0 +1,53 @@
+"""Fused recurrent kernel: a few tokens against a state held in memory, updated in place.
+
+This is the decoding path (``linear_recurrence_step``): per token it reads nothing but
+q, k, v, the gate and beta, and the state is read and written once per call, so a step
+costs about one pass over the fp32 state.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import total
+
+
+@triton.jit
+def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
+                     DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr):
+    """T tokens of one (sequence, head) against S[n, h, :, V block], token by token.
+
+    q, k: [N, T, H, K]; v, o: [N, T, H, V]; g: None, [N, T, H] (DECAY 1) or [N, T, H, K]
+    (DECAY 2); beta: [N, T, H]; u: [H, K]; S: [N, H, K, V] fp32, read once and written back.
+    Per token: (bonus: o = scale (q S + (q . u k) v)); S = e^g S; S += k^T (beta (v - k S))
+    (DELTA) or k^T v; o = scale q S. Grid (V blocks, N * H).
+    """
+    vb, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    kr = tl.arange(0, BK)
+    vr = vb * BV + tl.arange(0, BV)
+    mk, mv = kr < K, vr < V
+    s_ptr = S + nh.to(tl.int64) * K * V + kr[:, None] * V + vr[None, :]
+    St = tl.load(s_ptr, mask=mk[:, None] & mv[None, :], other=0.0)
+    if BONUS:
+        uu = tl.load(u + h * K + kr, mask=mk, other=0.0).to(tl.float32)
+    for t in range(T):
+        tok = (n.to(tl.int64) * T + t) * H + h
+        qt = tl.load(q + tok * K + kr, mask=mk, other=0.0).to(tl.float32)
+        kt = tl.load(k + tok * K + kr, mask=mk, other=0.0).to(tl.float32)
+        vt = tl.load(v + tok * V + vr, mask=mv, other=0.0).to(tl.float32)
+        if BONUS:
+            out = scale * (total(qt[:, None] * St, 0) + total(qt * uu * kt, 0) * vt)
+        if DECAY == 1:
+            St = St * tl.exp(tl.load(g + tok).to(tl.float32))
+        elif DECAY == 2:
+            St = St * tl.exp(tl.load(g + tok * K + kr, mask=mk, other=0.0).to(tl.float32))[:, None]
+        if DELTA:
+            vt = tl.load(beta + tok).to(tl.float32) * (vt - total(kt[:, None] * St, 0))
+        St += kt[:, None] * vt[None, :]
+        if not BONUS:
+            out = scale * total(qt[:, None] * St, 0)
+        tl.store(o + tok * V + vr, out.to(o.dtype.element_ty), mask=mv)
+    tl.store(s_ptr, St, mask=mk[:, None] & mv[None, :])

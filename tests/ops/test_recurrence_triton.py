@@ -1,0 +1,255 @@
+"""The "triton" backend of the unified recurrence (DESIGN section 7, invariants 1-3).
+
+Every kernel equals the reference loop: outputs, final states and every input gradient, by
+the error ratio ``rms(x - ref) / rms(ref)``. On a machine without CUDA the kernels run on
+the CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set below before the
+kernels are first imported) at small shapes; ``gpu`` tests repeat the checks at real
+shapes on CUDA, with 5e-3 for fp32 there (the bound for tensor-core products; the kernels
+compute fp32 inputs' products in IEEE fp32, so the measured ratios are far lower).
+
+bf16 is measured against the fp32 reference on the same (bf16-rounded) inputs and
+cotangents, so the ratio counts only what the kernels lose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+
+pytest.importorskip("triton")
+
+from linmem.ops import available_backends, linear_recurrence, linear_recurrence_step  # noqa: E402
+from tests.helpers import make_inputs, rel_err  # noqa: E402
+
+if "triton" not in available_backends():
+    pytest.skip("the triton backend is not registered", allow_module_level=True)
+
+from linmem.ops.recurrence.triton import common  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not common.INTERPRET:
+    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+FP32_TOL = 1e-4 if DEVICE == "cpu" else 5e-3
+LOW_TOL = 5e-3  # bf16 / fp16 against the fp32 reference
+KINDS = ("none", "constant", "scalar", "vector")
+COMBOS = [(kind, rule, bonus) for kind in KINDS for rule, bonus in (("additive", False), ("additive", True),
+                                                                    ("delta", False))]
+
+
+def combo_id(c):
+    kind, rule, bonus = c
+    return f"{kind}-{rule}" + ("-bonus" if bonus else "")
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def run(backend, tensors, do, dS, **kwargs):
+    """Outputs and every input gradient of sum(o * do) + sum(S * dS) (cotangents cast to o's dtype)."""
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in tensors.items()}
+    o, S = linear_recurrence(**leaves, output_final_state=True, backend=backend, **kwargs)
+    loss = (o.float() * do.to(o.dtype).float()).sum() + (S * dS).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return o.detach(), S.detach(), dict(zip(leaves, grads))
+
+
+def compare(tensors, tol, **kwargs):
+    """The triton backend on ``tensors`` against the fp32 (fp64 for fp32 inputs) reference."""
+    gen = seeded("cotangents", sorted(tensors))
+    o_shape = (*tensors["v"].shape[:-1], tensors["v"].shape[-1])
+    do = torch.randn(o_shape, generator=gen).to(tensors["q"].dtype).to(DEVICE)
+    N = tensors["initial_state"].shape[0] if "initial_state" in tensors else o_shape[0]
+    if "cu_seqlens" in kwargs:
+        N = kwargs["cu_seqlens"].shape[0] - 1
+    K, V = tensors["q"].shape[-1], tensors["v"].shape[-1]
+    dS = torch.randn(N, o_shape[2], K, V, generator=gen).to(DEVICE)
+    ref_dtype = torch.float64 if tensors["q"].dtype == torch.float32 else torch.float32
+    ref = {n: x.to(ref_dtype) for n, x in tensors.items()}
+    o_ref, S_ref, g_ref = run("reference", ref, do.to(ref_dtype), dS.to(ref_dtype), **kwargs)
+    o, S, g = run("triton", tensors, do, dS, **kwargs)
+    assert o.dtype == tensors["q"].dtype and S.dtype == torch.float32
+    errors = {"o": rel_err(o, o_ref), "final_state": rel_err(S, S_ref)}
+    errors.update({f"d{n}": rel_err(g[n], g_ref[n]) for n in tensors})
+    for name, err in errors.items():
+        assert err < tol, f"{name}: error ratio {err:.2e} >= {tol:.0e} (all: {errors})"
+    for name, x in (("o", o), ("final_state", S), *((f"d{n}", g[n]) for n in tensors)):
+        assert torch.isfinite(x).all(), f"{name}: non-finite values"
+    return errors
+
+
+def inputs(combo, B, T, H, K, V, dtype=torch.float32, initial_state=True):
+    kind, rule, bonus = combo
+    t = make_inputs(kind, rule, bonus, B=B, T=T, H=H, K=K, V=V, dtype=dtype, initial_state=initial_state,
+                    generator=seeded(combo, B, T, H, K, V, str(dtype)))
+    return {n: x.to(DEVICE) for n, x in t.items()}
+
+
+# ---------------------------------------------------------------- CPU (interpreter) and GPU, small shapes
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_triton_equals_reference(combo):
+    """Two sequences, a full and a partial chunk, K != V."""
+    compare(inputs(combo, B=2, T=80, H=1, K=16, V=24), FP32_TOL)
+
+
+@pytest.mark.parametrize("T", [1, 63])
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", True)], ids=combo_id)
+def test_odd_lengths(combo, T):
+    compare(inputs(combo, B=1, T=T, H=2, K=16, V=16), FP32_TOL)
+
+
+def test_several_key_blocks_and_odd_head_dims():
+    """K = 80 spans two key blocks, V = 40 is no power of two; no initial state."""
+    compare(inputs(("vector", "delta", False), B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
+
+
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", True)], ids=combo_id)
+def test_varlen_equals_reference(combo):
+    """Packed sequences of lengths 5, 0, 70, 1, 33: an empty one, partial chunks, idle slots."""
+    lengths = [5, 0, 70, 1, 33]
+    t = inputs(combo, B=1, T=sum(lengths), H=1, K=16, V=16, initial_state=False)
+    t["initial_state"] = torch.randn(len(lengths), 1, 16, 16, generator=seeded("h0")).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    compare(t, FP32_TOL, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
+def test_bf16_against_fp32_reference(combo):
+    compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
+
+
+def test_gradients_when_only_the_output_is_used():
+    """No initial state, no final state: the backward runs without a state gradient."""
+    t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=16, initial_state=False)
+    do = torch.randn(t["v"].shape, generator=seeded("do")).to(DEVICE)
+    grads = {}
+    for backend in ("reference", "triton"):
+        leaves = {n: x.detach().clone().requires_grad_(True) for n, x in t.items()}
+        o, S = linear_recurrence(**leaves, backend=backend)
+        assert S is None
+        grads[backend] = torch.autograd.grad((o * do).sum(), list(leaves.values()))
+    for name, g, g_ref in zip(t, grads["triton"], grads["reference"]):
+        assert rel_err(g, g_ref) < FP32_TOL, name
+
+
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("constant", "additive", True)], ids=combo_id)
+def test_few_tokens_without_grad_use_the_recurrent_kernel(combo):
+    """Up to 16 tokens without autograd: the fused recurrent kernel (decoding a few tokens)."""
+    t = inputs(combo, B=2, T=3, H=2, K=16, V=8)
+    with torch.no_grad():
+        o_ref, S_ref = linear_recurrence(**t, output_final_state=True, backend="reference")
+        o, S = linear_recurrence(**t, output_final_state=True, backend="triton")
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("case", ["dplr", "full", "delta-bonus", "float64", "K512"])
+def test_unserved_inputs_fall_back_to_chunk_with_a_logged_reason(case, caplog):
+    combo = {"dplr": ("scalar", "dplr", False), "full": ("full", "additive", False),
+             "delta-bonus": ("scalar", "delta", True)}.get(case, ("scalar", "additive", False))
+    K = 512 if case == "K512" else 8
+    dtype = torch.float64 if case == "float64" else torch.float32
+    t = make_inputs(*combo, B=1, T=9, H=1, K=K, V=4, dtype=dtype, generator=seeded(case))
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        o, S = linear_recurrence(**t, output_final_state=True, backend="triton")
+    assert any("'triton' cannot serve" in r.getMessage() for r in caplog.records)
+    o_ref, S_ref = linear_recurrence(**t, output_final_state=True, backend="chunk")
+    assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+
+
+def test_custom_op_traces_without_graph_breaks():
+    """The chunk kernels are torch.library custom ops: fullgraph compilation sees one opaque op."""
+    t = inputs(("none", "delta", False), B=1, T=20, H=1, K=16, V=16)
+
+    def f(q, k, v, beta, initial_state):
+        return linear_recurrence(q, k, v, beta=beta, initial_state=initial_state, output_final_state=True,
+                                 backend="triton")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    o, S = compiled(**t)
+    o_ref, S_ref = f(**t)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_gpu_real_shapes(combo, dtype):
+    tol = LOW_TOL if dtype != torch.float32 else FP32_TOL
+    compare(inputs(combo, B=2, T=777, H=4, K=128, V=128, dtype=dtype), tol)
+
+
+@gpu
+@pytest.mark.parametrize("KV", [(64, 256), (256, 64), (100, 72)], ids=lambda kv: f"K{kv[0]}V{kv[1]}")
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", True)], ids=combo_id)
+def test_gpu_head_dims(combo, KV):
+    compare(inputs(combo, B=1, T=300, H=2, K=KV[0], V=KV[1], dtype=torch.bfloat16), LOW_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("combo", [c for c in COMBOS if c[0] in ("scalar", "vector")], ids=combo_id)
+def test_gpu_varlen(combo):
+    lengths = [1000, 0, 1, 64, 200, 511]
+    t = inputs(combo, B=1, T=sum(lengths), H=4, K=128, V=64, dtype=torch.bfloat16, initial_state=False)
+    t["initial_state"] = torch.randn(len(lengths), 4, 128, 64, generator=seeded("h0")).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    compare(t, LOW_TOL, cu_seqlens=cu)
+
+
+@gpu
+def test_gpu_fp16():
+    compare(inputs(("vector", "delta", False), B=1, T=500, H=2, K=64, V=64, dtype=torch.float16), LOW_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
+@pytest.mark.parametrize("strength", [-60.0, -1e-6])
+@pytest.mark.parametrize("rule", ["additive", "delta"])
+def test_gpu_extreme_gates_are_finite(kind, strength, rule):
+    """Decays near 0 (log ~ -60 per token) and near 1, T = 4096: finite outputs and gradients."""
+    t = inputs((kind, rule, False), B=1, T=4096, H=2, K=64, V=64, dtype=torch.bfloat16)
+    t["log_decay"] = strength * (1 + torch.rand(t["log_decay"].shape, generator=seeded(kind, strength))).to(DEVICE)
+    do = torch.randn(t["v"].shape, device=DEVICE)
+    o, S, g = run("triton", t, do, torch.randn(1, 2, 64, 64, device=DEVICE))
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert all(torch.isfinite(x).all() for x in g.values())
+
+
+@gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_gpu_decode_step_updates_the_state_in_place(combo):
+    t = inputs(combo, B=3, T=1, H=4, K=128, V=64, dtype=torch.bfloat16)
+    step = {n: (x if n in ("bonus", "initial_state") or (n == "log_decay" and x.dim() == 1) else x[:, 0])
+            for n, x in t.items()}
+    t["initial_state"] = t["initial_state"].float()
+    state = step.pop("initial_state").float()
+    expected_o, expected_S = linear_recurrence(**t, output_final_state=True, backend="reference")
+    with torch.no_grad():
+        o, S = linear_recurrence_step(step.pop("q"), step.pop("k"), step.pop("v"), state, **step)
+    assert S is state
+    assert rel_err(o, expected_o[:, 0]) < LOW_TOL and rel_err(S, expected_S) < FP32_TOL
+
+
+@gpu
+def test_gpu_auto_picks_triton(caplog):
+    t = inputs(("vector", "delta", False), B=1, T=64, H=1, K=16, V=16)
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        o_auto, _ = linear_recurrence(**t, backend="auto")
+    o_triton, _ = linear_recurrence(**t, backend="triton")
+    assert torch.equal(o_auto, o_triton)
+    assert not any("cannot serve" in r.getMessage() for r in caplog.records)

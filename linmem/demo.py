@@ -142,7 +142,7 @@ def text_run(out: Path, *, quick: bool) -> None:
     ])
     started = time.perf_counter()
     trainer = Trainer(config)
-    print(f"\ntext: {trainer.task.describe()}; model {trainer.parameter_count() / 1e6:.2f}M parameters")
+    print(f"\n{trainer.task.describe()}; model {trainer.parameter_count() / 1e6:.2f}M parameters")
     result = trainer.train()
     print(f"  {result.steps} steps in {time.perf_counter() - started:.0f} s; held-out byte perplexity "
           f"{result.metrics['val_ppl']:.2f}")

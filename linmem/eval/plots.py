@@ -50,6 +50,9 @@ def plot_mqar_accuracy(rows: Sequence[dict], out: Path) -> Path:
     by_kv.set(xlabel="kv pairs", ylabel="recall accuracy", title="MQAR accuracy vs kv pairs", xscale="log", ylim=(0, 1.02))
     by_width.set(xlabel="model width", ylabel="recall accuracy", ylim=(0, 1.02),
                  title=f"MQAR accuracy vs width (kv = {max(r['kv'] for r in rows)})")
+    kvs = sorted({r["kv"] for r in rows})
+    by_kv.set_xticks(kvs, [str(kv) for kv in kvs])
+    by_kv.minorticks_off()
     by_width.set_xticks(widths)
     for ax in (by_kv, by_width):
         ax.legend(fontsize=7)

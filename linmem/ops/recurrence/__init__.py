@@ -10,7 +10,7 @@ import torch
 
 from .chunk import chunk_recurrence
 from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
-from .reference import recurrence_step, reference_recurrence
+from .reference import per_step_decay, recurrence_step, reference_recurrence
 
 __all__ = [
     "linear_recurrence",
@@ -210,12 +210,11 @@ def linear_recurrence_step(
             if reason is None:
                 return kernel.fn(inputs, state), state
             logger.debug("linear_recurrence_step: kernel %r cannot serve this step (%s)", kernel.name, reason)
-    per_step = {"none": None, "constant": lambda x: x[None, :, None, None], "scalar": lambda x: x[:, 0, :, None, None],
-                "vector": lambda x: x[:, 0, ..., None], "full": lambda x: x[:, 0]}[inputs.decay_kind]
+    decay = per_step_decay(inputs.log_decay, inputs.decay_kind, q.shape[0], 1)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     o, new_state = recurrence_step(
         state, cast(q), cast(k), cast(v),
-        log_decay=None if per_step is None else cast(per_step(inputs.log_decay)),
+        log_decay=None if decay is None else cast(decay[:, 0]),
         beta=cast(beta), bonus=cast(bonus), a=cast(a), b=cast(b), scale=inputs.scale,
     )
     if torch.is_grad_enabled() and (new_state.requires_grad or o.requires_grad):

@@ -69,7 +69,7 @@ def recurrence_step(
     return o, S
 
 
-def _per_step_decay(log_decay: Optional[torch.Tensor], kind: str, B: int, T: int) -> Optional[torch.Tensor]:
+def per_step_decay(log_decay: Optional[torch.Tensor], kind: str, B: int, T: int) -> Optional[torch.Tensor]:
     """Reshape log_decay to [B, T, H, K or 1, V or 1] so that step t broadcasts onto S."""
     if kind == "none":
         return None
@@ -122,7 +122,7 @@ def reference_recurrence(
     V = v.shape[-1]
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     q, k, v, beta, bonus, a, b = map(cast, (q, k, v, beta, bonus, a, b))
-    g = cast(_per_step_decay(log_decay, decay_kind, B, T))
+    g = cast(per_step_decay(log_decay, decay_kind, B, T))
 
     if cu_seqlens is None:
         S0 = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (chunk_scores, first_slot, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
-                     running_total, sequence_bounds, store_rows, store_state, total)
+from .common import (_INTERP, chunk_scores, first_slot, load_gate_rows, load_rows, load_state, locate_chunk,
+                     masked_exp, mm, running_total, sequence_bounds, store_rows, store_state, total)
 
 
 @triton.jit
@@ -44,14 +44,77 @@ def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
 
 
 @triton.jit
+def _ieee(a, b):
+    """a @ b in IEEE fp32 (the inverse's small products: exact enough for any input dtype)."""
+    if _INTERP:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _lower_block(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.constexpr, j: tl.constexpr):
+    """Block (i, j) [SB, SB] of a chunk's [C, C] matrix stored as rows of a [tokens, H, C] buffer."""
+    return load_rows(Lp, t0, nrows, h, H, C, i * SB + tl.arange(0, SB), j * SB + tl.arange(0, SB), False)
+
+
+@triton.jit
+def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
+    """T = (I + L)^-1 for the strictly lower L [C, C] (fp32, stored in Lp); returns T's four row
+    blocks [SB, C] (C = 4 SB).
+
+    The diagonal blocks D_b = (I + L_bb)^-1 come from one forward substitution run on all four
+    blocks at once (SB - 1 steps); then, block row by block row,
+    ``T_i = D_i (E_i - sum_{m<i} L_im T_m)`` with ``E_i`` the i-th row block of the identity,
+    which is (I + L) T = I solved for row block i. Products in IEEE fp32.
+    """
+    tl.static_assert(C == 4 * SB)
+    b3 = tl.arange(0, 4)[:, None, None]
+    a3 = tl.arange(0, SB)[None, :, None]
+    c3 = tl.arange(0, SB)[None, None, :]
+    r3 = b3 * SB + a3
+    Ld = tl.load(Lp + (t0 * H + h) * C + r3 * (H * C) + b3 * SB + c3, mask=(r3 < nrows) & (c3 >= 0), other=0.0)
+    D = tl.where((a3 == c3) & (b3 >= 0), 1.0, 0.0)
+    for i in range(1, SB):
+        # row i of each D_b: e_i - sum_{j<i} L_bb[i, j] D_b[j, :] (rows j < i already final)
+        Li = total(tl.where(a3 == i, Ld, 0.0), 1)
+        row = tl.where(c3 == i, 1.0, 0.0) - total(Li[:, :, None] * D, 1)[:, None, :]
+        D = tl.where(a3 == i, row, D)
+    ar = tl.arange(0, SB)[:, None]
+    cols = tl.arange(0, C)[None, :]
+    T0 = _ieee(total(tl.where(b3 == 0, D, 0.0), 0), tl.where(cols == ar, 1.0, 0.0))
+    X = _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 1, 0), T0)
+    T1 = _ieee(total(tl.where(b3 == 1, D, 0.0), 0), tl.where(cols == ar + SB, 1.0, 0.0) - X)
+    X = (_ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 0), T0)
+         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 1), T1))
+    T2 = _ieee(total(tl.where(b3 == 2, D, 0.0), 0), tl.where(cols == ar + 2 * SB, 1.0, 0.0) - X)
+    X = (_ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 0), T0)
+         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 1), T1)
+         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 2), T2))
+    T3 = _ieee(total(tl.where(b3 == 3, D, 0.0), 0), tl.where(cols == ar + 3 * SB, 1.0, 0.0) - X)
+    return T0, T1, T2, T3
+
+
+@triton.jit
+def _store_wy(out, T0, T1, T2, T3, x, t0, nrows, h, H, D, cols, IT: tl.constexpr, X: tl.constexpr,
+              SB: tl.constexpr):
+    """out[rows of the chunk, h, cols] = T x, one row block of T at a time. x: [C, BD]."""
+    r = tl.arange(0, SB)
+    store_rows(out, mm(T0, x, IT, X), t0, nrows, h, H, D, r, cols)
+    store_rows(out, mm(T1, x, IT, X), t0, nrows, h, H, D, r + SB, cols)
+    store_rows(out, mm(T2, x, IT, X), t0, nrows, h, H, D, r + 2 * SB, cols)
+    store_rows(out, mm(T3, x, IT, X), t0, nrows, h, H, D, r + 3 * SB, cols)
+
+
+@triton.jit
 def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
                       DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr):
     """Delta rule, per chunk: T = (I + diag(beta) strict(A_kk))^-1 [C, C], W = T (beta k e^G) [C, K],
-    U = T (beta v) [C, V] (the WY/UT form). The inverse is a forward substitution, one row per step.
+    U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
-    k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tinv: [tokens, H, C],
-    W: [tokens, H, K], U: [tokens, H, V]. Grid (slots, H).
+    k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tinv: [tokens, H, C] (fp32,
+    first used as scratch for L), W: [tokens, H, K], U: [tokens, H, V]. Grid (slots, H).
     """
     IT: tl.constexpr = W.dtype.element_ty
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -60,14 +123,15 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
     rows = tl.arange(0, C)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
     L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X)
-    eye = rows[:, None] == rows[None, :]
-    Ti = tl.where(eye, 1.0, 0.0)
-    for i in range(1, C):
-        # row i of (I + L)^-1 = e_i - sum_{j<i} L[i, j] (row j), rows j < i already final
-        coef = -total(tl.where(rows[:, None] == i, L, 0.0), 0)
-        row = total(coef[:, None] * Ti, 0) + tl.where(rows == i, 1.0, 0.0)
-        Ti = tl.where(rows[:, None] == i, row[None, :], Ti)
-    store_rows(Tinv, Ti, t0, nrows, h, H, C, rows, rows)
+    store_rows(Tinv, L, t0, nrows, h, H, C, rows, rows)
+    tl.debug_barrier()  # L is read back by blocks, by other threads
+    T0, T1, T2, T3 = unit_lower_inverse(Tinv, t0, nrows, h, H, C, SB)
+    tl.debug_barrier()  # every block of L is read before T overwrites it
+    r = tl.arange(0, SB)
+    store_rows(Tinv, T0, t0, nrows, h, H, C, r, rows)
+    store_rows(Tinv, T1, t0, nrows, h, H, C, r + SB, rows)
+    store_rows(Tinv, T2, t0, nrows, h, H, C, r + 2 * SB, rows)
+    store_rows(Tinv, T3, t0, nrows, h, H, C, r + 3 * SB, rows)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = load_rows(k, t0, nrows, h, H, K, rows, cols, False) * b[:, None]
@@ -75,11 +139,11 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
             x = x * tl.exp(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         elif DECAY == 2:
             x = x * tl.exp(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
-        store_rows(W, mm(Ti, x, IT, X), t0, nrows, h, H, K, rows, cols)
+        _store_wy(W, T0, T1, T2, T3, x, t0, nrows, h, H, K, cols, IT, X, SB)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = load_rows(v, t0, nrows, h, H, V, rows, cols, False) * b[:, None]
-        store_rows(U, mm(Ti, x, IT, X), t0, nrows, h, H, V, rows, cols)
+        _store_wy(U, T0, T1, T2, T3, x, t0, nrows, h, H, V, cols, IT, X, SB)
 
 
 @triton.jit

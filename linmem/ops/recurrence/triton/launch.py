@@ -26,13 +26,15 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 
 #: (num_warps, num_stages) per kernel (``linmem bench ops --launch`` tries others). The sequential
 #: passes stay at 4 warps: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
-#: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21).
+#: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21). Measured
+#: there at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet forward 1.47 -> 0.85 ms)
+#: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms).
 LAUNCH = {
     "cumsum": (4, 2),
-    "prep": (8, 2),
+    "prep": (4, 2),
     "state_fwd": (4, 2),
     "output": (8, 2),
-    "state_bwd": (4, 2),
+    "state_bwd": (4, 1),
     "grads": (8, 1),
     "recurrent": (4, 2),
 }

@@ -22,7 +22,8 @@ and outputs and the next chunk's state are products with ``S_0``::
 
 so the only loop is over chunks (``S_{c+1} = M_c S_c + N_c``), never over tokens.
 Decays only ever enter as ``exp`` of a non-positive difference of cumulative
-sums, so strong gates cannot overflow. Gradients come from autograd.
+sums, so strong gates cannot overflow. Gradients come from autograd (one hand-written
+backward: the pairwise per-channel decays inside a sub-block, ``_PairwiseScores``).
 
 A full ``[K, V]`` decay acts column by column, so it is served by folding the V
 columns into heads (each column is a vector-decay recurrence with V = 1); varlen
@@ -190,9 +191,7 @@ def _scores(x: torch.Tensor, G_x: torch.Tensor, y: torch.Tensor, G: torch.Tensor
     blocks = lambda t: t.unflatten(-2, (m, sub))  # noqa: E731  [.., C, K] -> [.., m, sub, K]
     xb, Gxb, yb, Gb = blocks(x), blocks(G_x), blocks(y), blocks(G)
     # pairs inside one sub-block: exact, a [sub, sub, K] tensor per block
-    diff = Gxb[..., :, None, :] - Gb[..., None, :, :]
-    inside = torch.einsum("...tk,...sk,...tsk->...ts", xb, yb,
-                          _masked_exp(diff, _causal(sub, strict, x.device)[..., None]))  # [.., m, sub, sub]
+    inside = _PairwiseScores.apply(xb, Gxb, yb, Gb, _causal(sub, strict, x.device))  # [.., m, sub, sub]
     if m == 1:
         return inside[..., 0, :, :]
     # pairs with s in an earlier sub-block: factor through R_i = G just before block i,
@@ -205,6 +204,34 @@ def _scores(x: torch.Tensor, G_x: torch.Tensor, y: torch.Tensor, G: torch.Tensor
     on_diagonal = torch.eye(m, dtype=x.dtype, device=x.device)[:, None, :, None]  # [m, 1, m, 1]
     scores = scores + (inside[..., :, :, None, :] * on_diagonal).flatten(-2)
     return scores.flatten(-3, -2)
+
+
+class _PairwiseScores(torch.autograd.Function):
+    """``A[.., t, s] = sum_k x_tk y_sk exp(Gx_tk - G_sk)`` for the pairs of ``mask`` [sub, sub], for
+    x, Gx, y, G: [.., sub, K] (the exact part of the per-channel scores).
+
+    The [.., sub, sub, K] decay tensor dominates the cost of a per-channel decay on a CPU, so the
+    backward recomputes it instead of saving it, and the gate gradients reuse the input gradients:
+    ``dGx = x * dx`` and ``dG = -y * dy`` (G enters only through exp(Gx - G)).
+    """
+
+    @staticmethod
+    def forward(ctx, x, Gx, y, G, mask):  # noqa: D102 (documented on the class)
+        ctx.save_for_backward(x, Gx, y, G, mask)
+        return torch.einsum("...tk,...sk,...tsk->...ts", x, y, _pair_decay(Gx, G, mask))
+
+    @staticmethod
+    def backward(ctx, dA):  # noqa: D102
+        x, Gx, y, G, mask = ctx.saved_tensors
+        P = dA[..., None] * _pair_decay(Gx, G, mask)  # [.., t, s, K]
+        dx = torch.einsum("...tsk,...sk->...tk", P, y)
+        dy = torch.einsum("...tsk,...tk->...sk", P, x)
+        return dx, x * dx, dy, -y * dy, None
+
+
+def _pair_decay(Gx: torch.Tensor, G: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(Gx_tk - G_sk) for the pairs of ``mask`` [sub, sub], 0 elsewhere: [.., sub, sub, K]."""
+    return _masked_exp(Gx[..., :, None, :] - G[..., None, :, :], mask[..., None])
 
 
 def _causal(C: int, strict: bool, device: torch.device) -> torch.Tensor:

@@ -74,7 +74,7 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         decode_batch=args.decode_batch)
+                         decode_batch=args.decode_batch, breakdown=args.breakdown)
     return main(config, json_path=args.json)
 
 
@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add peers measured in the same run: sdpa (PyTorch SDPA, causal), fla (flash-linear-attention)")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--json", help="also write the rows to this JSON file")
+    ops.add_argument("--breakdown", action="store_true",
+                     help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
     ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,state_fwd=4x3 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
     layers = bench_sub.add_parser("layers", help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")

@@ -7,13 +7,15 @@ the backend PyTorch picks, flash or cuDNN) and the flash-linear-attention kernel
 package is installed. A peer that fails prints its error in the table (fla refuses gated
 backward on Hopper with Triton < 3.7.1). Decoding rows time one ``linear_recurrence_step``
 (host work included); ceilings are measured in the same run. Times are medians of
-``triton.testing.do_bench``.
+``triton.testing.do_bench``. ``--breakdown`` adds, for the first shape, the GPU time of every
+kernel of one forward+backward of each memory op and its fla peer (torch.profiler).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -56,6 +58,7 @@ class BenchConfig:
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
     peers: tuple[str, ...] = ()  # "sdpa" and/or "fla", measured in the same run
     decode_batch: int = 64  # B of the decoding rows (0: none)
+    breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
     warmup_ms: int = 25
     rep_ms: int = 100
 
@@ -278,6 +281,71 @@ def environment() -> dict:
     return env
 
 
+def kernel_breakdown(fn: Callable[[], torch.Tensor], device: str = "cuda", iters: int = 10
+                     ) -> tuple[float, list[tuple[str, float]]]:
+    """Where one ``fn().backward(g)`` spends its time: ``(total ms, [(name, ms), ...])``, largest first.
+
+    On CUDA the names are kernels and the times their GPU time; on CPU, aten ops and their self
+    time. Means over ``iters`` calls after two warm-up calls.
+
+    Example:
+        >>> q = torch.randn(1, 64, 2, 16, requires_grad=True)
+        >>> total, parts = kernel_breakdown(lambda: linear_recurrence(q, q, q, backend="chunk")[0], "cpu", iters=1)
+        >>> total > 0 and any(name == "aten::bmm" for name, _ in parts)
+        True
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    grad = torch.randn_like(fn())
+    for _ in range(2):
+        fn().backward(grad)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn().backward(grad)
+        sync()
+    per_name: dict[str, float] = defaultdict(float)
+    if device == "cuda":
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_name[event.name] += event.device_time_total
+    else:
+        for event in prof.key_averages():
+            per_name[event.key] += event.self_cpu_time_total
+    parts = sorted(((name, us / iters / 1000) for name, us in per_name.items() if us > 0), key=lambda p: -p[1])
+    return sum(ms for _, ms in parts), parts
+
+
+def breakdown_rows(config: BenchConfig, device: str = "cuda", top: int = 8, iters: int = 10) -> list[str]:
+    """Lines of the per-kernel breakdown of every memory op (each backend, and its fla peer) at the
+    first shape of ``config``."""
+    B, T = config.shapes[0]
+    lines = [f"time per kernel, one forward+backward, B x T = {B} x {T}, H = {config.heads}, "
+             f"K = V = {config.head_dim}, {config.dtype}"]
+    for op in (o for o in config.ops if o in MEMORY_OPS):
+        args = memory_inputs(op, B, T, config.heads, config.head_dim, getattr(torch, config.dtype), device)
+        calls = [(backend, lambda backend=backend: linear_recurrence(**args, backend=backend)[0])
+                 for backend in config.backends]
+        if "fla" in config.peers and op in FLA_PEERS:
+            try:
+                calls.append((f"fla.{FLA_PEERS[op]}", _fla_call(FLA_PEERS[op], args)))
+            except ImportError as error:
+                lines.append(f"{op} fla: not installed ({error})")
+        for impl, fn in calls:
+            try:
+                total, parts = kernel_breakdown(fn, device, iters)
+            except Exception as error:  # a peer that refuses these inputs says so
+                lines.append(f"{op} {impl}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+                continue
+            lines.append(f"{op} {impl}: {total:.3f} ms")
+            lines += [f"    {ms:8.3f} ms  {name[:90]}" for name, ms in parts[:top]]
+        del args
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
 def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
     """Run the benchmark and print the table (and write rows as JSON)."""
     if not torch.cuda.is_available():
@@ -287,6 +355,8 @@ def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
     print(json.dumps({**env, **{k: round(v, 3) for k, v in ceil.items()}}), flush=True)
     print(TABLE_HEAD + "\n" + "-" * len(TABLE_HEAD), flush=True)
     rows = run_ops(config, report=lambda row: print(format_row(row, config, ceil), flush=True))
+    if config.breakdown:
+        print("\n" + "\n".join(breakdown_rows(config)), flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": env, "ceilings": ceil, "config": asdict(config), "rows": [asdict(r) for r in rows]}, f,

@@ -1,0 +1,26 @@
+"""The benchmark's per-kernel breakdown, on CPU (there it lists aten ops; on CUDA, kernels)."""
+
+import torch
+
+from linmem.bench.ops import BenchConfig, breakdown_rows, kernel_breakdown
+from linmem.ops import linear_recurrence
+
+
+def test_kernel_breakdown_sums_its_parts_largest_first():
+    q = torch.randn(2, 64, 2, 16, requires_grad=True)
+    total, parts = kernel_breakdown(lambda: linear_recurrence(q, q, q, beta=torch.rand(2, 64, 2),
+                                                              backend="chunk")[0], "cpu", iters=1)
+    times = [ms for _, ms in parts]
+    assert total > 0 and abs(total - sum(times)) < 1e-9 and times == sorted(times, reverse=True)
+    assert "aten::linalg_solve_triangular" in dict(parts)  # the delta rule's WY solve is in the list
+
+
+def test_breakdown_rows_name_each_op_and_backend():
+    config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=("gla", "deltanet", "attention"),
+                         backends=("chunk", "reference"))
+    lines = breakdown_rows(config, device="cpu", top=3, iters=1)
+    assert "B x T = 1 x 64" in lines[0]
+    for op in ("gla", "deltanet"):
+        for backend in ("chunk", "reference"):
+            assert any(line.startswith(f"{op} {backend}: ") and line.endswith(" ms") for line in lines)
+    assert not any(line.startswith("attention") for line in lines)  # only memory ops are broken down

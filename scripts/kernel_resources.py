@@ -1,0 +1,123 @@
+"""Compile the Triton kernels of the recurrence for sm_90 (Hopper) without a GPU and print what each
+variant needs: shared memory, registers per thread and the local-memory stack (register spills).
+
+Needs only triton (no torch): the kernel modules import nothing else, and the launch configs are
+read from ``launch.py`` as text. Use the Triton of the GPU image to see what it will build::
+
+    python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    /tmp/t36/bin/python scripts/kernel_resources.py                  # bf16, K = V = 128, every kernel
+    /tmp/t36/bin/python scripts/kernel_resources.py --only state_bwd,grads --K 256 --dtype fp32
+
+A stack above 0 bytes is a spill; a sequential pass that spills pays local-memory latency on
+every chunk (the reverse pass does, 1-2.8 KB per thread, the forward pass of the delta rule with
+no decay does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+KERNELS = Path(__file__).resolve().parent.parent / "linmem" / "ops" / "recurrence" / "triton"
+
+
+def _load(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"lk.{name}", KERNELS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"lk.{name}"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch_configs() -> dict[str, tuple[int, int]]:
+    """The ``LAUNCH`` dict of launch.py, read without importing it (it imports torch)."""
+    tree = ast.parse((KERNELS / "launch.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "LAUNCH")
+    return ast.literal_eval(node.value)
+
+
+def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
+    """(kernel name, tag, function, pointer dtypes, constexprs) of every kernel a benchmark run uses."""
+    f32 = "*fp32"
+    BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
+    for decay, delta, bonus in [(2, 1, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
+        tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
+        wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
+        if delta:
+            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tinv": f32, "W": f32,
+                                                       "U": f32, "cu_seqlens": "*i32"}, \
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
+        yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
+                                                       "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=32)
+        yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
+                                                 "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
+        yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "W": wt, "G": f32, "A": dt, "do": dt,
+                                                       "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
+                                                       "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
+                 BKF=BKF, BV=32)
+        yield "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt, "Tinv": wt,
+                                               "d": wt, "hs": dt, "dHs": dt, "do": dt, "dd": wt, "dq": dt, "dk": dt,
+                                               "dv": dt, "dbeta": f32, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
+    yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
+        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=32)
+
+
+def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int]:
+    """(shared memory bytes, registers per thread, stack bytes per thread) of one compiled variant."""
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else pointers.get(p, "fp32" if p == "scale" else "i32")
+                 for p in names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", text).groups())
+    return compiled.metadata.shared, regs, stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, grads, recurrent)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
+    parser.add_argument("--varlen", action="store_true")
+    args = parser.parse_args()
+    sys.modules["lk"] = types.ModuleType("lk")
+    sys.modules["lk"].__path__ = [str(KERNELS)]
+    _load("common")
+    fwd, bwd, rec = _load("chunk_fwd"), _load("chunk_bwd"), _load("recurrent")
+    launch = launch_configs()
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, K = V = {args.K}{', varlen' if args.varlen else ''}")
+    for name, tag, fn, pointers, constexprs in variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen)):
+        if args.only and name not in args.only.split(","):
+            continue
+        warps, stages = launch[name]
+        try:
+            smem, regs, stack = resources(fn, pointers, constexprs, warps, stages)
+            print(f"{name:10s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  stack {stack:5d} B")
+        except Exception as error:  # a variant that does not compile says why
+            print(f"{name:10s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+
+
+if __name__ == "__main__":
+    main()

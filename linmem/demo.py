@@ -31,6 +31,8 @@ from .train.runs import load_run
 
 @dataclass(frozen=True)
 class DemoModel:
+    """One model of the study: its config overrides and the training settings tuned for it."""
+
     name: str
     fields: dict[str, Any] = field(default_factory=dict)  # model.* overrides
     widths: tuple[int, ...] = (64,)  # model widths trained

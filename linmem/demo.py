@@ -105,19 +105,31 @@ def parallelism(jobs: int) -> tuple[int, int]:
     return workers, max(1, cpus // workers)
 
 
+def mqar_job(model: DemoModel, width: int, folder: Path, *, quick: bool, threads: int,
+             extra: tuple[str, ...] = ()) -> MQARJob:
+    """The run of ``model`` at ``width`` under ``folder``; a bad override raises here, not in a worker."""
+    run_dir = folder / f"{model.name.replace(' ', '_').replace('+', '_')}-d{width}"
+    steps = 10 if quick else model.steps
+    overrides = (_mqar_overrides(steps, quick, model.warmup)
+                 + _overrides("model", {**model.fields, "hidden_size": width})
+                 + [f"optim.lr={model.lr}", f"run.out_dir={run_dir}", "run.resume=false", *extra])
+    load_config(overrides=overrides)
+    return MQARJob(model.name, width, steps, run_dir, tuple(overrides), threads)
+
+
 def mqar_jobs(out: Path, *, quick: bool, threads: int) -> list[MQARJob]:
-    """Every demo model at every width, in the order of the table; a bad override raises here."""
-    jobs = []
-    for width in WIDTHS:
-        for model in (m for m in MQAR_MODELS if width in m.widths):
-            run_dir = out / "mqar" / f"{model.name.replace(' ', '_').replace('+', '_')}-d{width}"
-            steps = 10 if quick else model.steps
-            overrides = (_mqar_overrides(steps, quick, model.warmup)
-                         + _overrides("model", {**model.fields, "hidden_size": width})
-                         + [f"optim.lr={model.lr}", f"run.out_dir={run_dir}", "run.resume=false"])
-            load_config(overrides=overrides)
-            jobs.append(MQARJob(model.name, width, steps, run_dir, tuple(overrides), threads))
-    return jobs
+    """Every demo model at every width, in the order of the table."""
+    return [mqar_job(model, width, out / "mqar", quick=quick, threads=threads)
+            for width in WIDTHS for model in MQAR_MODELS if width in model.widths]
+
+
+def _report(job: MQARJob, metrics: dict[str, float], seconds: float) -> list[dict]:
+    """Print one finished run's line; return its rows of (model, width, seq_len, kv, accuracy)."""
+    rows = [{"model": job.model, "width": job.width, "seq_len": s, "kv": k, "accuracy": metrics[f"mqar_acc/L{s}_kv{k}"]}
+            for s, k in map(tuple, EVAL_SETTINGS)]
+    accs = "  ".join(f"{r['accuracy']:.3f}" for r in rows)
+    print(f"  {job.model:<28} d={job.width:<4} {seconds:6.1f} s   accuracy {accs}", flush=True)
+    return rows
 
 
 def mqar_study(out: Path, pool: Executor, jobs: list[MQARJob]) -> list[dict]:
@@ -125,14 +137,11 @@ def mqar_study(out: Path, pool: Executor, jobs: list[MQARJob]) -> list[dict]:
     plots; return rows of (model, width, seq_len, kv, accuracy) in the order of ``jobs``."""
     order = sorted(jobs, key=lambda j: -STEP_COST.get(j.model, 1.0) * j.width * j.steps)
     futures = {pool.submit(train_mqar, job): job for job in order}
-    metrics = {}
+    rows_of = {}
     for future in as_completed(futures):
         job = futures[future]
-        metrics[job], seconds = future.result()
-        accs = "  ".join(f"{metrics[job][f'mqar_acc/L{s}_kv{k}']:.3f}" for s, k in EVAL_SETTINGS)
-        print(f"  {job.model:<18} d={job.width:<4} {seconds:6.1f} s   accuracy {accs}", flush=True)
-    rows = [{"model": job.model, "width": job.width, "seq_len": s, "kv": k,
-             "accuracy": metrics[job][f"mqar_acc/L{s}_kv{k}"]} for job in jobs for s, k in map(tuple, EVAL_SETTINGS)]
+        rows_of[job] = _report(job, *future.result())
+    rows = [row for job in jobs for row in rows_of[job]]
     plot_loss_curves({f"{job.model} d={job.width}": job.run_dir / "metrics.jsonl" for job in jobs},
                      out / "mqar_loss.png", title="MQAR training loss")
     plot_mqar_accuracy(rows, out / "mqar_accuracy.png")
@@ -150,21 +159,9 @@ MOM_MODELS = [
 def mom_study(out: Path, *, device: str = "auto", width: int = 64, quick: bool = False) -> list[dict]:
     """MoM (Gated DeltaNet memories, 4 memories, top-2, shared) against one Gated DeltaNet memory
     of the same width, on the demo's MQAR settings; returns rows of (model, width, kv, accuracy)."""
-    rows = []
-    for model in MOM_MODELS:
-        run_dir = out / "mom" / f"{model.name.replace(' ', '_')}-d{width}"
-        config = load_config(overrides=_mqar_overrides(10 if quick else model.steps, quick, model.warmup)
-                             + _overrides("model", {**model.fields, "hidden_size": width})
-                             + [f"optim.lr={model.lr}", f"run.out_dir={run_dir}", "run.resume=false",
-                                f"run.device={device}"])
-        started = time.perf_counter()
-        result = Trainer(config).train()
-        for seq_len, kv in map(tuple, EVAL_SETTINGS):
-            rows.append({"model": model.name, "width": width, "seq_len": seq_len, "kv": kv,
-                         "accuracy": result.metrics[f"mqar_acc/L{seq_len}_kv{kv}"]})
-        accs = "  ".join(f"{r['accuracy']:.3f}" for r in rows[-len(EVAL_SETTINGS):])
-        print(f"  {model.name:<28} {time.perf_counter() - started:6.1f} s   accuracy {accs}", flush=True)
-    return rows
+    jobs = [mqar_job(model, width, out / "mom", quick=quick, threads=torch.get_num_threads(),
+                     extra=(f"run.device={device}",)) for model in MOM_MODELS]
+    return [row for job in jobs for row in _report(job, *train_mqar(job))]
 
 
 def print_table(rows: list[dict]) -> None:

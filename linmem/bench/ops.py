@@ -324,25 +324,31 @@ def breakdown_rows(config: BenchConfig, device: str = "cuda", top: int = 8, iter
     lines = [f"time per kernel, one forward+backward, B x T = {B} x {T}, H = {config.heads}, "
              f"K = V = {config.head_dim}, {config.dtype}"]
     for op in (o for o in config.ops if o in MEMORY_OPS):
-        args = memory_inputs(op, B, T, config.heads, config.head_dim, getattr(torch, config.dtype), device)
-        calls = [(backend, lambda backend=backend: linear_recurrence(**args, backend=backend)[0])
-                 for backend in config.backends]
-        if "fla" in config.peers and op in FLA_PEERS:
-            try:
-                calls.append((f"fla.{FLA_PEERS[op]}", _fla_call(FLA_PEERS[op], args)))
-            except ImportError as error:
-                lines.append(f"{op} fla: not installed ({error})")
-        for impl, fn in calls:
-            try:
-                total, parts = kernel_breakdown(fn, device, iters)
-            except Exception as error:  # a peer that refuses these inputs says so
-                lines.append(f"{op} {impl}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-                continue
-            lines.append(f"{op} {impl}: {total:.3f} ms")
-            lines += [f"    {ms:8.3f} ms  {name[:90]}" for name, ms in parts[:top]]
-        del args
+        lines += _op_breakdown(op, config, device, top, iters)
         if device == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the op's inputs are gone with _op_breakdown's frame
+    return lines
+
+
+def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: int) -> list[str]:
+    B, T = config.shapes[0]
+    args = memory_inputs(op, B, T, config.heads, config.head_dim, getattr(torch, config.dtype), device)
+    calls = [(backend, lambda backend=backend: linear_recurrence(**args, backend=backend)[0])
+             for backend in config.backends]
+    lines = []
+    if "fla" in config.peers and op in FLA_PEERS:
+        try:
+            calls.append((f"fla.{FLA_PEERS[op]}", _fla_call(FLA_PEERS[op], args)))
+        except ImportError as error:
+            lines.append(f"{op} fla: not installed ({error})")
+    for impl, fn in calls:
+        try:
+            total, parts = kernel_breakdown(fn, device, iters)
+        except Exception as error:  # a peer that refuses these inputs says so
+            lines.append(f"{op} {impl}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            continue
+        lines.append(f"{op} {impl}: {total:.3f} ms")
+        lines += [f"    {ms:8.3f} ms  {name[:90]}" for name, ms in parts[:top]]
     return lines
 
 

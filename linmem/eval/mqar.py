@@ -76,6 +76,25 @@ def generate_mqar(
     return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
+def mqar_hits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(labelled positions whose argmax equals the label, labelled positions), as whole numbers.
+
+    logits: [N, L, V] (position t predicts ``labels[:, t]``), labels: [N, L], -100 = ignore.
+
+    Example:
+        >>> labels = torch.tensor([[-100, 3, -100, 1]])
+        >>> mqar_hits(torch.nn.functional.one_hot(torch.tensor([[0, 3, 0, 2]]), 4).float(), labels)
+        (1, 2)
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [N, L, V] and labels [N, L]; "
+            f"got logits {tuple(logits.shape)}, labels {tuple(labels.shape)}"
+        )
+    mask = labels != IGNORE_INDEX
+    return int((logits.argmax(dim=-1)[mask] == labels[mask]).sum()), int(mask.sum())
+
+
 def mqar_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Fraction of labelled positions whose argmax equals the label (Zoology's metric).
 
@@ -86,16 +105,10 @@ def mqar_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
         >>> mqar_accuracy(torch.nn.functional.one_hot(torch.tensor([[0, 3, 0, 2]]), 4).float(), labels)
         0.5
     """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"logits must be [N, L, V] and labels [N, L]; "
-            f"got logits {tuple(logits.shape)}, labels {tuple(labels.shape)}"
-        )
-    mask = labels != IGNORE_INDEX
-    if not bool(mask.any()):
+    hits, total = mqar_hits(logits, labels)
+    if total == 0:
         raise ValueError("labels has no position to score (every label is -100)")
-    hits = logits.argmax(dim=-1)[mask] == labels[mask]
-    return float(hits.float().mean())
+    return hits / total
 
 
 def shift_labels_right(labels: torch.Tensor) -> torch.LongTensor:

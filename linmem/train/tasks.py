@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..eval.mqar import generate_mqar, mqar_accuracy, shift_labels_right
+from ..eval.mqar import generate_mqar, mqar_hits, shift_labels_right
 from .config import DataSection
 from .data import (ExampleBatches, PackedBatches, byte_detokenize, byte_tokenize, load_local_dataset,
                    load_tokenizer, split_documents, stdlib_corpus, text_files, tokenize_documents)
@@ -83,9 +83,8 @@ class MQARTask(Task):
             for start in range(0, len(x), self.batch_size):
                 xb, yb = x[start : start + self.batch_size].to(device), y[start : start + self.batch_size].to(device)
                 logits = model(input_ids=xb, use_cache=False).logits.float()
-                n = int((yb != -100).sum())
-                correct += round(mqar_accuracy(logits, yb) * n)  # whole hits: 1980 / 2000 is 0.99 exactly
-                total += n
+                hits, n = mqar_hits(logits, yb)
+                correct, total = correct + hits, total + n
             metrics[f"mqar_acc/L{seq_len}_kv{kv}"] = correct / max(total, 1)
         return metrics
 

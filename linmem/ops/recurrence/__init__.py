@@ -203,8 +203,7 @@ def linear_recurrence_step(
     acc = compute_dtype(q)
     if state.dtype != acc:
         raise TypeError(f"linear_recurrence_step: `state` must be {acc} for {q.dtype} inputs, got {state.dtype}")
-    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                            for t in (q, k, v, state, log_decay, beta, bonus, a, b))):
+    if not inputs.records_grad:  # the state is inputs.initial_state
         for kernel in _STEP_KERNELS:
             reason = kernel.refusal(inputs, state)
             if reason is None:

@@ -68,6 +68,12 @@ class RecurrenceInputs:
             return "dplr"
         return "additive"
 
+    @property
+    def records_grad(self) -> bool:
+        """Whether autograd records this call (grad mode on and some input requires a gradient)."""
+        tensors = (self.q, self.k, self.v, self.log_decay, self.beta, self.bonus, self.a, self.b, self.initial_state)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
     def as_kwargs(self) -> dict:
         """The inputs as keyword arguments of a backend function."""
         return dict(

@@ -124,18 +124,13 @@ def _contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.contiguous()
 
 
-def _needs_grad(inputs: RecurrenceInputs) -> bool:
-    tensors = (inputs.q, inputs.k, inputs.v, inputs.log_decay, inputs.beta, inputs.bonus, inputs.initial_state)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def triton_recurrence(inputs: RecurrenceInputs) -> tuple[Tensor, Optional[Tensor]]:
     """The "triton" backend of ``linear_recurrence`` for inputs its refusal accepted."""
     g, decay = _per_token_decay(inputs)
     q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
     h0 = None if inputs.initial_state is None else inputs.initial_state.float().contiguous()
     T = q.shape[1]
-    if inputs.cu_seqlens is None and T <= RECURRENT_MAX_T and not _needs_grad(inputs):
+    if inputs.cu_seqlens is None and T <= RECURRENT_MAX_T and not inputs.records_grad:
         B, _, H, K = q.shape
         state = h0.clone() if h0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
         o = step_op(q, k, v, g, beta, bonus, state, inputs.scale, decay)

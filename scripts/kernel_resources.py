@@ -8,9 +8,12 @@ read from ``launch.py`` as text. Use the Triton of the GPU image to see what it 
     /tmp/t36/bin/python scripts/kernel_resources.py                  # bf16, K = V = 128, every kernel
     /tmp/t36/bin/python scripts/kernel_resources.py --only state_bwd,grads --K 256 --dtype fp32
 
-A stack above 0 bytes is a spill; a sequential pass that spills pays local-memory latency on
-every chunk (the reverse pass does, 1-2.8 KB per thread, the forward pass of the delta rule with
-no decay does not).
+A stack above 0 bytes is a spill. "vector loads" counts the global loads of the PTX that move
+more than one element per instruction: a kernel whose addresses lose their alignment or
+contiguity facts falls back to 2-byte loads (an opaque offset added to an arange does that).
+Pointers and the sizes T, H, K, V are compiled as the JIT launch specialises them at the
+benchmark shapes (16-byte aligned, divisible by 16); without that, every kernel looks scalar
+and spills more than it does on the GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     """(kernel name, tag, function, pointer dtypes, constexprs) of every kernel a benchmark run uses."""
     f32 = "*fp32"
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
-    for decay, delta, bonus in [(2, 1, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
+    for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
         wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
         if delta:
@@ -71,20 +74,31 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
                  BKF=BKF, BV=32)
-        yield "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt, "Tinv": wt,
-                                               "d": wt, "hs": dt, "dHs": dt, "do": dt, "dd": wt, "dq": dt, "dk": dt,
-                                               "dv": dt, "dbeta": f32, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
+        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt,
+                                                           "Tinv": wt, "d": wt, "do": dt, "dd": wt, "dA_out": f32,
+                                                           "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
+                                                           "dov_out": f32, "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
+        yield "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt,
+                                               "dHs": dt, "do": dt, "Y": wt, "dA_in": f32, "dL_in": f32,
+                                               "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
+                                               "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=32)
 
 
-def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int]:
-    """(shared memory bytes, registers per thread, stack bytes per thread) of one compiled variant."""
+def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int, int, int]:
+    """(shared memory bytes, registers per thread, stack bytes per thread, vectorised and all global
+    load instructions of the PTX) of one compiled variant."""
     names = list(inspect.signature(fn.fn).parameters)
     signature = {p: "constexpr" if p in constexprs else pointers.get(p, "fp32" if p == "scale" else "i32")
                  for p in names}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    # what the JIT launch specialises: 16-byte aligned pointers and sizes divisible by 16
+    # (T, H, K, V of the benchmark shapes; N = B is not); without it no load is vectorised
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names)
+             if p not in constexprs and (signature[p].startswith("*") or p in ("T", "H", "K", "V"))}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -92,12 +106,13 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", text).groups())
-    return compiled.metadata.shared, regs, stack
+    loads = re.findall(r"\bld\.global\.(v\d)?", compiled.asm["ptx"])
+    return compiled.metadata.shared, regs, stack, sum(1 for width in loads if width), len(loads)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, grads, recurrent)")
+    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, score_grads, grads, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")
@@ -113,8 +128,9 @@ def main() -> None:
             continue
         warps, stages = launch[name]
         try:
-            smem, regs, stack = resources(fn, pointers, constexprs, warps, stages)
-            print(f"{name:10s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  stack {stack:5d} B")
+            smem, regs, stack, vec, loads = resources(fn, pointers, constexprs, warps, stages)
+            print(f"{name:10s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
+                  f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}")
         except Exception as error:  # a variant that does not compile says why
             print(f"{name:10s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 

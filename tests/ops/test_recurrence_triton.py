@@ -129,6 +129,18 @@ def test_bf16_against_fp32_reference(combo):
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+@pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
+def test_both_state_blocks(sms, monkeypatch):
+    """The sequential passes take [K, 32] state tiles while their grid fills the SMs, else [K, 16]."""
+    from linmem.ops.recurrence.triton import launch
+
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
+    t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=40)
+    assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == (32 if sms == 1 else 16)
+    compare(t, FP32_TOL)
+
+
 def test_gradients_when_only_the_output_is_used():
     """No initial state, no final state: the backward runs without a state gradient."""
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=16, initial_state=False)
@@ -209,6 +221,17 @@ def test_gpu_varlen(combo):
     t["initial_state"] = torch.randn(len(lengths), 4, 128, 64, generator=seeded("h0")).to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     compare(t, LOW_TOL, cu_seqlens=cu)
+
+
+@gpu
+@pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False)], ids=combo_id)
+def test_gpu_wide_grid(combo):
+    """B * H * V / 32 above the SM count: the sequential passes' full [K, 32] state tiles."""
+    from linmem.ops.recurrence.triton import launch
+
+    t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
+    assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == 32
+    compare(t, LOW_TOL)
 
 
 @gpu

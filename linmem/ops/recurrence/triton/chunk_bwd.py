@@ -16,9 +16,12 @@ combine.) The gate gradient follows from G entering only as exp(+-G) factors:
 inside the chunk (exclusive on the query side with the bonus, whose reads use G_{t-1}).
 
 ``state_bwd_kernel`` is the sequential pass (dH of every chunk, dd, the initial state's
-gradient); ``grads_kernel`` then computes every input gradient, chunk by chunk in parallel.
-Transposed products are computed as products of transposed loads, never by transposing a
-product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits that pattern).
+gradient); then, chunk by chunk in parallel, ``score_grads_kernel`` computes what loops over
+value channels (the score gradients dA and dL, the delta rule's Y = T^T dd and dv) and stores
+it, and ``grads_kernel`` every gradient per key channel, reading the score gradients once as
+stored and once transposed. Transposed products are computed as products of transposed loads,
+never by transposing a product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits
+that pattern).
 """
 
 from __future__ import annotations
@@ -88,23 +91,18 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
 
 
 @triton.jit
-def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbeta, dg, du,
-                 cu_seqlens, scale, T, H, N, K, V,
-                 DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Every input gradient of one chunk, from the saved forward and the state gradients.
+def score_grads_kernel(q, k, v, beta, G, u, Tinv, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
+                       cu_seqlens, scale, T, H, N, K, V,
+                       DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
 
-    Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
-    [slots, H, K, V]), do: [tokens, H, V], dd: gradient of the writes d (for the additive
-    rule it is also dv, written in place; the bonus term is added here). Outputs: dq, dk
-    [tokens, H, K]; dv [tokens, H, V]; dbeta [tokens, H]; dg [tokens, H(, K)] (reverse
-    cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K]. All fp32
-    except dq, dk, dv (input dtype). Grid (slots, H).
-
-    Phase 1 loops over V blocks for the score gradients dA = dO d^T (and its transpose as
-    its own product); phase 2 loops over K blocks for everything per key channel.
+    dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
+    [tokens, H, C] fp32. Delta rule: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y;
+    dL_out[s, r] = -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta
+    gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t ([tokens, H] fp32) and
+    dv += scale (q u k) dO. Grid (slots, H).
     """
-    ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     WYT: tl.constexpr = Tinv.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -112,66 +110,45 @@ def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbet
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     valid = rows < nrows
-    Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
-    last_row = tl.maximum(t0 + nrows - 1, 0)
-    # pairs (t, s) of the scores and the same pairs as (s, t)
     if BONUS:
         causal = (rows[:, None] > rows[None, :]) & valid[:, None]
-        causalT = (rows[None, :] > rows[:, None]) & valid[None, :]
     else:
         causal = (rows[:, None] >= rows[None, :]) & valid[:, None]
-        causalT = (rows[None, :] >= rows[:, None]) & valid[None, :]
-    strict = (rows[:, None] > rows[None, :]) & valid[:, None]
-    strictT = (rows[None, :] > rows[:, None]) & valid[None, :]
-
-    # ---- phase 1: score gradients, over V
     dA = tl.full([C, C], 0.0, tl.float32)  # [t, s]
-    dAT = tl.full([C, C], 0.0, tl.float32)  # [s, t]
     if DELTA:
         b = load_gate_rows(beta, t0, nrows, h, H, rows)
         dL = tl.full([C, C], 0.0, tl.float32)  # [s, r]
-        dLT = tl.full([C, C], 0.0, tl.float32)  # [r, s]
         db = tl.full([C], 0.0, tl.float32)
     if BONUS:
         dov = tl.full([C], 0.0, tl.float32)
     for v0 in range(0, V, BV):
         vr = v0 + tl.arange(0, BV)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
-        dOT = load_rows(do, t0, nrows, h, H, V, rows, vr, True)
-        dt = load_rows(d, t0, nrows, h, H, V, rows, vr, False)
         dtT = load_rows(d, t0, nrows, h, H, V, rows, vr, True)
         dA += mm(dO, dtT, WT, X)
-        dAT += mm(dt, dOT, WT, X)
         if DELTA:
-            ddt = load_rows(dd, t0, nrows, h, H, V, rows, vr, False)
-            Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True), ddt, WYT, X)  # T^T dd
-            YT = mm(load_rows(dd, t0, nrows, h, H, V, rows, vr, True), load_rows(Tinv, t0, nrows, h, H, C, rows, rows,
-                                                                                 False), WYT, X)
-            vt = load_rows(v, t0, nrows, h, H, V, rows, vr, False)
+            Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True),
+                   load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)  # T^T dd
+            store_rows(Y_out, Y, t0, nrows, h, H, V, rows, vr)
             store_rows(dv, b[:, None] * Y, t0, nrows, h, H, V, rows, vr)
-            db += total(vt * Y, 1)
+            db += total(load_rows(v, t0, nrows, h, H, V, rows, vr, False) * Y, 1)
             dL -= mm(Y, dtT, WYT, X)
-            dLT -= mm(dt, YT, WYT, X)
         if BONUS:
-            dov += total(dO.to(tl.float32) * dt, 1)
+            dov += total(dO.to(tl.float32) * load_rows(d, t0, nrows, h, H, V, rows, vr, False), 1)
     dA = tl.where(causal, dA, 0.0) * scale
-    dAT = tl.where(causalT, dAT, 0.0) * scale
-    if DELTA:
-        dL = tl.where(strict, dL, 0.0)
-        dLT = tl.where(strictT, dLT, 0.0) * b[None, :]
     if DECAY == 1:  # fold the pairwise decays into the score gradients
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
-        Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
-        dA = dA * masked_exp(causal, Gqr[:, None] - Gr[None, :])
-        dAT = dAT * masked_exp(causalT, Gqr[None, :] - Gr[:, None])
-        if DELTA:
+        dA = dA * masked_exp(causal, load_gate_rows(G, t0, nrows, h, H, rows - BONUS)[:, None] - Gr[None, :])
+    store_rows(dA_out, dA, t0, nrows, h, H, C, rows, rows)
+    if DELTA:
+        strict = (rows[:, None] > rows[None, :]) & valid[:, None]
+        dL = tl.where(strict, dL, 0.0)
+        if DECAY == 1:
             dL = dL * masked_exp(strict, Gr[:, None] - Gr[None, :])
-            dLT = dLT * masked_exp(strictT, Gr[None, :] - Gr[:, None])
-        last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
-        dGk = tl.full([C], 0.0, tl.float32)
-        dGq = tl.full([C], 0.0, tl.float32)
-        gam = total(tl.full([C], 0.0, tl.float32), 0)
+        store_rows(dL_out, dL, t0, nrows, h, H, C, rows, rows)
+        tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
     if BONUS:
+        tl.store(dov_out + (t0 * H + h) + rows * H, dov, mask=valid)
         qku = tl.full([C], 0.0, tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
@@ -183,7 +160,42 @@ def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbet
             extra = scale * qku[:, None] * load_rows(do, t0, nrows, h, H, V, rows, vr, False)
             store_rows(dv, load_rows(dv, t0, nrows, h, H, V, rows, vr, False) + extra, t0, nrows, h, H, V, rows, vr)
 
-    # ---- phase 2: per key channel, over K
+
+@triton.jit
+def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, dk, dbeta, dg, du,
+                 cu_seqlens, scale, T, H, N, K, V,
+                 DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The gradients of one chunk per key channel: dq, dk, dg, the key part of dbeta, du.
+
+    Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
+    [slots, H, K, V]), do: [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in, dL_in
+    ([tokens, H, C] fp32, read once as [t, s] and once transposed), Y ([tokens, H, V]), dov_in
+    ([tokens, H]); dbeta holds its value part and gets the key part added. Outputs: dq, dk
+    [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse cumulative inside the
+    chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
+    """
+    ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
+    WYT: tl.constexpr = Y.dtype.element_ty  # the delta rule's WY factors
+    X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    slot, h = tl.program_id(0), tl.program_id(1)
+    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    valid = rows < nrows
+    Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
+    last_row = tl.maximum(t0 + nrows - 1, 0)
+    if DELTA:
+        b = load_gate_rows(beta, t0, nrows, h, H, rows)
+        db = load_gate_rows(dbeta, t0, nrows, h, H, rows)
+    if BONUS:
+        dov = load_gate_rows(dov_in, t0, nrows, h, H, rows)
+    if DECAY == 1:
+        Gr = load_gate_rows(G, t0, nrows, h, H, rows)
+        Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
+        last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
+        dGk = tl.full([C], 0.0, tl.float32)
+        dGq = tl.full([C], 0.0, tl.float32)
+        gam = total(tl.full([C], 0.0, tl.float32), 0)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
@@ -201,9 +213,7 @@ def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbet
             dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
             gH += total(hT.to(tl.float32) * dHT, 0)
             if DELTA:
-                Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True),
-                       load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)
-                dkw += mm(Y, hT, WYT, X)
+                dkw += mm(load_rows(Y, t0, nrows, h, H, V, rows, vr, False), hT, WYT, X)
         if DECAY == 2:
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
@@ -220,14 +230,15 @@ def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbet
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
             Gq = Gk
+        dqt = intra_rows(dA_in, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
+        dkt = intra_cols(dA_in, q, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, 0, C, SB, X)
         if DECAY == 0:
-            dqt = scale * dqh + intra_rows(dA, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
-            dkt = dkh + intra_cols(dAT, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, C, SB, X)
+            dqt += scale * dqh
+            dkt += dkh
         else:
-            dqt = scale * dqh * eq + intra_rows(dA, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
+            dqt += scale * dqh * eq
             kend = dkh * ek
-            dkA = intra_cols(dAT, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, C, SB, X)
-            dkt = kend + dkA
+            dkt += kend
             gq = qt * dqt
             gk = -kt * dkt
             if DECAY == 2:
@@ -242,9 +253,9 @@ def grads_kernel(q, k, v, beta, G, u, Tinv, d, hs, dHs, do, dd, dq, dk, dv, dbet
             db += total(kt * dkW, 1)
             dkW = dkW * b[:, None]
             # L = I + diag(beta) strict(A_kk): rows (e^+G side) and columns (e^-G side)
-            R = intra_rows(dL, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, C, SB, X)
+            R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, C, SB, X)
             db += total(kt * R, 1)
-            Ccol = intra_cols(dLT, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, 0, C, SB, X)
+            Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, 0, 1, C, SB, X)
             dkt += dkW + b[:, None] * R + Ccol
             if DECAY != 0:
                 gk += kt * (dkW + b[:, None] * R - Ccol)

@@ -250,31 +250,33 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
 
 
 @triton.jit
-def intra_rows(dA, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
-    """``Z[t] = sum_s dA[t, s] y_s exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+    """``Z[t] = sum_s dS[t, s] y_s exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
-    dA [C, C] fp32 is zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is
-    the gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
+    dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C] fp32, row t holds
+    dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
+    gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
     Gx: [C, BK] (DECAY 2). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
-    y = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False)
     if DECAY == 2:
         valid = rows < nrows
-        Gy = load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+        # s in an earlier sub-block j than t: through the reference point R_j, one [C, SB] strip of dS
         for j in range(C // SB - 1):
+            src = j * SB + tl.arange(0, SB)
             ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
             R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
             later = valid & (rows >= (j + 1) * SB)
-            inside = valid & (rows // SB == j)
-            yf = y * masked_exp(inside[:, None], R[None, :] - Gy)
-            dAj = tl.where(later[:, None] & inside[None, :], dA, 0.0)
-            Z += masked_exp(later[:, None], Gx - R[None, :]) * mm(dAj, yf, MT, X)
+            yf = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False) * masked_exp(
+                (src < nrows)[:, None], R[None, :] - load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False))
+            strip = load_rows(dS, t0, nrows, h, H, C, rows, src, False)
+            Z += masked_exp(later[:, None], Gx - R[None, :]) * mm(strip, yf, MT, X)
+        # s in the same sub-block as t: pairwise, one column offset at a time
         for off in range(SB):
             src = (rows // SB) * SB + off
-            coef = total(tl.where(rows[None, :] == src[:, None], dA, 0.0), 1)
+            coef = tl.load(dS + (t0 * H + h) * C + rows * (H * C) + src, mask=valid, other=0.0)  # dS[t, src]
             ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
             Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
             if STRICT:
@@ -283,24 +285,29 @@ def intra_rows(dA, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                 pair = valid & (src < nrows) & (rows % SB >= off)
             Z += coef[:, None] * ysel * masked_exp(pair[:, None], Gx - Gsel)
     else:
-        Z = mm(dA, y, MT, X)
+        Z = mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), load_rows(y_ptr, t0, nrows, h, H, K, rows, cols,
+                                                                            False), MT, X)
     return Z
 
 
 @triton.jit
-def intra_cols(dAT, x_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
-               DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, C: tl.constexpr,
-               SB: tl.constexpr, X: tl.constexpr):
-    """``Z[s] = sum_t dAT[s, t] x_t exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+               DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
+               C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
+    """``Z[s] = sum_t dS[t, s] w_t x_t exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
-    The transposed companion of :func:`intra_rows` (dAT is the transposed score gradient,
-    computed as its own product, never by transposing a product). Gx is G of row t
-    (t - 1 if SHIFT); Gs: [C, BK] (DECAY 2). Products run in dtype MT.
+    The transposed companion of :func:`intra_rows`: dS as stored there, read transposed (a
+    transposed load, never a transposed product). w: one weight per token ([tokens, H], the
+    delta rule's beta) if WEIGHTED, else 1. Gx is G of row t (t - 1 if SHIFT); Gs: [C, BK]
+    (DECAY 2). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
+    valid = rows < nrows
     x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
+    dST = load_rows(dS, t0, nrows, h, H, C, rows, rows, True)  # [s, t]
+    if WEIGHTED:
+        x = x * load_gate_rows(w_ptr, t0, nrows, h, H, rows)[:, None]
     if DECAY == 2:
-        valid = rows < nrows
         Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         for j in range(C // SB - 1):
@@ -309,11 +316,14 @@ def intra_cols(dAT, x_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr
             later = valid & (rows >= (j + 1) * SB)
             inside = valid & (rows // SB == j)
             xf = x * masked_exp(later[:, None], Gx - R[None, :])
-            dATj = tl.where(inside[:, None] & later[None, :], dAT, 0.0)
-            Z += masked_exp(inside[:, None], R[None, :] - Gs) * mm(dATj, xf, MT, X)
+            dSTj = tl.where(inside[:, None] & later[None, :], dST, 0.0)
+            Z += masked_exp(inside[:, None], R[None, :] - Gs) * mm(dSTj, xf, MT, X)
         for off in range(SB):
             src = (rows // SB) * SB + off
-            coef = total(tl.where(rows[None, :] == src[:, None], dAT, 0.0), 1)
+            coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),
+                           other=0.0)  # dS[src, s]
+            if WEIGHTED:
+                coef = coef * load_gate_rows(w_ptr, t0, nrows, h, H, src)
             xsel = load_rows(x_ptr, t0, nrows, h, H, K, src, cols, False)
             Gxsel = load_rows(G_ptr, t0, nrows, h, H, K, src - SHIFT, cols, False)
             if STRICT:
@@ -322,5 +332,5 @@ def intra_cols(dAT, x_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr
                 pair = valid & (src < nrows) & (off >= rows % SB)
             Z += coef[:, None] * xsel * masked_exp(pair[:, None], Gxsel - Gs)
     else:
-        Z = mm(dAT, x, MT, X)
+        Z = mm(dST, x, MT, X)
     return Z

@@ -8,6 +8,7 @@ synchronisation, so a varlen batch costs no more host time than a fixed one.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -28,18 +29,25 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: passes stay at 4 warps: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21). Measured
 #: there at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet forward 1.47 -> 0.85 ms)
-#: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms).
+#: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms); score_grads at
+#: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 2),
     "state_fwd": (4, 2),
     "output": (8, 2),
     "state_bwd": (4, 1),
+    "score_grads": (4, 1),
     "grads": (8, 1),
     "recurrent": (4, 2),
 }
-#: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32)
+#: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32);
+#: the sequential passes halve it while their grid has fewer programs than the device has SMs (few long
+#: sequences): measured on an H200 at 1 x 16384, H = 16 (64 programs at 32), 16 took gla forward+backward
+#: from 8.80 to 7.80 ms and deltanet from 4.15 to 3.93 ms; at 8 x 2048 (512 programs) it cost 3.33 vs 2.81 ms
 STATE_BV = 32
+#: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
+INTERPRETER_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,24 @@ class Shapes:
     def BV(self) -> int:
         return min(_pow2(self.V), 64)
 
-    @property
-    def state_BV(self) -> int:
-        return min(_pow2(self.V), STATE_BV)
+    def state_BV(self, device: torch.device) -> int:
+        """V block of the sequential passes (grid: V blocks x N * H)."""
+        bv = min(_pow2(self.V), STATE_BV)
+        if bv > 16 and triton.cdiv(self.V, bv) * self.N * self.H < sm_count(device):
+            bv //= 2
+        return bv
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (``INTERPRETER_SMS`` for a CPU tensor in the interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_sms(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Shapes:
@@ -153,7 +176,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         d = torch.empty_like(v, dtype=P.wy)
     hs = torch.empty(s.slots, s.H, s.K, s.V, device=dev, dtype=P.state)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
-    BVs = s.state_BV
+    BVs = s.state_BV(dev)
     _launch("state_fwd", chunk_fwd.state_fwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
             k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
             hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
@@ -184,22 +207,31 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d if delta else v)  # the gradient of the writes; for the additive rule it is dv
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
-    BVs = s.state_BV
+    BVs = s.state_BV(dev)
     _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
             q, k, W if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v) if delta else dd
-    dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
+    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32)
+    dL = torch.empty_like(dA) if delta else None
+    Y = torch.empty_like(d) if delta else None
+    dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
+    _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
+            q, k, v, beta if delta else q, Gp, u if bonus else q, Tinv if delta else q, d if delta else v, do,
+            dd, dA, dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu,
+            scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus),
+            IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=s.BV)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     _launch("grads", chunk_bwd.grads_kernel, (s.slots, s.H),
-            q, k, v, beta if delta else q, Gp, u if bonus else q, Tinv if delta else q, d if delta else v, hs, dHs,
-            do, dd, dq, dk, dv, dbeta if delta else q, dg if decay else q, du if bonus else q, cu, scale,
-            s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
-            C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+            q, k, beta if delta else q, Gp, u if bonus else q, d if delta else v, hs, dHs, do,
+            Y if delta else dA, dA, dL if delta else dA, dov if bonus else q, dq, dk, dbeta if delta else q,
+            dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
+            DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 

@@ -6,7 +6,8 @@ each backend, linmem's softmax attention op, and with ``--peers`` PyTorch SDPA (
 the backend PyTorch picks, flash or cuDNN) and the flash-linear-attention kernels when that
 package is installed. A peer that fails prints its error in the table (fla refuses gated
 backward on Hopper with Triton < 3.7.1). Decoding rows time one ``linear_recurrence_step``
-(host work included); ceilings are measured in the same run. Times are medians of
+with its host work, and again replayed from a CUDA graph (the GPU work alone, which the
+state bandwidth is computed from); ceilings are measured in the same run. Times are medians of
 ``triton.testing.do_bench``. ``--breakdown`` adds, for the first shape, the GPU time of every
 kernel of one forward+backward of each memory op and its fla peer (torch.profiler).
 """
@@ -238,11 +239,31 @@ def decode_rows(config: BenchConfig, device: str) -> list[Row]:
         state = torch.zeros(B, H, D, D, device=device)
         q, k, v = step.pop("q"), step.pop("k"), step.pop("v")
         row = Row(op, "step", B, 1)
+        fn = lambda: linear_recurrence_step(q, k, v, state, **step)[0]  # noqa: E731
         with torch.no_grad():
-            _time_fwd_bwd(bench, lambda: linear_recurrence_step(q, k, v, state, **step)[0], row, backward=False)
-        row.extra["state_TBps"] = 2 * state.numel() * 4 / (row.fwd_ms * 1e-3) / 1e12
+            _time_fwd_bwd(bench, fn, row, backward=False)
+            if not row.error:
+                try:
+                    row.extra["graph_ms"] = _graphed_ms(bench, fn)
+                except Exception as error:  # a step that cannot be captured says so in the table
+                    row.error = f"CUDA graph: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        gpu_ms = row.extra.get("graph_ms", row.fwd_ms)
+        row.extra["state_TBps"] = 2 * state.numel() * 4 / (gpu_ms * 1e-3) / 1e12
         rows.append(row)
     return rows
+
+
+def _graphed_ms(bench, fn: Callable[[], object]) -> float:
+    """Time of fn replayed from a CUDA graph: its GPU work without the host's per-call dispatch."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
 
 
 TABLE_HEAD = (f"{'op':18s} {'impl':28s} {'B':>3s} {'T':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'Mtok/s':>7s} "
@@ -260,7 +281,8 @@ def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
         fl = 100 * flops / (r.fwdbwd_ms * 1e-3) / (ceil["bf16_tflops"] * 1e12)
         bw = 100 * nbytes / (r.fwdbwd_ms * 1e-3) / (ceil["copy_TBps"] * 1e12)
     if "state_TBps" in r.extra:
-        note = f"{r.fwd_ms * 1e3:.1f} us/step, state {r.extra['state_TBps']:.2f} TB/s " + note
+        graphed = f", {r.extra['graph_ms'] * 1e3:.1f} us in a CUDA graph" if "graph_ms" in r.extra else ""
+        note = f"{r.fwd_ms * 1e3:.1f} us/step{graphed}, state {r.extra['state_TBps']:.2f} TB/s " + note
         if ceil:
             note += f"({100 * r.extra['state_TBps'] / ceil['copy_TBps']:.0f}% of copy)"
     return (f"{r.op:18s} {r.impl:28s} {r.B:3d} {r.T:6d} {r.fwd_ms:8.3f} {r.fwdbwd_ms:8.3f} {tok:7.2f} "

@@ -32,7 +32,7 @@ from tests.helpers import make_inputs, rel_err  # noqa: E402
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
-from linmem.ops.recurrence.triton import common  # noqa: E402
+from linmem.ops.recurrence.triton import common, launch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not common.INTERPRET:
@@ -133,8 +133,6 @@ def test_bf16_against_fp32_reference(combo):
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
 def test_both_state_blocks(sms, monkeypatch):
     """The sequential passes take [K, 32] state tiles while their grid fills the SMs, else [K, 16]."""
-    from linmem.ops.recurrence.triton import launch
-
     monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=40)
     assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == (32 if sms == 1 else 16)
@@ -227,8 +225,6 @@ def test_gpu_varlen(combo):
 @pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False)], ids=combo_id)
 def test_gpu_wide_grid(combo):
     """B * H * V / 32 above the SM count: the sequential passes' full [K, 32] state tiles."""
-    from linmem.ops.recurrence.triton import launch
-
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
     assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == 32
     compare(t, LOW_TOL)

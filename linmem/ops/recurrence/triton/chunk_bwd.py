@@ -29,8 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (first_slot, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp, mm, running_total, sequence_bounds, store_rows, store_state, total)
+from .common import (intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
+                     running_total, sequence_state, store_rows, store_state, total)
 
 
 @triton.jit
@@ -47,17 +47,8 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
     """
     DT: tl.constexpr = q.dtype.element_ty
     X: tl.constexpr = DT == tl.float32  # fp32 inputs: fp32-accurate products
-    vb, nh = tl.program_id(0), tl.program_id(1)
-    n, h = nh // H, nh % H
-    bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
-    s0 = first_slot(n, bos, T, C, IS_VARLEN)
-    kr = tl.arange(0, BKF)
-    vr = vb * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    if HAS_DFINAL:
-        dS = load_state(dhN, n, h, H, K, V, kr, vr, K, False).to(tl.float32)
-    else:
-        dS = tl.full([BKF, BV], 0.0, tl.float32)
+    n, h, bos, eos, s0, kr, vr, rows, dS = sequence_state(dhN, HAS_DFINAL, cu_seqlens, T, H, K, V, C, IS_VARLEN,
+                                                            BKF, BV)
     nchunks = (eos - bos + C - 1) // C
     for i in range(nchunks):
         c = nchunks - 1 - i

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, chunk_scores, first_slot, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp, mm, running_total, sequence_bounds, store_rows, store_state, total)
+from .common import (_INTERP, chunk_scores, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
+                     running_total, sequence_state, store_rows, store_state, total)
 
 
 @triton.jit
@@ -160,17 +160,8 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     IT: tl.constexpr = W.dtype.element_ty  # the delta rule's intermediates
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     WT: tl.constexpr = d_out.dtype.element_ty  # the writes: v, or the corrected writes
-    vb, nh = tl.program_id(0), tl.program_id(1)
-    n, h = nh // H, nh % H
-    bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
-    s0 = first_slot(n, bos, T, C, IS_VARLEN)
-    kr = tl.arange(0, BKF)
-    vr = vb * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    if HAS_INIT:
-        S = load_state(h0, n, h, H, K, V, kr, vr, K, False).to(tl.float32)
-    else:
-        S = tl.full([BKF, BV], 0.0, tl.float32)
+    n, h, bos, eos, s0, kr, vr, rows, S = sequence_state(h0, HAS_INIT, cu_seqlens, T, H, K, V, C, IS_VARLEN,
+                                                            BKF, BV)
     for c in range((eos - bos + C - 1) // C):
         t0 = bos + c * C
         nrows = tl.minimum(eos - t0, C)

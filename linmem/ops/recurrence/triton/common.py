@@ -129,6 +129,37 @@ def locate_chunk(slot, cu_seqlens, N, T, C: tl.constexpr, IS_VARLEN: tl.constexp
 
 
 @triton.jit
+def sequence_state(init, PRESENT: tl.constexpr, cu_seqlens, T, H, K, V, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   BKF: tl.constexpr, BV: tl.constexpr):
+    """The start of a sequential pass's program (grid: V blocks x N * H).
+
+    Returns (n, h, bos, eos, first slot, key range [BKF], value range [BV], chunk rows [C], the
+    fp32 state tile [BKF, BV] read from ``init`` [N, H, K, V], or zeros when not PRESENT).
+    """
+    vb, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
+    s0 = first_slot(n, bos, T, C, IS_VARLEN)
+    kr = tl.arange(0, BKF)
+    vr = vb * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    if PRESENT:
+        S = load_state(init, n, h, H, K, V, kr, vr, K, False).to(tl.float32)
+    else:
+        S = tl.full([BKF, BV], 0.0, tl.float32)
+    return n, h, bos, eos, s0, kr, vr, rows, S
+
+
+@triton.jit
+def sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB: tl.constexpr):
+    """Sub-block j's reference point and masks: (R_j, G at its last valid row [BK]; the valid rows
+    after sub-block j; the valid rows inside it)."""
+    ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
+    R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
+    return R, valid & (rows >= (j + 1) * SB), valid & (rows // SB == j)
+
+
+@triton.jit
 def load_rows(ptr, t0, nrows, h, H, D, r, cols, TRANS: tl.constexpr):
     """x[t0 + r, h, cols] of a [tokens, H, D] tensor, in its dtype: [R, BD], or [BD, R] if TRANS.
 
@@ -216,10 +247,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
             GT = load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True)
             # s in an earlier sub-block j than t: through the reference point R_j
             for j in range(C // SB - 1):
-                ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
-                R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
-                later = valid & (rows >= (j + 1) * SB)
-                inside = valid & (rows // SB == j)
+                R, later, inside = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
                 xf = x * masked_exp(later[:, None], Gx - R[None, :])
                 yfT = yT * masked_exp(inside[None, :], R[:, None] - GT)
                 acc += mm(xf, yfT, DT, X)
@@ -266,9 +294,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
         # s in an earlier sub-block j than t: through the reference point R_j, one [C, SB] strip of dS
         for j in range(C // SB - 1):
             src = j * SB + tl.arange(0, SB)
-            ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
-            R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
-            later = valid & (rows >= (j + 1) * SB)
+            R, later, _ = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
             yf = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False) * masked_exp(
                 (src < nrows)[:, None], R[None, :] - load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False))
             strip = load_rows(dS, t0, nrows, h, H, C, rows, src, False)
@@ -311,10 +337,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
         Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         for j in range(C // SB - 1):
-            ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
-            R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
-            later = valid & (rows >= (j + 1) * SB)
-            inside = valid & (rows // SB == j)
+            R, later, inside = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
             xf = x * masked_exp(later[:, None], Gx - R[None, :])
             dSTj = tl.where(inside[:, None] & later[None, :], dST, 0.0)
             Z += masked_exp(inside[:, None], R[None, :] - Gs) * mm(dSTj, xf, MT, X)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
+from .common import (exp, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
                      running_total, sequence_state, store_rows, store_state, total)
 
 
@@ -62,18 +62,18 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
         if DECAY == 1:
             last = tl.load(G + (t0 + nrows - 1) * H + h)
             kt = kt * masked_exp(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
-            qT = qT * tl.exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
+            qT = qT * exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
         elif DECAY == 2:
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
             kt = kt * masked_exp(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
-            qT = qT * tl.exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
+            qT = qT * exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
         AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
         dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
         store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
         if DECAY == 1:
-            dS = dS * tl.exp(last)
+            dS = dS * exp(last)
         elif DECAY == 2:
-            dS = dS * tl.exp(last)[:, None]
+            dS = dS * exp(last)[:, None]
         dS += scale * mm(qT, dO, DT, X)
         if DELTA:
             dS -= mm(load_rows(W, t0, nrows, h, H, K, rows, kr, True), dd, W.dtype.element_ty, X)
@@ -209,15 +209,15 @@ def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, 
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
-            eq = tl.exp(Gq)
+            eq = exp(Gq)
             ek = masked_exp(valid[:, None], lastk[None, :] - Gk)
-            eG = tl.exp(Gk)
+            eG = exp(Gk)
         elif DECAY == 1:
             Gk = Gr
             Gq = Gqr
-            eq = tl.exp(Gqr)[:, None]
+            eq = exp(Gqr)[:, None]
             ek = masked_exp(valid, last - Gr)[:, None]
-            eG = tl.exp(Gr)[:, None]
+            eG = exp(Gr)[:, None]
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
             Gq = Gk
@@ -233,9 +233,9 @@ def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, 
             gq = qt * dqt
             gk = -kt * dkt
             if DECAY == 2:
-                gam_k = tl.exp(lastk) * gH + total(kt * kend, 0)
+                gam_k = exp(lastk) * gH + total(kt * kend, 0)
             else:
-                gam += total(tl.exp(last) * gH + total(kt * kend, 0), 0)
+                gam += total(exp(last) * gH + total(kt * kend, 0), 0)
         if DELTA:
             # W = T (beta k e^G): d(beta k e^G) = -Y h^T
             dkW = -dkw

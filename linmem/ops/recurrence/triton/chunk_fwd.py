@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, chunk_scores, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
+from .common import (_INTERP, chunk_scores, exp, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
                      running_total, sequence_state, store_rows, store_state, total)
 
 
@@ -136,9 +136,9 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
         cols = k0 + tl.arange(0, BK)
         x = load_rows(k, t0, nrows, h, H, K, rows, cols, False) * b[:, None]
         if DECAY == 1:
-            x = x * tl.exp(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+            x = x * exp(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         elif DECAY == 2:
-            x = x * tl.exp(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
+            x = x * exp(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
         _store_wy(W, T0, T1, T2, T3, x, t0, nrows, h, H, K, cols, IT, X, SB)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -178,12 +178,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             Gs = load_gate_rows(G, t0, nrows, h, H, rows)
             last = tl.load(G + (t0 + nrows - 1) * H + h)
             kT = kT * masked_exp(valid[None, :], last - Gs[None, :])
-            S = S * tl.exp(last)
+            S = S * exp(last)
         elif DECAY == 2:
             GT = load_rows(G, t0, nrows, h, H, K, rows, kr, True)
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
             kT = kT * masked_exp(valid[None, :], last[:, None] - GT)
-            S = S * tl.exp(last)[:, None]
+            S = S * exp(last)[:, None]
         S += mm(kT, d, WT, X)
     if STORE_FINAL:
         store_state(hN, S, n, h, H, K, V, kr, vr)
@@ -208,7 +208,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
     A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X)
     store_rows(A_out, A, t0, nrows, h, H, C, rows, rows)
     if DECAY == 1:
-        eq = tl.exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
+        eq = exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
     if BONUS:
         qku = tl.full([C], 0.0, tl.float32)
         for k0 in range(0, K, BK):
@@ -225,7 +225,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
             if DECAY == 1:
                 qt = qt * eq
             elif DECAY == 2:
-                qt = qt * tl.exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
+                qt = qt * exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
             acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
         out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
         if BONUS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import total
+from .common import exp, total
 
 
 @triton.jit
@@ -41,9 +41,9 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
         if BONUS:
             out = scale * (total(qt[:, None] * St, 0) + total(qt * uu * kt, 0) * vt)
         if DECAY == 1:
-            St = St * tl.exp(tl.load(g + tok).to(tl.float32))
+            St = St * exp(tl.load(g + tok).to(tl.float32))
         elif DECAY == 2:
-            St = St * tl.exp(tl.load(g + tok * K + kr, mask=mk, other=0.0).to(tl.float32))[:, None]
+            St = St * exp(tl.load(g + tok * K + kr, mask=mk, other=0.0).to(tl.float32))[:, None]
         if DELTA:
             vt = tl.load(beta + tok).to(tl.float32) * (vt - total(kt[:, None] * St, 0))
         St += kt[:, None] * vt[None, :]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -69,7 +70,10 @@ def _bench_ops(args: argparse.Namespace) -> int:
         from .ops.recurrence.triton import launch
 
         for item in args.launch.split(","):
-            name, config = item.split("=")
+            name, _, config = item.partition("=")
+            if name not in launch.LAUNCH or not re.fullmatch(r"\d+x\d+", config.lower()):
+                raise SystemExit(f"--launch {item!r}: expected KERNEL=WARPSxSTAGES with KERNEL one of "
+                                 f"{', '.join(launch.LAUNCH)}")
             launch.LAUNCH[name] = tuple(int(x) for x in config.lower().split("x"))
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),

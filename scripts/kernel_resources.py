@@ -72,7 +72,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=32)
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=min(BK, 32) if decay == 2 else BK, BV=BV)
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "W": wt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
@@ -83,7 +83,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
                                                            "dov_out": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
-        yield "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt,
+        yield "grads_delta" if delta else "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt,
                                                "dHs": dt, "do": dt, "Y": wt, "dA_in": f32, "dL_in": f32,
                                                "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
                                                "cu_seqlens": "*i32"}, \
@@ -120,7 +120,7 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, score_grads, grads, recurrent)")
+    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, score_grads, grads, grads_delta, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")
@@ -137,10 +137,10 @@ def main() -> None:
         warps, stages = launch[name]
         try:
             smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages)
-            print(f"{name:10s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
+            print(f"{name:11s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
                   f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code}")
         except Exception as error:  # a variant that does not compile says why
-            print(f"{name:10s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            print(f"{name:11s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
 if __name__ == "__main__":

@@ -30,15 +30,19 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21). Measured
 #: there at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet forward 1.47 -> 0.85 ms)
 #: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms); score_grads at
-#: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms).
+#: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms). Stages, per kernel alone
+#: (session 4): prep 2 -> 3 (deltanet 0.446 -> 0.423 ms), output 2 -> 3 (gla 0.843 -> 0.789, deltanet
+#: 0.188 -> 0.162), grads 1 -> 2 for the delta rule only ("grads_delta": deltanet 0.876 -> 0.802, gated
+#: 1.151 -> 0.905; gla's went 2.376 -> 2.553); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535).
 LAUNCH = {
     "cumsum": (4, 2),
-    "prep": (4, 2),
+    "prep": (4, 3),
     "state_fwd": (4, 2),
-    "output": (8, 2),
+    "output": (8, 3),
     "state_bwd": (4, 1),
     "score_grads": (4, 1),
     "grads": (8, 1),
+    "grads_delta": (8, 2),
     "recurrent": (4, 2),
 }
 #: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32);
@@ -95,6 +99,12 @@ class Shapes:
     @property
     def BK(self) -> int:
         return min(self.BKF, 64)
+
+    def scores_BK(self, decay: int) -> int:
+        """K block of the output kernel: 32 for per-channel decays, whose pairwise loop holds [64, BK]
+        tiles of fp32 gates and exponentials (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
+        gla output 1.01 -> 0.84 ms; deltanet's output, without that loop, 0.187 -> 0.207 ms at 32)."""
+        return min(self.BK, 32) if decay == 2 else self.BK
 
     @property
     def BV(self) -> int:
@@ -186,7 +196,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     o = torch.empty_like(v)
     _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
-            DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+            DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.scores_BK(decay), BV=s.BV)
     return o, hN, (G, hs, A, d, Tinv, W)
 
 
@@ -227,7 +237,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
-    _launch("grads", chunk_bwd.grads_kernel, (s.slots, s.H),
+    _launch("grads_delta" if delta else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, beta if delta else q, Gp, u if bonus else q, d if delta else v, hs, dHs, do,
             Y if delta else dA, dA, dL if delta else dA, dov if bonus else q, dq, dk, dbeta if delta else q,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,

@@ -72,7 +72,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=32)
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=min(BK, 32) if decay == 2 else BK, BV=BV)
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=8, BK=min(BK, 32) if decay == 2 else BK, BV=BV)
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "W": wt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
@@ -87,7 +87,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                "dHs": dt, "do": dt, "Y": wt, "dA_in": f32, "dL_in": f32,
                                                "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
                                                "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=8, BK=BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=32)
 

@@ -139,6 +139,37 @@ def test_both_state_blocks(sms, monkeypatch):
     compare(t, FP32_TOL)
 
 
+@pytest.mark.parametrize("sub", [4, 8, 16, 32])
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
+def test_pairwise_sub_blocks(combo, sub, monkeypatch):
+    """Per-channel decays: pairwise inside sub-blocks of any size, through reference points across them
+    (T = 70: a full chunk and a partial one that ends inside a sub-block)."""
+    monkeypatch.setattr(launch, "PAIR_SUB", sub)
+    compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
+
+
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
+def test_extreme_per_channel_gates_equal_the_reference(combo):
+    """Log decays of -60 to -120 per token: the cross-sub-block factors underflow to exactly 0, never
+    to inf or NaN, and the outputs and gradients still match the reference. The gate gradient is
+    then ~1e-27 in exact arithmetic, a cancellation of terms of size ~1 (q dq - k dk), so it is
+    held to fp32 rounding of those terms instead of a ratio."""
+    t = inputs(combo, B=1, T=70, H=1, K=16, V=16)
+    t["log_decay"] = -60.0 * (1 + torch.rand(t["log_decay"].shape, generator=seeded("extreme"))).to(DEVICE)
+    gen = seeded("extreme cotangents")
+    do = torch.randn(t["v"].shape, generator=gen).to(DEVICE)
+    dS = torch.randn(1, 1, 16, 16, generator=gen).to(DEVICE)
+    o_ref, S_ref, g_ref = run("reference", {n: x.double() for n, x in t.items()}, do.double(), dS.double())
+    o, S, g = run("triton", t, do, dS)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+    for name in t:
+        assert torch.isfinite(g[name]).all(), name
+        if name == "log_decay":
+            assert (g[name].double() - g_ref[name]).abs().max() < 1e-5
+        else:
+            assert rel_err(g[name], g_ref[name]) < FP32_TOL, name
+
+
 def test_gradients_when_only_the_output_is_used():
     """No initial state, no final state: the backward runs without a state gradient."""
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=16, initial_state=False)

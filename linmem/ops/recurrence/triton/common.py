@@ -11,10 +11,13 @@ Layout conventions of every kernel (DESIGN.md section 3):
 * gates arrive as chunk-local cumulative sums ``G`` (fp32); a decay between two tokens is
   always ``exp`` of a non-positive difference of them, masked *before* the ``exp``.
 
-Per-channel decays are exact inside sub-blocks of ``SUB`` tokens; across sub-blocks a
-reference point (the cumulative gate at the end of the earlier sub-block) splits
-``exp(G_t - G_s) = exp(G_t - R) exp(R - G_s)`` into two factors <= 1 that enter a matrix
-product.
+Per-channel decays are exact inside sub-blocks of ``SB`` tokens (pairwise, one exponential
+per pair and channel); across sub-blocks the reference point ``R_j`` (the cumulative gate at
+the end of sub-block j) splits ``exp(G_t - G_s) = exp(G_t - R_j) exp(R_j - G_s)`` for s in
+sub-block j into two factors <= 1 that enter a matrix product. Each side takes one exponential
+per row and channel, against the nearest reference point: ``exp(R_j - G_s)`` for s in sub-block
+j, and ``exp(G_t - R_(i-1))`` for t in sub-block i, carried to an earlier reference by the
+factors ``exp(R_m - R_(m-1)) <= 1`` (per channel) as the loop over j walks past sub-block m.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import triton.language as tl
 
 #: chunk length of the chunked algorithm
 CHUNK = 64
-#: sub-block length inside which per-channel decays are computed pairwise
+#: sub-block length of the delta rule's blockwise inverse (C = 4 SUB)
 SUB = 16
 #: True when the kernels run on the CPU through the Triton interpreter
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -151,12 +154,23 @@ def sequence_state(init, PRESENT: tl.constexpr, cu_seqlens, T, H, K, V, C: tl.co
 
 
 @triton.jit
-def sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB: tl.constexpr):
-    """Sub-block j's reference point and masks: (R_j, G at its last valid row [BK]; the valid rows
-    after sub-block j; the valid rows inside it)."""
+def ref_point(G_ptr, t0, nrows, h, H, K, cols, j, SB: tl.constexpr):
+    """R_j: G at the last valid row of sub-block j ([BK]; 0 for j < 0 or an idle slot)."""
     ref = tl.minimum((j + 1) * SB - 1, nrows - 1)
-    R = tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
-    return R, valid & (rows >= (j + 1) * SB), valid & (rows // SB == j)
+    return tl.load(G_ptr + ((t0 + ref) * H + h) * K + cols, mask=cols < tl.where(ref >= 0, K, 0), other=0.0)
+
+
+@triton.jit
+def row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr, AFTER: tl.constexpr, TRANS: tl.constexpr):
+    """Per row t of a chunk, the nearest reference point: R of the sub-block before t's (the
+    query side; 0 in sub-block 0) or, if AFTER, of t's own sub-block (the key side). [C, BK], or
+    [BK, C] if TRANS."""
+    blk = rows // SB
+    if AFTER:
+        r = tl.minimum(blk * SB + SB - 1, nrows - 1)
+    else:
+        r = blk * SB - 1
+    return load_rows(G_ptr, t0, nrows, h, H, K, r, cols, TRANS)
 
 
 @triton.jit
@@ -255,18 +269,26 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         causal = rows[:, None] >= rows[None, :]
     acc = tl.full([C, C], 0.0, tl.float32)
     if DECAY == 2:
+        blk = rows // SB
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
-            yT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True)
             Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
-            GT = load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True)
-            # s in an earlier sub-block j than t: through the reference point R_j
-            for j in range(C // SB - 1):
-                R, later, inside = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
-                xf = x * masked_exp(later[:, None], Gx - R[None, :])
-                yfT = yT * masked_exp(inside[None, :], R[:, None] - GT)
-                acc += mm(xf, yfT, DT, X)
+            # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
+            # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
+            xE = x * masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp(
+                valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, True)
+                - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
+            L = tl.full([C, BK], 0.0, tl.float32)
+            R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
+            for jj in range(C // SB - 1):
+                j = C // SB - 2 - jj
+                L += tl.where((blk == j + 1)[:, None], xE, 0.0)
+                acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
+                R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
+                L = L * exp(R_next - R_prev)[None, :]  # e^(Gx_t - R_j) -> e^(Gx_t - R_(j-1))
+                R_next = R_prev
             # s in the same sub-block as t: pairwise, one column offset at a time
             for off in range(SB):
                 src = (rows // SB) * SB + off
@@ -306,15 +328,22 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
     rows = tl.arange(0, C)
     if DECAY == 2:
         valid = rows < nrows
-        Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
-        # s in an earlier sub-block j than t: through the reference point R_j, one [C, SB] strip of dS
+        blk = rows // SB
+        # s in an earlier sub-block j than t, through R_j: M[t] sums over j < blk(t) the products
+        # dS[t, sub-block j] (y e^(R_j - G))[sub-block j], each times e^(R_(blk(t)-1) - R_j), which M
+        # gathers as the loop passes the later reference points; e^(Gx_t - R_(blk(t)-1)) comes last
+        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * masked_exp(
+            valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False)
+            - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False))
+        dSf = load_rows(dS, t0, nrows, h, H, C, rows, rows, False)
+        M = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+        R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, 0, SB)
         for j in range(C // SB - 1):
-            src = j * SB + tl.arange(0, SB)
-            R, later, _ = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
-            yf = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False) * masked_exp(
-                (src < nrows)[:, None], R[None, :] - load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False))
-            strip = load_rows(dS, t0, nrows, h, H, C, rows, src, False)
-            Z += masked_exp(later[:, None], Gx - R[None, :]) * mm(strip, yf, MT, X)
+            R = ref_point(G_ptr, t0, nrows, h, H, K, cols, j, SB)
+            M = tl.where((blk > j)[:, None], M * exp(R - R_prev)[None, :], M)
+            M += mm(tl.where((blk[:, None] > j) & (blk[None, :] == j), dSf, 0.0), yF, MT, X)
+            R_prev = R
+        Z = masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False)) * M
         # s in the same sub-block as t: pairwise, one column offset at a time
         for off in range(SB):
             src = (rows // SB) * SB + off
@@ -351,12 +380,21 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
         x = x * load_gate_rows(w_ptr, t0, nrows, h, H, rows)[:, None]
     if DECAY == 2:
         Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
+        blk = rows // SB
+        # s in an earlier sub-block j than t, as in chunk_scores: L holds w_t x_t e^(Gx_t - R_j) for the
+        # rows after sub-block j; e^(R_j - G_s) for s in sub-block j comes last
+        xE = x * masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+        L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
-        for j in range(C // SB - 1):
-            R, later, inside = sub_block_split(G_ptr, t0, nrows, h, H, K, cols, rows, valid, j, SB)
-            xf = x * masked_exp(later[:, None], Gx - R[None, :])
-            dSTj = tl.where(inside[:, None] & later[None, :], dST, 0.0)
-            Z += masked_exp(inside[:, None], R[None, :] - Gs) * mm(dSTj, xf, MT, X)
+        R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
+        for jj in range(C // SB - 1):
+            j = C // SB - 2 - jj
+            L += tl.where((blk == j + 1)[:, None], xE, 0.0)
+            Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
+            R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
+            L = L * exp(R_next - R_prev)[None, :]
+            R_next = R_prev
+        Z = Z * masked_exp(valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False) - Gs)
         for off in range(SB):
             src = (rows // SB) * SB + off
             coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),

@@ -49,16 +49,18 @@ def _load(name: str) -> types.ModuleType:
     return module
 
 
-def launch_configs() -> dict[str, tuple[int, int]]:
-    """The ``LAUNCH`` dict of launch.py, read without importing it (it imports torch)."""
+def launch_setting(name: str):
+    """A literal module-level setting of launch.py (``LAUNCH``, ``STATE_BV``, ``PAIR_SUB``), read without
+    importing it (it imports torch)."""
     tree = ast.parse((KERNELS / "launch.py").read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "LAUNCH")
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
     return ast.literal_eval(node.value)
 
 
 def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     """(kernel name, tag, function, pointer dtypes, constexprs) of every kernel a benchmark run uses."""
     f32 = "*fp32"
+    SBV, PAIR_SUB = launch_setting("STATE_BV"), launch_setting("PAIR_SUB")  # at a wide grid (no halving)
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
@@ -69,15 +71,16 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=32)
+            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=SBV)
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=8, BK=min(BK, 32) if decay == 2 else BK, BV=BV)
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
+                 BV=BV)
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "W": wt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
-                 BKF=BKF, BV=32)
+                 BKF=BKF, BV=SBV)
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt,
                                                            "Tinv": wt, "d": wt, "do": dt, "dd": wt, "dA_out": f32,
                                                            "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
@@ -87,9 +90,9 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                "dHs": dt, "do": dt, "Y": wt, "dA_in": f32, "dL_in": f32,
                                                "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
                                                "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=8, BK=BK, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
-        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=32)
+        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=SBV)
 
 
 def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int, int, int, str]:
@@ -129,7 +132,7 @@ def main() -> None:
     sys.modules["lk"].__path__ = [str(KERNELS)]
     _load("common")
     fwd, bwd, rec = _load("chunk_fwd"), _load("chunk_bwd"), _load("recurrent")
-    launch = launch_configs()
+    launch = launch_setting("LAUNCH")
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, K = V = {args.K}{', varlen' if args.varlen else ''}")
     for name, tag, fn, pointers, constexprs in variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen)):
         if args.only and name not in args.only.split(","):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (exp, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
-                     running_total, sequence_state, store_rows, store_state, total)
+from .common import (exp2, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2,
+                     mm, running_total, sequence_state, store_rows, store_state, total)
 
 
 @triton.jit
@@ -61,19 +61,19 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
         qT = load_rows(q, t0, nrows, h, H, K, rows, kr, True)
         if DECAY == 1:
             last = tl.load(G + (t0 + nrows - 1) * H + h)
-            kt = kt * masked_exp(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
-            qT = qT * exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
+            kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
+            qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
         elif DECAY == 2:
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
-            kt = kt * masked_exp(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
-            qT = qT * exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
+            kt = kt * masked_exp2(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
+            qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
         AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
         dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
         store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
         if DECAY == 1:
-            dS = dS * exp(last)
+            dS = dS * exp2(last)
         elif DECAY == 2:
-            dS = dS * exp(last)[:, None]
+            dS = dS * exp2(last)[:, None]
         dS += scale * mm(qT, dO, DT, X)
         if DELTA:
             dS -= mm(load_rows(W, t0, nrows, h, H, K, rows, kr, True), dd, W.dtype.element_ty, X)
@@ -129,13 +129,13 @@ def score_grads_kernel(q, k, v, beta, G, u, Tinv, d, do, dd, dA_out, dL_out, Y_o
     dA = tl.where(causal, dA, 0.0) * scale
     if DECAY == 1:  # fold the pairwise decays into the score gradients
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
-        dA = dA * masked_exp(causal, load_gate_rows(G, t0, nrows, h, H, rows - BONUS)[:, None] - Gr[None, :])
+        dA = dA * masked_exp2(causal, load_gate_rows(G, t0, nrows, h, H, rows - BONUS)[:, None] - Gr[None, :])
     store_rows(dA_out, dA, t0, nrows, h, H, C, rows, rows)
     if DELTA:
         strict = (rows[:, None] > rows[None, :]) & valid[:, None]
         dL = tl.where(strict, dL, 0.0)
         if DECAY == 1:
-            dL = dL * masked_exp(strict, Gr[:, None] - Gr[None, :])
+            dL = dL * masked_exp2(strict, Gr[:, None] - Gr[None, :])
         store_rows(dL_out, dL, t0, nrows, h, H, C, rows, rows)
         tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
     if BONUS:
@@ -209,15 +209,15 @@ def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, 
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
-            eq = exp(Gq)
-            ek = masked_exp(valid[:, None], lastk[None, :] - Gk)
-            eG = exp(Gk)
+            eq = exp2(Gq)
+            ek = masked_exp2(valid[:, None], lastk[None, :] - Gk)
+            eG = exp2(Gk)
         elif DECAY == 1:
             Gk = Gr
             Gq = Gqr
-            eq = exp(Gqr)[:, None]
-            ek = masked_exp(valid, last - Gr)[:, None]
-            eG = exp(Gr)[:, None]
+            eq = exp2(Gqr)[:, None]
+            ek = masked_exp2(valid, last - Gr)[:, None]
+            eG = exp2(Gr)[:, None]
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
             Gq = Gk
@@ -233,9 +233,9 @@ def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, 
             gq = qt * dqt
             gk = -kt * dkt
             if DECAY == 2:
-                gam_k = exp(lastk) * gH + total(kt * kend, 0)
+                gam_k = exp2(lastk) * gH + total(kt * kend, 0)
             else:
-                gam += total(exp(last) * gH + total(kt * kend, 0), 0)
+                gam += total(exp2(last) * gH + total(kt * kend, 0), 0)
         if DELTA:
             # W = T (beta k e^G): d(beta k e^G) = -Y h^T
             dkW = -dkw

@@ -20,14 +20,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, chunk_scores, exp, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp, mm,
-                     running_total, sequence_state, store_rows, store_state, total)
+from .common import (_INTERP, LOG2E, chunk_scores, exp2, load_gate_rows, load_rows, load_state, locate_chunk,
+                     masked_exp2, mm, running_total, sequence_state, store_rows, store_state, total)
 
 
 @triton.jit
 def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
                         VECTOR: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
-    """G = cumulative sum of the log decay g inside each chunk, fp32.
+    """G = log2(e) x the cumulative sum of the log decay g inside each chunk, fp32 (decays are 2^(G_t - G_s)).
 
     g, G: [tokens, H] (one gate per token) or [tokens, H, K] (VECTOR). Grid (slots, H, K blocks).
     """
@@ -37,10 +37,10 @@ def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
     if VECTOR:
         cols = kb * BK + tl.arange(0, BK)
         x = load_rows(g, t0, nrows, h, H, K, rows, cols, False)
-        store_rows(G, running_total(x, 0), t0, nrows, h, H, K, rows, cols)
+        store_rows(G, running_total(x, 0) * LOG2E, t0, nrows, h, H, K, rows, cols)
     else:
         x = load_gate_rows(g, t0, nrows, h, H, rows)
-        tl.store(G + (t0 * H + h) + rows * H, running_total(x, 0), mask=rows < nrows)
+        tl.store(G + (t0 * H + h) + rows * H, running_total(x, 0) * LOG2E, mask=rows < nrows)
 
 
 @triton.jit
@@ -136,9 +136,9 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
         cols = k0 + tl.arange(0, BK)
         x = load_rows(k, t0, nrows, h, H, K, rows, cols, False) * b[:, None]
         if DECAY == 1:
-            x = x * exp(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+            x = x * exp2(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         elif DECAY == 2:
-            x = x * exp(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
+            x = x * exp2(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
         _store_wy(W, T0, T1, T2, T3, x, t0, nrows, h, H, K, cols, IT, X, SB)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -177,13 +177,13 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
         if DECAY == 1:
             Gs = load_gate_rows(G, t0, nrows, h, H, rows)
             last = tl.load(G + (t0 + nrows - 1) * H + h)
-            kT = kT * masked_exp(valid[None, :], last - Gs[None, :])
-            S = S * exp(last)
+            kT = kT * masked_exp2(valid[None, :], last - Gs[None, :])
+            S = S * exp2(last)
         elif DECAY == 2:
             GT = load_rows(G, t0, nrows, h, H, K, rows, kr, True)
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
-            kT = kT * masked_exp(valid[None, :], last[:, None] - GT)
-            S = S * exp(last)[:, None]
+            kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
+            S = S * exp2(last)[:, None]
         S += mm(kT, d, WT, X)
     if STORE_FINAL:
         store_state(hN, S, n, h, H, K, V, kr, vr)
@@ -208,7 +208,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
     A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X)
     store_rows(A_out, A, t0, nrows, h, H, C, rows, rows)
     if DECAY == 1:
-        eq = exp(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
+        eq = exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
     if BONUS:
         qku = tl.full([C], 0.0, tl.float32)
         for k0 in range(0, K, BK):
@@ -225,7 +225,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
             if DECAY == 1:
                 qt = qt * eq
             elif DECAY == 2:
-                qt = qt * exp(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
+                qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
             acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
         out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
         if BONUS:

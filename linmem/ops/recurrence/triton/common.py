@@ -8,8 +8,9 @@ Layout conventions of every kernel (DESIGN.md section 3):
   (``first_slot(n) + c``) in the per-chunk buffers (chunk-start states ``[slots, H, K, V]``);
   for varlen batches ``first_slot(n) = bos // C + n``, which never overlaps and needs no
   host synchronisation; a few slots stay idle and every kernel masks them out;
-* gates arrive as chunk-local cumulative sums ``G`` (fp32); a decay between two tokens is
-  always ``exp`` of a non-positive difference of them, masked *before* the ``exp``.
+* gates arrive as chunk-local cumulative sums ``G`` (fp32) in log2 units (``log2(e)`` times the
+  cumulative log decay, written by ``chunk_cumsum_kernel``); a decay between two tokens is
+  always ``2^`` of a non-positive difference of them (``exp2``), masked *before* the ``exp2``.
 
 Per-channel decays are exact inside sub-blocks of ``SB`` tokens (pairwise, one exponential
 per pair and channel); across sub-blocks the reference point ``R_j`` (the cumulative gate at
@@ -31,6 +32,8 @@ import triton.language as tl
 CHUNK = 64
 #: sub-block length of the delta rule's blockwise inverse (C = 4 SUB)
 SUB = 16
+#: log2(e): the cumulative gates G of the chunk kernels are log2(e) times the cumulative log decays
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 #: True when the kernels run on the CPU through the Triton interpreter
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _INTERP: tl.constexpr = tl.constexpr(INTERPRET)
@@ -229,32 +232,38 @@ def store_state(ptr, x, idx, h, H, K, V, kr, vr):
 
 
 @triton.jit
-def exp(x):
-    """e^x of fp32 x as one ``ex2.approx.ftz`` (results under 2^-126 flush to 0); tl.exp in the interpreter.
+def exp2(x):
+    """2^x of fp32 x as one ``ex2.approx.ftz`` (results under 2^-126 flush to 0); tl.exp2 in the interpreter.
 
-    tl.exp compiles to the same instruction plus three that keep results in the subnormal range,
-    which no decay here needs; in the pairwise loops of per-channel decays the saving is half of
-    the instructions spent on exponentials.
+    tl.exp compiles to the same instruction plus a multiply by log2(e) and three instructions that
+    keep results in the subnormal range, which no decay here needs. The chunk kernels keep their
+    cumulative gates in log2 units, so each decay is this one instruction.
     """
     if _INTERP:
-        y = tl.exp(x)
+        y = tl.exp2(x)
     else:
-        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
-                                      dtype=tl.float32, is_pure=True, pack=1)
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
     return y
 
 
 @triton.jit
-def masked_exp(mask, x):
-    """exp(x) where mask, exactly 0 elsewhere (the exponent is masked first, so nothing overflows)."""
-    return exp(tl.where(mask, x, float("-inf")))
+def exp(x):
+    """e^x of fp32 x (see :func:`exp2`)."""
+    return exp2(x * LOG2E)
+
+
+@triton.jit
+def masked_exp2(mask, x):
+    """2^x where mask, exactly 0 elsewhere (the exponent is masked first, so nothing overflows)."""
+    return exp2(tl.where(mask, x, float("-inf")))
 
 
 @triton.jit
 def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                  DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr,
                  C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr):
-    """Decayed scores of one chunk, ``A[t, s] = sum_k x_tk y_sk exp(Gx_tk - G_sk)``: [C, C] fp32.
+    """Decayed scores of one chunk, ``A[t, s] = sum_k x_tk y_sk exp2(Gx_tk - G_sk)``: [C, C] fp32.
 
     Pairs s <= t (s < t if STRICT); 0 elsewhere. ``Gx`` is ``G`` of row t, or of row t - 1
     if SHIFT (the RWKV-6 read-out before the step's decay). DECAY: 0 none, 1 one gate per
@@ -276,8 +285,8 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
             Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
             # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
             # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
-            xE = x * masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
-            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp(
+            xE = x * masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
                 valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, True)
                 - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
             L = tl.full([C, BK], 0.0, tl.float32)
@@ -287,7 +296,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                 L += tl.where((blk == j + 1)[:, None], xE, 0.0)
                 acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
                 R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
-                L = L * exp(R_next - R_prev)[None, :]  # e^(Gx_t - R_j) -> e^(Gx_t - R_(j-1))
+                L = L * exp2(R_next - R_prev)[None, :]  # e^(Gx_t - R_j) -> e^(Gx_t - R_(j-1))
                 R_next = R_prev
             # s in the same sub-block as t: pairwise, one column offset at a time
             for off in range(SB):
@@ -298,7 +307,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                     pair = valid & (rows % SB > off)
                 else:
                     pair = valid & (rows % SB >= off)
-                part = total(x.to(tl.float32) * ysel * masked_exp(pair[:, None], Gx - Gsel), 1)
+                part = total(x.to(tl.float32) * ysel * masked_exp2(pair[:, None], Gx - Gsel), 1)
                 acc += tl.where(rows[None, :] == src[:, None], part[:, None], 0.0)
     else:
         for k0 in range(0, K, BK):
@@ -309,7 +318,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         if DECAY == 1:
             Gx = load_gate_rows(G_ptr, t0, nrows, h, H, rows - SHIFT)
             Gs = load_gate_rows(G_ptr, t0, nrows, h, H, rows)
-            acc = acc * masked_exp(causal & valid[:, None], Gx[:, None] - Gs[None, :])
+            acc = acc * masked_exp2(causal & valid[:, None], Gx[:, None] - Gs[None, :])
         else:
             acc = tl.where(causal, acc, 0.0)
     return acc
@@ -318,7 +327,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
 @triton.jit
 def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
-    """``Z[t] = sum_s dS[t, s] y_s exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+    """``Z[t] = sum_s dS[t, s] y_s exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
     dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C] fp32, row t holds
     dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
@@ -332,7 +341,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
         # s in an earlier sub-block j than t, through R_j: M[t] sums over j < blk(t) the products
         # dS[t, sub-block j] (y e^(R_j - G))[sub-block j], each times e^(R_(blk(t)-1) - R_j), which M
         # gathers as the loop passes the later reference points; e^(Gx_t - R_(blk(t)-1)) comes last
-        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * masked_exp(
+        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * masked_exp2(
             valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False)
             - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False))
         dSf = load_rows(dS, t0, nrows, h, H, C, rows, rows, False)
@@ -340,10 +349,10 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
         R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, 0, SB)
         for j in range(C // SB - 1):
             R = ref_point(G_ptr, t0, nrows, h, H, K, cols, j, SB)
-            M = tl.where((blk > j)[:, None], M * exp(R - R_prev)[None, :], M)
+            M = tl.where((blk > j)[:, None], M * exp2(R - R_prev)[None, :], M)
             M += mm(tl.where((blk[:, None] > j) & (blk[None, :] == j), dSf, 0.0), yF, MT, X)
             R_prev = R
-        Z = masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False)) * M
+        Z = masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False)) * M
         # s in the same sub-block as t: pairwise, one column offset at a time
         for off in range(SB):
             src = (rows // SB) * SB + off
@@ -354,7 +363,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                 pair = valid & (src < nrows) & (rows % SB > off)
             else:
                 pair = valid & (src < nrows) & (rows % SB >= off)
-            Z += coef[:, None] * ysel * masked_exp(pair[:, None], Gx - Gsel)
+            Z += coef[:, None] * ysel * masked_exp2(pair[:, None], Gx - Gsel)
     else:
         Z = mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), load_rows(y_ptr, t0, nrows, h, H, K, rows, cols,
                                                                             False), MT, X)
@@ -365,7 +374,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
 def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
                C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
-    """``Z[s] = sum_t dS[t, s] w_t x_t exp(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
+    """``Z[s] = sum_t dS[t, s] w_t x_t exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
     The transposed companion of :func:`intra_rows`: dS as stored there, read transposed (a
     transposed load, never a transposed product). w: one weight per token ([tokens, H], the
@@ -383,7 +392,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
         blk = rows // SB
         # s in an earlier sub-block j than t, as in chunk_scores: L holds w_t x_t e^(Gx_t - R_j) for the
         # rows after sub-block j; e^(R_j - G_s) for s in sub-block j comes last
-        xE = x * masked_exp(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+        xE = x * masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
         L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
@@ -392,9 +401,9 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
             L += tl.where((blk == j + 1)[:, None], xE, 0.0)
             Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
             R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
-            L = L * exp(R_next - R_prev)[None, :]
+            L = L * exp2(R_next - R_prev)[None, :]
             R_next = R_prev
-        Z = Z * masked_exp(valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False) - Gs)
+        Z = Z * masked_exp2(valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False) - Gs)
         for off in range(SB):
             src = (rows // SB) * SB + off
             coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),
@@ -407,7 +416,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
                 pair = valid & (src < nrows) & (off > rows % SB)
             else:
                 pair = valid & (src < nrows) & (off >= rows % SB)
-            Z += coef[:, None] * xsel * masked_exp(pair[:, None], Gxsel - Gs)
+            Z += coef[:, None] * xsel * masked_exp2(pair[:, None], Gxsel - Gs)
     else:
         Z = mm(dST, x, MT, X)
     return Z

@@ -177,6 +177,21 @@ def row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr, AFTER: tl.
 
 
 @triton.jit
+def since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr):
+    """The query side's decay from its nearest reference point, 2^(Gx_t - R_(blk(t)-1)): [C, BK] (0 on
+    rows past the chunk's end)."""
+    return masked_exp2((rows < nrows)[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+
+
+@triton.jit
+def carry_left(L, R_j, G_ptr, t0, nrows, h, H, K, cols, j, SB: tl.constexpr):
+    """The left factors 2^(Gx_t - R_j) of L carried to 2^(Gx_t - R_(j-1)) by 2^(R_j - R_(j-1)) <= 1:
+    (L, R_(j-1))."""
+    R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
+    return L * exp2(R_j - R_prev)[None, :], R_prev
+
+
+@triton.jit
 def load_rows(ptr, t0, nrows, h, H, D, r, cols, TRANS: tl.constexpr):
     """x[t0 + r, h, cols] of a [tokens, H, D] tensor, in its dtype: [R, BD], or [BD, R] if TRANS.
 
@@ -285,7 +300,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
             Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
             # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
             # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
-            xE = x * masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+            xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
             yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
                 valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, True)
                 - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
@@ -295,9 +310,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                 j = C // SB - 2 - jj
                 L += tl.where((blk == j + 1)[:, None], xE, 0.0)
                 acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
-                R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
-                L = L * exp2(R_next - R_prev)[None, :]  # e^(Gx_t - R_j) -> e^(Gx_t - R_(j-1))
-                R_next = R_prev
+                L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
             # s in the same sub-block as t: pairwise, one column offset at a time
             for off in range(SB):
                 src = (rows // SB) * SB + off
@@ -352,7 +365,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
             M = tl.where((blk > j)[:, None], M * exp2(R - R_prev)[None, :], M)
             M += mm(tl.where((blk[:, None] > j) & (blk[None, :] == j), dSf, 0.0), yF, MT, X)
             R_prev = R
-        Z = masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False)) * M
+        Z = since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB) * M
         # s in the same sub-block as t: pairwise, one column offset at a time
         for off in range(SB):
             src = (rows // SB) * SB + off
@@ -392,7 +405,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
         blk = rows // SB
         # s in an earlier sub-block j than t, as in chunk_scores: L holds w_t x_t e^(Gx_t - R_j) for the
         # rows after sub-block j; e^(R_j - G_s) for s in sub-block j comes last
-        xE = x * masked_exp2(valid[:, None], Gx - row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False))
+        xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
         L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
@@ -400,9 +413,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
             j = C // SB - 2 - jj
             L += tl.where((blk == j + 1)[:, None], xE, 0.0)
             Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
-            R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, SB)
-            L = L * exp2(R_next - R_prev)[None, :]
-            R_next = R_prev
+            L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
         Z = Z * masked_exp2(valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False) - Gs)
         for off in range(SB):
             src = (rows // SB) * SB + off

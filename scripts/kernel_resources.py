@@ -66,7 +66,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
         wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
         if delta:
-            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tinv": f32, "W": f32,
+            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32, "Wt": f32,
                                                        "U": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
@@ -76,13 +76,13 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                  BV=BV)
-        yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "W": wt, "G": f32, "A": dt, "do": dt,
+        yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": wt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
                  BKF=BKF, BV=SBV)
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt,
-                                                           "Tinv": wt, "d": wt, "do": dt, "dd": wt, "dA_out": f32,
+                                                           "Tt": wt, "d": wt, "do": dt, "dd": wt, "dA_out": f32,
                                                            "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
                                                            "dov_out": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)

@@ -21,7 +21,8 @@ value channels (the score gradients dA and dL, the delta rule's Y = T^T dd and d
 it, and ``grads_kernel`` every gradient per key channel, reading the score gradients once as
 stored and once transposed. Transposed products are computed as products of transposed loads,
 never by transposing a product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits
-that pattern).
+that pattern); the fp32 operands the backward needs transposed (the delta rule's T and W) are
+stored transposed by the forward instead.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .common import (exp2, intra_cols, intra_rows, load_gate_rows, load_rows, lo
 
 
 @triton.jit
-def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale, T, H, N, K, V,
+def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale, T, H, N, K, V,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_DFINAL: tl.constexpr, STORE_DINIT: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
@@ -42,8 +43,8 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
 
     Per chunk, last to first: dHs[slot] = dH; dd = A^T dO + (k e^(Gamma-G)) dH (stored to
     dd_out); dH = e^Gamma dH + scale (q e^Gq)^T dO (- W^T dd for the delta rule).
-    A: [tokens, H, C] (scaled scores of the forward); dHs: [slots, H, K, V]; dhN, dh0:
-    [N, H, K, V] fp32. Grid (V blocks, N * H).
+    A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H, K, C] (the delta rule's W,
+    transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V] fp32. Grid (V blocks, N * H).
     """
     DT: tl.constexpr = q.dtype.element_ty
     X: tl.constexpr = DT == tl.float32  # fp32 inputs: fp32-accurate products
@@ -76,25 +77,25 @@ def state_bwd_kernel(q, k, W, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale
             dS = dS * exp2(last)[:, None]
         dS += scale * mm(qT, dO, DT, X)
         if DELTA:
-            dS -= mm(load_rows(W, t0, nrows, h, H, K, rows, kr, True), dd, W.dtype.element_ty, X)
+            dS -= mm(load_state(Wt, s0 + c, h, H, K, C, kr, rows, K, False), dd, Wt.dtype.element_ty, X)
     if STORE_DINIT:
         store_state(dh0, dS, n, h, H, K, V, kr, vr)
 
 
 @triton.jit
-def score_grads_kernel(q, k, v, beta, G, u, Tinv, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
+def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
                        cu_seqlens, scale, T, H, N, K, V,
                        DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] fp32. Delta rule: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y;
+    [tokens, H, C] fp32. Delta rule, with Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y;
     dL_out[s, r] = -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta
     gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t ([tokens, H] fp32) and
     dv += scale (q u k) dO. Grid (slots, H).
     """
-    WYT: tl.constexpr = Tinv.dtype.element_ty  # the delta rule's WY factors
+    WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
@@ -118,7 +119,7 @@ def score_grads_kernel(q, k, v, beta, G, u, Tinv, d, do, dd, dA_out, dL_out, Y_o
         dtT = load_rows(d, t0, nrows, h, H, V, rows, vr, True)
         dA += mm(dO, dtT, WT, X)
         if DELTA:
-            Y = mm(load_rows(Tinv, t0, nrows, h, H, C, rows, rows, True),
+            Y = mm(load_rows(Tt, t0, nrows, h, H, C, rows, rows, False),
                    load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)  # T^T dd
             store_rows(Y_out, Y, t0, nrows, h, H, V, rows, vr)
             store_rows(dv, b[:, None] * Y, t0, nrows, h, H, V, rows, vr)

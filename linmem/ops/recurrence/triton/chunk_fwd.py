@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .common import (_INTERP, LOG2E, chunk_scores, exp2, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp2, mm, running_total, sequence_state, store_rows, store_state, total)
+                     masked_exp2, mm, rounded, running_total, sequence_state, store_rows, store_rows_t, store_state,
+                     total)
 
 
 @triton.jit
@@ -96,25 +97,41 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _store_wy(out, T0, T1, T2, T3, x, t0, nrows, h, H, D, cols, IT: tl.constexpr, X: tl.constexpr,
-              SB: tl.constexpr):
-    """out[rows of the chunk, h, cols] = T x, one row block of T at a time. x: [C, BD]."""
-    r = tl.arange(0, SB)
-    store_rows(out, mm(T0, x, IT, X), t0, nrows, h, H, D, r, cols)
-    store_rows(out, mm(T1, x, IT, X), t0, nrows, h, H, D, r + SB, cols)
-    store_rows(out, mm(T2, x, IT, X), t0, nrows, h, H, D, r + 2 * SB, cols)
-    store_rows(out, mm(T3, x, IT, X), t0, nrows, h, H, D, r + 3 * SB, cols)
+def _store_wy_block(out, outT, Ti, x, slot, t0, nrows, h, H, D, r, cols, IT: tl.constexpr, X: tl.constexpr,
+                    C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows r of T x (Ti: those rows of T [SB, C], x: [C, BD]) -> out[t0 + r, h, cols]; with TRANSPOSED
+    also -> outT[slot, h, cols, r], the [slots, H, D, C] layout whose [D, C] tiles load untransposed."""
+    y = mm(Ti, x, IT, X)
+    store_rows(out, y, t0, nrows, h, H, D, r, cols)
+    if TRANSPOSED:  # every row of the slot is written: rows past the chunk's end are 0 (x is 0 there)
+        base = outT + (slot.to(tl.int64) * H + h) * D * C
+        tl.store(base + cols[None, :] * C + r[:, None], rounded(y, outT.dtype.element_ty),
+                 mask=(cols < D)[None, :] & (r >= 0)[:, None])
 
 
 @triton.jit
-def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
+def _store_wy(out, outT, T0, T1, T2, T3, x, slot, t0, nrows, h, H, D, cols, IT: tl.constexpr, X: tl.constexpr,
+              C: tl.constexpr, SB: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """T x for the four row blocks of T (see :func:`_store_wy_block`). x: [C, BD]."""
+    r = tl.arange(0, SB)
+    _store_wy_block(out, outT, T0, x, slot, t0, nrows, h, H, D, r, cols, IT, X, C, TRANSPOSED)
+    _store_wy_block(out, outT, T1, x, slot, t0, nrows, h, H, D, r + SB, cols, IT, X, C, TRANSPOSED)
+    _store_wy_block(out, outT, T2, x, slot, t0, nrows, h, H, D, r + 2 * SB, cols, IT, X, C, TRANSPOSED)
+    _store_wy_block(out, outT, T3, x, slot, t0, nrows, h, H, D, r + 3 * SB, cols, IT, X, C, TRANSPOSED)
+
+
+@triton.jit
+def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
                       DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr):
     """Delta rule, per chunk: T = (I + diag(beta) strict(A_kk))^-1 [C, C], W = T (beta k e^G) [C, K],
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
-    k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tinv: [tokens, H, C] (fp32,
-    first used as scratch for L), W: [tokens, H, K], U: [tokens, H, V]. Grid (slots, H).
+    k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tt: [tokens, H, C] (fp32,
+    T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
+    Wt: [slots, H, K, C] (W transposed, per chunk), U: [tokens, H, V]. The backward reads T and W
+    only transposed, and fp32 operands of tensor-core products must not be transposed on the way
+    in: they would go through shared memory one element at a time. Grid (slots, H).
     """
     IT: tl.constexpr = W.dtype.element_ty
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -123,15 +140,15 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
     rows = tl.arange(0, C)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
     L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X)
-    store_rows(Tinv, L, t0, nrows, h, H, C, rows, rows)
+    store_rows(Tt, L, t0, nrows, h, H, C, rows, rows)
     tl.debug_barrier()  # L is read back by blocks, by other threads
-    T0, T1, T2, T3 = unit_lower_inverse(Tinv, t0, nrows, h, H, C, SB)
+    T0, T1, T2, T3 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
     tl.debug_barrier()  # every block of L is read before T overwrites it
     r = tl.arange(0, SB)
-    store_rows(Tinv, T0, t0, nrows, h, H, C, r, rows)
-    store_rows(Tinv, T1, t0, nrows, h, H, C, r + SB, rows)
-    store_rows(Tinv, T2, t0, nrows, h, H, C, r + 2 * SB, rows)
-    store_rows(Tinv, T3, t0, nrows, h, H, C, r + 3 * SB, rows)
+    store_rows_t(Tt, T0, t0, nrows, h, H, C, rows, r)
+    store_rows_t(Tt, T1, t0, nrows, h, H, C, rows, r + SB)
+    store_rows_t(Tt, T2, t0, nrows, h, H, C, rows, r + 2 * SB)
+    store_rows_t(Tt, T3, t0, nrows, h, H, C, rows, r + 3 * SB)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = load_rows(k, t0, nrows, h, H, K, rows, cols, False) * b[:, None]
@@ -139,11 +156,11 @@ def delta_prep_kernel(k, v, beta, G, Tinv, W, U, cu_seqlens, T, H, N, K, V,
             x = x * exp2(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         elif DECAY == 2:
             x = x * exp2(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
-        _store_wy(W, T0, T1, T2, T3, x, t0, nrows, h, H, K, cols, IT, X, SB)
+        _store_wy(W, Wt, T0, T1, T2, T3, x, slot, t0, nrows, h, H, K, cols, IT, X, C, SB, True)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = load_rows(v, t0, nrows, h, H, V, rows, cols, False) * b[:, None]
-        _store_wy(U, T0, T1, T2, T3, x, t0, nrows, h, H, V, cols, IT, X, SB)
+        _store_wy(U, U, T0, T1, T2, T3, x, slot, t0, nrows, h, H, V, cols, IT, X, C, SB, False)
 
 
 @triton.jit

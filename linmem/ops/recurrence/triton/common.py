@@ -216,6 +216,15 @@ def store_rows(ptr, x, t0, nrows, h, H, D, r, cols):
 
 
 @triton.jit
+def store_rows_t(ptr, xT, t0, nrows, h, H, D, r, cols):
+    """xT[BD, R] -> y[t0 + r, h, cols] for the valid rows and columns: the transpose of
+    :func:`store_rows`, writing the layout ``load_rows(TRANS=True)`` reads."""
+    p = ptr + (t0 * H + h) * D + r[None, :] * (H * D) + cols[:, None]
+    m = ((r >= 0) & (r < nrows))[None, :] & (cols < D)[:, None]
+    tl.store(p, rounded(xT, ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def load_gate_rows(ptr, t0, nrows, h, H, r):
     """One value per token: g[t0 + r, h] of a [tokens, H] tensor as fp32 (0 outside the chunk)."""
     ok = (r >= 0) & (r < nrows)

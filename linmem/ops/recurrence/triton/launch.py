@@ -167,8 +167,9 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
 
     q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or
     [B, T, H, K] fp32; beta: [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or
-    None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tinv, W)`` for the backward
-    (``d``, ``Tinv``, ``W`` only for the delta rule, else None).
+    None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tt, Wt)`` for the backward
+    (``d``, ``Tt``, ``Wt`` only for the delta rule, else None; ``Tt``: T transposed per chunk
+    [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C]).
     """
     s = shapes_of(q, v, cu_seqlens)
     dev, P = q.device, precision_for(q.dtype)
@@ -181,12 +182,13 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
     Gp = G if G is not None else q
-    Tinv = W = U = d = None
+    Tt = W = Wt = U = d = None
     if delta:
-        Tinv = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.wy)
+        Tt = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.wy)
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
+        Wt = torch.empty(s.slots, s.H, s.K, CHUNK, device=dev, dtype=P.wy)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
-                k, v, beta, Gp, Tinv, W, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
+                k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
         d = torch.empty_like(v, dtype=P.wy)
     hs = torch.empty(s.slots, s.H, s.K, s.V, device=dev, dtype=P.state)
@@ -203,7 +205,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
             DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay),
             BV=s.BV)
-    return o, hN, (G, hs, A, d, Tinv, W)
+    return o, hN, (G, hs, A, d, Tt, Wt)
 
 
 def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
@@ -212,7 +214,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     do: [B, T, H, V]; dhN: [N, H, K, V] or None. dg is fp32 shaped like g, dbeta fp32
     [B, T, H], du fp32 [H, K], dh0 fp32; entries for absent inputs are None.
     """
-    G, hs, A, d, Tinv, W = saved
+    G, hs, A, d, Tt, Wt = saved
     s = shapes_of(q, v, cu_seqlens)
     dev = q.device
     cu = cu_seqlens if cu_seqlens is not None else q
@@ -225,7 +227,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
     BVs = s.state_BV(dev)
     _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
-            q, k, W if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
+            q, k, Wt if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
@@ -236,7 +238,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     Y = torch.empty_like(d) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
-            q, k, v, beta if delta else q, Gp, u if bonus else q, Tinv if delta else q, d if delta else v, do,
+            q, k, v, beta if delta else q, Gp, u if bonus else q, Tt if delta else q, d if delta else v, do,
             dd, dA, dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu,
             scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus),
             IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=s.BV)

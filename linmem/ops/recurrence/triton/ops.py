@@ -31,10 +31,10 @@ def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
                  bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  decay: int, output_final: bool
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (o, final state, and for the backward: G, hs, A, d, Tinv, W); absent ones are empty."""
-    o, hN, (G, hs, A, d, Tinv, W) = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay,
-                                                          output_final)
-    return o, _or_empty(hN, q), _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tinv, q), _or_empty(W, q)
+    """-> (o, final state, and for the backward: G, hs, A, d, Tt, Wt); absent ones are empty."""
+    o, hN, (G, hs, A, d, Tt, Wt) = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay,
+                                                        output_final)
+    return o, _or_empty(hN, q), _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tt, q), _or_empty(Wt, q)
 
 
 @chunk_fwd_op.register_fake
@@ -44,26 +44,28 @@ def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
     empty = q.new_empty(0)
     hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=f32) if output_final else empty
     G = q.new_empty(g.shape, dtype=f32) if decay else empty
-    hs = q.new_empty(s.slots, s.H, s.K, s.V)
-    A = q.new_empty(*q.shape[:3], CHUNK)
-    delta = beta is not None
-    return (torch.empty_like(v), hN, G, hs, A, torch.empty_like(v) if delta else empty,
-            q.new_empty(*q.shape[:3], CHUNK) if delta else empty, torch.empty_like(k) if delta else empty)
+    P = launch.precision_for(q.dtype)
+    hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
+    A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
+    if beta is None:
+        return torch.empty_like(v), hN, G, hs, A, empty, empty, empty
+    return (torch.empty_like(v), hN, G, hs, A, torch.empty_like(v, dtype=P.wy),
+            q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy), q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.wy))
 
 
 @torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())
 def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
                  bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], G: Tensor,
-                 hs: Tensor, A: Tensor, d: Tensor, Tinv: Tensor, W: Tensor, do: Tensor, dhN: Optional[Tensor],
+                 hs: Tensor, A: Tensor, d: Tensor, Tt: Tensor, Wt: Tensor, do: Tensor, dhN: Optional[Tensor],
                  scale: float, decay: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
-    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tinv), _or_none(W))
+    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tt), _or_none(Wt))
     grads = launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
     return tuple(_or_empty(x, q) for x in grads)
 
 
 @chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W, do, dhN, scale, decay):
+def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, do, dhN, scale, decay):
     f32 = torch.float32
     empty = q.new_empty(0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -75,20 +77,20 @@ def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W, do, dhN, sc
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, _ = inputs
-    _, _, G, hs, A, d, Tinv, W = output
-    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W)
+    _, _, G, hs, A, d, Tt, Wt = output
+    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt)
     ctx.scale, ctx.decay = scale, decay
-    ctx.mark_non_differentiable(G, hs, A, d, Tinv, W)
+    ctx.mark_non_differentiable(G, hs, A, d, Tt, Wt)
     ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
 
 
 def _backward(ctx, do, dhN, *_):
-    q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W = ctx.saved_tensors
+    q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if dhN is not None and dhN.numel() == 0:  # the final state was not returned
         dhN = None
-    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd_op(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tinv, W,
+    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd_op(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt,
                                                   do, dhN, ctx.scale, ctx.decay)
     cast = lambda grad, x: None if x is None else grad.to(x.dtype)  # noqa: E731
     return dq, dk, dv, cast(dg, g), cast(dbeta, beta), cast(du, bonus), cast(dh0, h0), None, None, None, None

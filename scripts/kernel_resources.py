@@ -69,14 +69,17 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32, "Wt": f32,
                                                        "U": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
-        yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
+        # the sequential passes' configs on a wide grid, as launch.sequential_config picks them
+        fwd_seq = "state_fwd_deep" if delta and decay else "state_fwd"
+        bwd_seq = "state_bwd_deep" if delta and not decay else "state_bwd"
+        yield fwd_seq, tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=SBV)
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                  BV=BV)
-        yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": wt, "G": f32, "A": dt, "do": dt,
+        yield bwd_seq, tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": wt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
@@ -123,7 +126,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, state_bwd, score_grads, grads, grads_delta, recurrent)")
+    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, state_fwd_deep, output, "
+                                       "state_bwd, state_bwd_deep, score_grads, grads, grads_delta, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")
@@ -140,10 +144,10 @@ def main() -> None:
         warps, stages = launch[name]
         try:
             smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages)
-            print(f"{name:11s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
+            print(f"{name:14s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
                   f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code}")
         except Exception as error:  # a variant that does not compile says why
-            print(f"{name:11s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            print(f"{name:14s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
 if __name__ == "__main__":

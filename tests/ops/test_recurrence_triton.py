@@ -139,6 +139,22 @@ def test_both_state_blocks(sms, monkeypatch):
     compare(t, FP32_TOL)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+@pytest.mark.parametrize("sms, bv, sparse", [(100, 32, False), (140, 16, False), (300, 16, True)])
+def test_sequential_grid_classes(sms, bv, sparse, monkeypatch):
+    """N * H = 32, V = 128: 128 programs at V block 32, 256 at 16. Wide: 32; narrow: 16, two programs
+    per SM or at most one (sparse); the deeper pipelining goes to sparse grids and to the rules
+    measured to gain from it on any grid."""
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
+    s = launch.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False)
+    assert (s.state_BV(torch.device("cpu")), s.sparse(torch.device("cpu"))) == (bv, sparse)
+    deep = "_deep" if sparse else ""
+    assert launch.sequential_config("state_fwd", sparse, False, 2) == "state_fwd" + deep
+    assert launch.sequential_config("state_fwd", sparse, True, 1) == "state_fwd_deep"
+    assert launch.sequential_config("state_bwd", sparse, True, 1) == "state_bwd" + deep
+    assert launch.sequential_config("state_bwd", sparse, True, 0) == "state_bwd_deep"
+
+
 @pytest.mark.parametrize("sub", [4, 8, 16, 32])
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
 def test_pairwise_sub_blocks(combo, sub, monkeypatch):
@@ -253,11 +269,26 @@ def test_gpu_varlen(combo):
 
 
 @gpu
-@pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
+                         ids=combo_id)
 def test_gpu_wide_grid(combo):
-    """B * H * V / 32 above the SM count: the sequential passes' full [K, 32] state tiles."""
+    """B * H * V / 32 above the SM count: the sequential passes' full [K, 32] state tiles, at the
+    pipelining ``launch.sequential_config`` picks for each rule there."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
     assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == 32
+    compare(t, LOW_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
+                         ids=combo_id)
+def test_gpu_narrow_grid_two_programs_per_sm(combo):
+    """B * H * V / 32 below the SM count, B * H * V / 16 above it: [K, 16] state tiles, and the
+    pipelining of a grid that is not sparse."""
+    H = launch.sm_count(torch.device(DEVICE)) // 4 - 1
+    t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
+    s = launch.shapes_of(t["q"], t["v"], None)
+    assert s.state_BV(t["q"].device) == 16 and not s.sparse(t["q"].device)
     compare(t, LOW_TOL)
 
 

@@ -38,8 +38,10 @@ LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
     "state_fwd": (4, 2),
+    "state_fwd_deep": (4, 3),
     "output": (8, 3),
     "state_bwd": (4, 1),
+    "state_bwd_deep": (4, 2),
     "score_grads": (4, 1),
     "grads": (8, 1),
     "grads_delta": (8, 2),
@@ -115,12 +117,36 @@ class Shapes:
     def BV(self) -> int:
         return min(_pow2(self.V), 64)
 
+    def narrow(self, device: torch.device) -> bool:
+        """Whether the sequential passes' grid at ``STATE_BV`` has fewer programs than the device has SMs."""
+        return triton.cdiv(self.V, min(_pow2(self.V), STATE_BV)) * self.N * self.H < sm_count(device)
+
     def state_BV(self, device: torch.device) -> int:
-        """V block of the sequential passes (grid: V blocks x N * H)."""
+        """V block of the sequential passes (grid: V blocks x N * H), halved on a narrow grid."""
         bv = min(_pow2(self.V), STATE_BV)
-        if bv > 16 and triton.cdiv(self.V, bv) * self.N * self.H < sm_count(device):
-            bv //= 2
-        return bv
+        return bv // 2 if bv > 16 and self.narrow(device) else bv
+
+    def sparse(self, device: torch.device) -> bool:
+        """Whether the sequential passes' grid, at its V block, has at most one program per SM."""
+        return triton.cdiv(self.V, self.state_BV(device)) * self.N * self.H <= sm_count(device)
+
+
+def sequential_config(kernel: str, sparse: bool, delta: bool, decay: int) -> str:
+    """The LAUNCH entry of a sequential pass (``state_fwd`` or ``state_bwd``): its ``_deep`` variant
+    pipelines one stage further. Measured on an H200 at H = 16, K = V = 128, bf16 (session 5), the
+    deeper pipeline pays on sparse grids, where no other program on the SM hides a load (1 x 16384,
+    128 programs, forward+backward: gla 5.08 -> 4.36 ms, deltanet 3.18 -> 2.64, gated 3.75 -> 3.44, kda
+    11.05 -> 10.56), but not at two programs per SM (2 x 8192: gla 4.28 -> 4.40, gated 3.21 -> 3.38).
+    At 8 x 2048 (512 programs) it pays for some rules only: state_fwd of the decayed delta rules (gated
+    0.414 -> 0.340 ms, kda 0.591 -> 0.433; deltanet and gla lost 10% and 20%), state_bwd of the
+    undecayed delta rule (deltanet 0.376 -> 0.325; gla 0.519 -> 0.651, gated 0.424 -> 0.594). kda's
+    3-stage state_fwd at K = 128, V block 32 needs 249 KiB of shared memory, more than an SM has, so
+    ``_launch`` runs it at one stage: that is the 0.433 ms measured."""
+    if kernel == "state_fwd":
+        deep = sparse or (delta and decay != 0)
+    else:
+        deep = sparse or (delta and decay == 0)
+    return f"{kernel}_deep" if deep else kernel
 
 
 def sm_count(device: torch.device) -> int:
@@ -194,7 +220,8 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     hs = torch.empty(s.slots, s.H, s.K, s.V, device=dev, dtype=P.state)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     BVs = s.state_BV(dev)
-    _launch("state_fwd", chunk_fwd.state_fwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
+    grid = (triton.cdiv(s.V, BVs), s.N * s.H)
+    _launch(sequential_config("state_fwd", s.sparse(dev), delta, decay), chunk_fwd.state_fwd_kernel, grid,
             k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
             hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
@@ -226,7 +253,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dd = torch.empty_like(d if delta else v)  # the gradient of the writes; for the additive rule it is dv
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
     BVs = s.state_BV(dev)
-    _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
+    grid = (triton.cdiv(s.V, BVs), s.N * s.H)
+    _launch(sequential_config("state_bwd", s.sparse(dev), delta, decay), chunk_bwd.state_bwd_kernel, grid,
             q, k, Wt if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),

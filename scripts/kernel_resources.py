@@ -66,8 +66,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
         wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
         if delta:
-            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32, "Wt": f32,
-                                                       "U": f32, "cu_seqlens": "*i32"}, \
+            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
+                                                       "Wt": f32, "U": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
         # the sequential passes' configs on a wide grid, as launch.sequential_config picks them
         fwd_seq = "state_fwd_deep" if delta and decay else "state_fwd"

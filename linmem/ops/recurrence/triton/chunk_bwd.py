@@ -56,7 +56,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         t0 = bos + c * C
         nrows = tl.minimum(eos - t0, C)
         valid = rows < nrows
-        store_state(dHs, dS, s0 + c, h, H, K, V, kr, vr)
+        store_state(dHs, dS, s0 + c, h, H, K, V, kr, vr, False)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         kt = load_rows(k, t0, nrows, h, H, K, rows, kr, False)
         qT = load_rows(q, t0, nrows, h, H, K, rows, kr, True)
@@ -79,7 +79,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         if DELTA:
             dS -= mm(load_state(Wt, s0 + c, h, H, K, C, kr, rows, K, False), dd, Wt.dtype.element_ty, X)
     if STORE_DINIT:
-        store_state(dh0, dS, n, h, H, K, V, kr, vr)
+        store_state(dh0, dS, n, h, H, K, V, kr, vr, False)
 
 
 @triton.jit
@@ -90,10 +90,10 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
     """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] fp32. Delta rule, with Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y;
-    dL_out[s, r] = -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta
-    gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t ([tokens, H] fp32) and
-    dv += scale (q u k) dO. Grid (slots, H).
+    [tokens, H, C] fp32. Delta rule, with Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out,
+    [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
+    e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t
+    ([tokens, H] fp32) and dv += scale (q u k) dO. Grid (slots, H).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (_INTERP, LOG2E, chunk_scores, exp2, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp2, mm, rounded, running_total, sequence_state, store_rows, store_rows_t, store_state,
+                     masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t, store_state,
                      total)
 
 
@@ -106,9 +106,7 @@ def _store_wy_block(out, outT, Ti, x, slot, t0, nrows, h, H, D, r, cols, IT: tl.
     y = mm(Ti, x, IT, X)
     store_rows(out, y, t0, nrows, h, H, D, r, cols)
     if TRANSPOSED:  # every row of the slot is written: rows past the chunk's end are 0 (x is 0 there)
-        base = outT + (slot.to(tl.int64) * H + h) * D * C
-        tl.store(base + cols[None, :] * C + r[:, None], rounded(y, outT.dtype.element_ty),
-                 mask=(cols < D)[None, :] & (r >= 0)[:, None])
+        store_state(outT, y, slot, h, H, D, C, cols, r, True)
 
 
 @triton.jit
@@ -184,7 +182,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     for c in range((eos - bos + C - 1) // C):
         t0 = bos + c * C
         nrows = tl.minimum(eos - t0, C)
-        store_state(hs, S, s0 + c, h, H, K, V, kr, vr)
+        store_state(hs, S, s0 + c, h, H, K, V, kr, vr, False)
         if DELTA:
             Wt = load_rows(W, t0, nrows, h, H, K, rows, kr, False)
             d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False) - mm(Wt, S, IT, X)
@@ -205,7 +203,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             S = S * exp2(last)[:, None]
         S += mm(kT, d, WT, X)
     if STORE_FINAL:
-        store_state(hN, S, n, h, H, K, V, kr, vr)
+        store_state(hN, S, n, h, H, K, V, kr, vr, False)
 
 
 @triton.jit

@@ -184,6 +184,18 @@ def since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr):
 
 
 @triton.jit
+def to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr, TRANS: tl.constexpr):
+    """The key side's decay to the reference point of its own sub-block, 2^(R_blk(s) - G_s): [C, BK],
+    or [BK, C] if TRANS (0 on rows past the chunk's end). Gs: G of the chunk's rows, in that layout."""
+    R = row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, TRANS)
+    if TRANS:
+        mask = (rows < nrows)[None, :]
+    else:
+        mask = (rows < nrows)[:, None]
+    return masked_exp2(mask, R - Gs)
+
+
+@triton.jit
 def carry_left(L, R_j, G_ptr, t0, nrows, h, H, K, cols, j, SB: tl.constexpr):
     """The left factors 2^(Gx_t - R_j) of L carried to 2^(Gx_t - R_(j-1)) by 2^(R_j - R_(j-1)) <= 1:
     (L, R_(j-1))."""
@@ -248,11 +260,15 @@ def load_state(ptr, idx, h, H, K, V, kr, vr, nk, TRANS: tl.constexpr):
 
 
 @triton.jit
-def store_state(ptr, x, idx, h, H, K, V, kr, vr):
-    """x[BK, BV] -> S[idx, h, kr, vr]."""
+def store_state(ptr, x, idx, h, H, K, V, kr, vr, TRANS: tl.constexpr):
+    """x[BK, BV] (or x[BV, BK] if TRANS) -> S[idx, h, kr, vr] of a [*, H, K, V] buffer."""
     base = ptr + (idx.to(tl.int64) * H + h) * K * V
-    m = (kr[:, None] < K) & (vr[None, :] < V)
-    tl.store(base + kr[:, None] * V + vr[None, :], rounded(x, ptr.dtype.element_ty), mask=m)
+    if TRANS:
+        m = (kr[None, :] < K) & (vr[:, None] < V)
+        tl.store(base + kr[None, :] * V + vr[:, None], rounded(x, ptr.dtype.element_ty), mask=m)
+    else:
+        m = (kr[:, None] < K) & (vr[None, :] < V)
+        tl.store(base + kr[:, None] * V + vr[None, :], rounded(x, ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -310,9 +326,8 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
             # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
             # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
             xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
-            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
-                valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, True)
-                - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
+            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * to_ref(
+                load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True), G_ptr, t0, nrows, h, H, K, cols, rows, SB, True)
             L = tl.full([C, BK], 0.0, tl.float32)
             R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
             for jj in range(C // SB - 1):
@@ -360,12 +375,11 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
     if DECAY == 2:
         valid = rows < nrows
         blk = rows // SB
+        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * to_ref(
+            load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False), G_ptr, t0, nrows, h, H, K, cols, rows, SB, False)
         # s in an earlier sub-block j than t, through R_j: M[t] sums over j < blk(t) the products
         # dS[t, sub-block j] (y e^(R_j - G))[sub-block j], each times e^(R_(blk(t)-1) - R_j), which M
         # gathers as the loop passes the later reference points; e^(Gx_t - R_(blk(t)-1)) comes last
-        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * masked_exp2(
-            valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False)
-            - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False))
         dSf = load_rows(dS, t0, nrows, h, H, C, rows, rows, False)
         M = tl.full([C, cols.shape[0]], 0.0, tl.float32)
         R_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, 0, SB)
@@ -423,7 +437,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
             L += tl.where((blk == j + 1)[:, None], xE, 0.0)
             Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
             L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
-        Z = Z * masked_exp2(valid[:, None], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, False) - Gs)
+        Z = Z * to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB, False)
         for off in range(SB):
             src = (rows // SB) * SB + off
             coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),

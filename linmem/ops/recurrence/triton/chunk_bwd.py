@@ -90,8 +90,9 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
     """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] fp32. Delta rule, with Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out,
-    [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
+    [tokens, H, C] in the dtype of the scores, which its products round it to (fp32 for DECAY 2,
+    whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
+    Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
     e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t
     ([tokens, H] fp32) and dv += scale (q u k) dO. Grid (slots, H).
     """
@@ -113,14 +114,15 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
         db = tl.full([C], 0.0, tl.float32)
     if BONUS:
         dov = tl.full([C], 0.0, tl.float32)
+    if DELTA:
+        TtC = load_rows(Tt, t0, nrows, h, H, C, rows, rows, False)
     for v0 in range(0, V, BV):
         vr = v0 + tl.arange(0, BV)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         dtT = load_rows(d, t0, nrows, h, H, V, rows, vr, True)
         dA += mm(dO, dtT, WT, X)
         if DELTA:
-            Y = mm(load_rows(Tt, t0, nrows, h, H, C, rows, rows, False),
-                   load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)  # T^T dd
+            Y = mm(TtC, load_rows(dd, t0, nrows, h, H, V, rows, vr, False), WYT, X)  # T^T dd
             store_rows(Y_out, Y, t0, nrows, h, H, V, rows, vr)
             store_rows(dv, b[:, None] * Y, t0, nrows, h, H, V, rows, vr)
             db += total(load_rows(v, t0, nrows, h, H, V, rows, vr, False) * Y, 1)
@@ -162,7 +164,7 @@ def grads_kernel(q, k, beta, G, u, d, hs, dHs, do, Y, dA_in, dL_in, dov_in, dq, 
 
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
     [slots, H, K, V]), do: [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in, dL_in
-    ([tokens, H, C] fp32, read once as [t, s] and once transposed), Y ([tokens, H, V]), dov_in
+    ([tokens, H, C], dL_in fp32, read once as [t, s] and once transposed), Y ([tokens, H, V]), dov_in
     ([tokens, H]); dbeta holds its value part and gets the key part added. Outputs: dq, dk
     [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse cumulative inside the
     chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).

@@ -261,8 +261,10 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
     dv = torch.empty_like(v) if delta else dd
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
-    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32)
-    dL = torch.empty_like(dA) if delta else None
+    # the score gradient in the dtype its products round it to (per-channel decays also read it unrounded)
+    dA_dtype = precision_for(q.dtype).scores if decay != 2 else torch.float32
+    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=dA_dtype)
+    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32) if delta else None
     Y = torch.empty_like(d) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),

@@ -239,11 +239,11 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-            if DECAY == 1:
-                qt = qt * eq
-            elif DECAY == 2:
+            if DECAY == 2:
                 qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
             acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
+        if DECAY == 1:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
+            acc = acc * eq
         out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
         if BONUS:
             out += scale * qku[:, None] * load_rows(v, t0, nrows, h, H, V, rows, vr, False)

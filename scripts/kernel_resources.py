@@ -94,7 +94,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                "dHs": dt, "do": dt, "Y": wt, "dA_in": sc, "dL_in": f32,
                                                "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
                                                "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=BK, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB,
+                 BK=min(BKF, 128) if decay == 1 and not delta else BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=SBV)
 

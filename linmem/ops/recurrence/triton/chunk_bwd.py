@@ -45,6 +45,9 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     dd_out); dH = e^Gamma dH + scale (q e^Gq)^T dO (- W^T dd for the delta rule).
     A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H, K, C] (the delta rule's W,
     transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V] fp32. Grid (V blocks, N * H).
+    A scalar decay stays on the k and q tiles here: moved onto dO's rows and the end-state
+    product's rows, as state_fwd and the output kernel do, Triton 3.6 miscompiles this kernel on
+    Hopper (wrong dd for Mamba-2, illegal addresses for gated delta; H200, 2026-11-21).
     """
     DT: tl.constexpr = q.dtype.element_ty
     X: tl.constexpr = DT == tl.float32  # fp32 inputs: fp32-accurate products

@@ -171,8 +171,9 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     """The sequential pass over chunks: stores the chunk-start states and carries the state.
 
     Per chunk: hs[slot] = h; d = U - W h (DELTA, stored to d_out) or d = v;
-    h = e^Gamma h + (k e^(Gamma - G))^T d. vu: v or U [tokens, H, V]; hs: [slots, H, K, V]
-    (dot dtype); h0, hN: [N, H, K, V] fp32. Grid (V blocks, N * H); the whole K is one tile.
+    h = e^Gamma h + (k e^(Gamma - G))^T d, computed as k^T (e^(Gamma - G) d) for the delta rule
+    with a scalar decay. vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
+    [N, H, K, V] fp32. Grid (V blocks, N * H); the whole K is one tile.
     """
     IT: tl.constexpr = W.dtype.element_ty  # the delta rule's intermediates
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -191,7 +192,11 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         kT = load_rows(k, t0, nrows, h, H, K, rows, kr, True)
         valid = rows < nrows
-        if DECAY == 1:
+        if DECAY == 1 and DELTA:  # on d's rows, a [C, BV] tile (k^T is [K, C]), before its tf32 product
+            last = tl.load(G + (t0 + nrows - 1) * H + h)
+            d = d * masked_exp2(valid, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+            S = S * exp2(last)
+        elif DECAY == 1:  # on k: decayed bf16 writes cost dlog_decay of a constant decay its bf16 bound
             Gs = load_gate_rows(G, t0, nrows, h, H, rows)
             last = tl.load(G + (t0 + nrows - 1) * H + h)
             kT = kT * masked_exp2(valid[None, :], last - Gs[None, :])

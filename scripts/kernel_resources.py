@@ -65,7 +65,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
         wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
-        sc = f32 if decay == 2 else dt  # the score gradient dA
+        sc = f32 if decay == 2 else dt  # the score gradient dA (launch.chunk_backward)
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
                                                        "Wt": f32, "U": f32, "cu_seqlens": "*i32"}, \
@@ -90,13 +90,14 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
                                                            "dov_out": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
-        yield "grads_delta" if delta else "grads", tag, bwd.grads_kernel, {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt,
-                                               "dHs": dt, "do": dt, "Y": wt, "dA_in": sc, "dL_in": f32,
-                                               "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
-                                               "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB,
-                 BK=min(BKF, 128) if decay == 1 and not delta else BK, BV=BV)
-    yield "recurrent", "d2delta", rec.recurrent_kernel, {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
+        grads_BK = min(BKF, 128) if decay == 1 and not delta else BK  # launch.Shapes.grads_BK
+        yield "grads_delta" if delta else "grads", tag, bwd.grads_kernel, \
+            {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "Y": wt,
+             "dA_in": sc, "dL_in": f32, "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
+             "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=grads_BK, BV=BV)
+    yield "recurrent", "d2delta", rec.recurrent_kernel, \
+        {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=SBV)
 
 

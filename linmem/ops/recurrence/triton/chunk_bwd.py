@@ -93,8 +93,8 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
     """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] in the dtype of the scores, which its products round it to (fp32 for DECAY 2,
-    whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
+    [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (fp32 for
+    DECAY 2, whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
     Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
     e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t
     ([tokens, H] fp32) and dv += scale (q u k) dO. Grid (slots, H).

@@ -268,8 +268,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
     dv = torch.empty_like(v) if delta else dd
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
-    # the score gradient in the dtype its products round it to (per-channel decays also read it unrounded)
-    dA_dtype = precision_for(q.dtype).scores if decay != 2 else torch.float32
+    # dA in the states' dtype, which grads_kernel's products round it to (per-channel decays also read it unrounded)
+    dA_dtype = precision_for(q.dtype).state if decay != 2 else torch.float32
     dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=dA_dtype)
     dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32) if delta else None
     Y = torch.empty_like(d) if delta else None

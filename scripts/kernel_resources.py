@@ -90,11 +90,16 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
                                                            "dov_out": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
-        grads_BK = min(BKF, 128) if decay == 1 and not delta else BK  # launch.Shapes.grads_BK
-        yield "grads_delta" if delta else "grads", tag, bwd.grads_kernel, \
-            {"q": dt, "k": dt, "beta": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "Y": wt,
-             "dA_in": sc, "dL_in": f32, "dov_in": f32, "dq": dt, "dk": dt, "dbeta": f32, "dg": f32, "du": f32,
-             "cu_seqlens": "*i32"}, \
+        grads_BK = min(BKF, 128) if decay == 1 else BK  # launch.Shapes.grads_BK
+        if delta:
+            yield "wy_grads", tag, bwd.wy_grads_kernel, \
+                {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": wt, "dL_in": f32, "dk": dt, "dbeta": f32, "dg": f32,
+                 "cu_seqlens": "*i32"}, \
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
+                     BV=BV)  # launch.Shapes.wy_BK
+        yield "grads_decayed_delta" if delta and decay else "grads", tag, bwd.grads_kernel, \
+            {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
+             "dov_in": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=grads_BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
@@ -130,7 +135,7 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, state_fwd_deep, output, "
-                                       "state_bwd, state_bwd_deep, score_grads, grads, grads_delta, recurrent)")
+                                       "state_bwd, state_bwd_deep, score_grads, wy_grads, grads, grads_decayed_delta, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

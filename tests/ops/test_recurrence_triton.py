@@ -109,10 +109,12 @@ def test_odd_lengths(combo, T):
     compare(inputs(combo, B=1, T=T, H=2, K=16, V=16), FP32_TOL)
 
 
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", False)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", False),
+                                   ("scalar", "delta", False)], ids=combo_id)
 def test_several_key_blocks_and_odd_head_dims(combo):
-    """K = 80 spans two key blocks of 64 (one block of 128, its last 48 columns masked, in the scalar
-    additive rule's gradient kernel); V = 40 is no power of two; no initial state."""
+    """K = 80 spans two key blocks of 64, three of 32 (the per-channel delta rule's wy_grads_kernel) and
+    one of 128 with its last 48 columns masked (the scalar decays' gradient kernel); V = 40 is no power
+    of two; no initial state."""
     compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
 
 

@@ -32,8 +32,10 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms); score_grads at
 #: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms). Stages, per kernel alone
 #: (session 4): prep 2 -> 3 (deltanet 0.446 -> 0.423 ms), output 2 -> 3 (gla 0.843 -> 0.789, deltanet
-#: 0.188 -> 0.162), grads 1 -> 2 for the delta rule only ("grads_delta": deltanet 0.876 -> 0.802, gated
-#: 1.151 -> 0.905; gla's went 2.376 -> 2.553); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535).
+#: 0.188 -> 0.162); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535). Session 7, with the delta rule's
+#: WY part in its own kernel: grads 1 -> 2 stages for the decayed delta rules only ("grads_decayed_delta":
+#: gated 0.453 -> 0.434, kda 2.16 -> 2.11; deltanet's went 0.284 -> 0.393); wy_grads at 4 warps, 1 stage
+#: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -44,7 +46,8 @@ LAUNCH = {
     "state_bwd_deep": (4, 2),
     "score_grads": (4, 1),
     "grads": (8, 1),
-    "grads_delta": (8, 2),
+    "grads_decayed_delta": (8, 2),
+    "wy_grads": (4, 1),
     "recurrent": (4, 2),
 }
 #: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32);
@@ -113,12 +116,18 @@ class Shapes:
         gla output 1.01 -> 0.84 ms; deltanet's output, without that loop, 0.187 -> 0.207 ms at 32)."""
         return min(self.BK, 32) if decay == 2 else self.BK
 
-    def grads_BK(self, decay: int, delta: bool) -> int:
-        """K block of the gradient kernel: up to 128 for the scalar-decayed additive rule, whose
-        per-block decay factors and gate-gradient reductions then run once (measured on an H200 at
-        8 x 2048, H = 16, K = V = 128: mamba2 grads 0.496 -> 0.399 ms; linear attention's went 0.239 ->
-        0.274 and gla's 2.00 -> 2.40, the delta rule's spills at 8 warps)."""
-        return min(self.BKF, 128) if decay == 1 and not delta else self.BK
+    def grads_BK(self, decay: int) -> int:
+        """K block of the gradient kernel: up to 128 for scalar decays, whose per-block decay factors
+        and gate-gradient reductions then run once (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
+        mamba2 grads 0.496 -> 0.399 ms, gated delta's 0.541 -> 0.434 once ``wy_grads_kernel`` took its WY
+        part; linear attention's went 0.239 -> 0.274, gla's 2.00 -> 2.40 and deltanet's 0.284 -> 0.301)."""
+        return min(self.BKF, 128) if decay == 1 else self.BK
+
+    def wy_BK(self, decay: int) -> int:
+        """K block of the delta rule's ``wy_grads_kernel``: 32 for per-channel decays, whose pairwise loops
+        hold [64, BK] fp32 gates and exponentials (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
+        kda wy_grads 1.95 -> 1.69 ms; deltanet's went 0.315 -> 0.388 at 32)."""
+        return min(self.BK, 32) if decay == 2 else self.BK
 
     @property
     def BV(self) -> int:
@@ -282,12 +291,15 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
-    _launch("grads_delta" if delta else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
-            q, k, beta if delta else q, Gp, u if bonus else q, d if delta else v, hs, dHs, do,
-            Y if delta else dA, dA, dL if delta else dA, dov if bonus else q, dq, dk, dbeta if delta else q,
+    if delta:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
+        _launch("wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
+                k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
+                IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV)
+    _launch("grads_decayed_delta" if delta and decay else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
+            q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
             DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB,
-            BK=s.grads_BK(decay, delta), BV=s.BV)
+            BK=s.grads_BK(decay), BV=s.BV)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 

@@ -78,7 +78,7 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         decode_batch=args.decode_batch, breakdown=args.breakdown)
+                         decode_batch=args.decode_batch, breakdown=args.breakdown, accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
 
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--json", help="also write the rows to this JSON file")
     ops.add_argument("--breakdown", action="store_true",
                      help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
+    ops.add_argument("--accuracy", action="store_true",
+                     help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
     ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,state_fwd=4x3 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
     layers = bench_sub.add_parser("layers", help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")

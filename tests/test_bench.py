@@ -33,3 +33,20 @@ def test_launch_override_names_the_kernels_it_knows():
     for bad in ("grad=8x1", "grads=8", "grads"):
         with pytest.raises(SystemExit, match="wy_grads"):
             main(["bench", "ops", "--launch", bad, "--ops", "gla", "--shapes", "1x64"])
+
+
+def test_accuracy_rows_measure_each_backend_against_float64():
+    from linmem.bench.ops import accuracy_rows
+
+    fp32 = BenchConfig(shapes=((1, 80),), heads=2, head_dim=16, dtype="float32", ops=("gla", "deltanet", "attention"),
+                       backends=("chunk", "reference"))
+    lines = accuracy_rows(fp32, device="cpu")
+    assert len(lines) == 5 and not any(line.startswith("attention") for line in lines)
+    for line in lines[1:]:
+        worst = float(line.split("worst ")[1].split()[0])
+        assert worst < 1e-5, line  # float32 against float64
+    assert "dlog_decay" in lines[1] and "dbeta" in lines[3]
+    bf16 = BenchConfig(shapes=((1, 80),), heads=2, head_dim=16, dtype="bfloat16", ops=("deltanet",),
+                       backends=("chunk",))
+    worst = float(accuracy_rows(bf16, device="cpu")[1].split("worst ")[1].split()[0])
+    assert 1e-4 < worst < 2e-2  # bf16 rounding is seen, and nothing worse

@@ -60,6 +60,7 @@ class BenchConfig:
     peers: tuple[str, ...] = ()  # "sdpa" and/or "fla", measured in the same run
     decode_batch: int = 64  # B of the decoding rows (0: none)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
+    accuracy: bool = False  # also print each memory op's error ratios against float64 at the first shape
     warmup_ms: int = 25
     rep_ms: int = 100
 
@@ -374,6 +375,65 @@ def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: in
     return lines
 
 
+def accuracy_rows(config: BenchConfig, device: str = "cuda") -> list[str]:
+    """Lines of the error ratios ``rms(x - ref) / rms(ref)`` (DESIGN section 7) of every memory op's
+    backends and fla peer at the first shape of ``config``: the output and the gradient of every
+    input under one random cotangent, against the chunk backend run in float64 on the same inputs.
+    The cotangent is representable in the benchmark dtype, so a ratio counts only what the
+    implementation loses.
+
+    Example:
+        >>> config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32",
+        ...                      ops=("deltanet",), backends=("chunk",))
+        >>> accuracy_rows(config, "cpu")[1].startswith("deltanet chunk: worst ")
+        True
+    """
+    B, T = config.shapes[0]
+    dtype = getattr(torch, config.dtype)
+    lines = [f"error ratio against float64, B x T = {B} x {T}, H = {config.heads}, K = V = {config.head_dim}, "
+             f"{config.dtype}: output, then each input's gradient"]
+    for op in (o for o in config.ops if o in MEMORY_OPS):
+        torch.manual_seed(0)
+        args = memory_inputs(op, B, T, config.heads, config.head_dim, dtype, device)
+        grad = torch.randn(B, T, config.heads, config.head_dim, device=device).to(dtype)
+        ref = _output_and_grads(lambda a: linear_recurrence(**a, backend="chunk")[0], args, grad, torch.float64)
+        impls = [(backend, lambda a, backend=backend: linear_recurrence(**a, backend=backend)[0])
+                 for backend in config.backends]
+        if "fla" in config.peers and op in FLA_PEERS:
+            impls.append((f"fla.{FLA_PEERS[op]}", lambda a: _fla_call(FLA_PEERS[op], a)()))
+        for impl, fn in impls:
+            try:
+                got = _output_and_grads(fn, args, grad)
+            except ImportError as error:
+                lines.append(f"{op} {impl}: not installed ({error})")
+                continue
+            except Exception as error:  # a backend or peer that refuses these inputs says so
+                lines.append(f"{op} {impl}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+                continue
+            ratios = {name: _error_ratio(got[name], ref[name]) for name in ref}
+            lines.append(f"{op} {impl}: worst {max(ratios.values()):.1e}  "
+                         + "  ".join(f"{name} {ratio:.1e}" for name, ratio in ratios.items()))
+        del args
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def _output_and_grads(fn: Callable[[dict], torch.Tensor], args: dict, grad: torch.Tensor,
+                      dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """{"o": fn(inputs), "d<name>": gradient of each input} under the cotangent ``grad``, on fresh
+    copies of ``args`` (cast to ``dtype`` if given)."""
+    leaves = {name: x.detach().to(dtype or x.dtype).requires_grad_(True) for name, x in args.items()}
+    out = fn(leaves)
+    out.backward(grad.to(out.dtype))
+    return {"o": out.detach()} | {f"d{name}": x.grad for name, x in leaves.items()}
+
+
+def _error_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
 def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
     """Run the benchmark and print the table (and write rows as JSON)."""
     if not torch.cuda.is_available():
@@ -385,6 +445,8 @@ def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
     rows = run_ops(config, report=lambda row: print(format_row(row, config, ceil), flush=True))
     if config.breakdown:
         print("\n" + "\n".join(breakdown_rows(config)), flush=True)
+    if config.accuracy:
+        print("\n" + "\n".join(accuracy_rows(config)), flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": env, "ceilings": ceil, "config": asdict(config), "rows": [asdict(r) for r in rows]}, f,

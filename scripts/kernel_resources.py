@@ -87,13 +87,13 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                  BKF=BKF, BV=SBV)
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt,
                                                            "Tt": wt, "d": wt, "do": dt, "dd": wt, "dA_out": sc,
-                                                           "dL_out": f32, "Y_out": wt, "dv": dt, "dbeta": f32,
+                                                           "dL_out": sc, "Y_out": dt, "dv": dt, "dbeta": f32,
                                                            "dov_out": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
         grads_BK = min(BKF, 128) if decay == 1 else BK  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
-                {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": wt, "dL_in": f32, "dk": dt, "dbeta": f32, "dg": f32,
+                {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                      BV=BV)  # launch.Shapes.wy_BK

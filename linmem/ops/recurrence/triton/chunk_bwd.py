@@ -97,7 +97,8 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
     [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (fp32 for
     DECAY 2, whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
     Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
-    e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Bonus: dov_out[t] = dO_t . d_t
+    e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Y_out and dL_out take the dtypes
+    of hs and dA_out, which the products of ``wy_grads_kernel`` run in. Bonus: dov_out[t] = dO_t . d_t
     ([tokens, H] fp32) and dv += scale (q u k) dO. Grid (slots, H).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
@@ -173,9 +174,10 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     sum_k k (e^G (-Y h^T) + dL k), to ``dbeta``, which holds its value part. Grid (slots, H).
     Split from ``grads_kernel``, whose registers it filled: together they took 0.755 ms for the delta
     rule at 8 x 2048, H = 16, K = V = 128 on an H200 (255 registers, one 8-warp program per SM); apart,
-    0.315 + 0.284.
+    0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
     """
-    WYT: tl.constexpr = Y.dtype.element_ty  # the delta rule's WY factors
+    YT: tl.constexpr = Y.dtype.element_ty  # Y, and the product that reads it
+    LT: tl.constexpr = dL_in.dtype.element_ty  # dL, and the products that read it
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
@@ -194,7 +196,7 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
         for v0 in range(0, V, BV):
             vr = v0 + tl.arange(0, BV)
             dkW -= mm(load_rows(Y, t0, nrows, h, H, V, rows, vr, False),
-                      load_state(hs, slot, h, H, K, V, cols, vr, Klive, True), WYT, X)
+                      load_state(hs, slot, h, H, K, V, cols, vr, Klive, True), YT, X)
         if DECAY == 2:
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             dkW = dkW * exp2(Gk)
@@ -203,10 +205,10 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
             dkW = dkW * exp2(Gr)[:, None]
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
-        R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, C, SB, X)
+        R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, C, SB, X)
         db += total(kt * (dkW + R), 1)
         rowpart = b[:, None] * (dkW + R)
-        Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, WYT, DECAY, 1, 0, 1, C, SB, X)
+        Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, 0, 1, C, SB, X)
         store_rows(dk, rowpart + Ccol, t0, nrows, h, H, K, rows, cols)
         if DECAY == 2:
             store_rows(dg, kt * (rowpart - Ccol), t0, nrows, h, H, K, rows, cols)

@@ -366,7 +366,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """``Z[t] = sum_s dS[t, s] y_s exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
-    dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C] fp32, row t holds
+    dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C], row t holds
     dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
     gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
     Gx: [C, BK] (DECAY 2). Products run in dtype MT.

@@ -277,11 +277,13 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
     dv = torch.empty_like(v) if delta else dd
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
-    # dA in the states' dtype, which grads_kernel's products round it to (per-channel decays also read it unrounded)
-    dA_dtype = precision_for(q.dtype).state if decay != 2 else torch.float32
-    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=dA_dtype)
-    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32) if delta else None
-    Y = torch.empty_like(d) if delta else None
+    # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it
+    # (per-channel decays keep fp32 score gradients: their pairwise loops also read them unrounded)
+    state_dtype = precision_for(q.dtype).state
+    score_dtype = state_dtype if decay != 2 else torch.float32
+    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype)
+    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
+    Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
             q, k, v, beta if delta else q, Gp, u if bonus else q, Tt if delta else q, d if delta else v, do,

@@ -68,7 +68,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         sc = f32 if decay == 2 else dt  # the score gradient dA (launch.chunk_backward)
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
-                                                       "Wt": f32, "U": f32, "cu_seqlens": "*i32"}, \
+                                                       "Wt": dt, "U": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
         # the sequential passes' configs on a wide grid, as launch.sequential_config picks them
         fwd_seq = "state_fwd_deep" if delta and decay else "state_fwd"
@@ -80,7 +80,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                  BV=BV)
-        yield bwd_seq, tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": wt, "G": f32, "A": dt, "do": dt,
+        yield bwd_seq, tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,

@@ -129,9 +129,10 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
 
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tt: [tokens, H, C] (fp32,
     T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
-    Wt: [slots, H, K, C] (W transposed, per chunk), U: [tokens, H, V]. The backward reads T and W
-    only transposed, and fp32 operands of tensor-core products must not be transposed on the way
-    in: they would go through shared memory one element at a time. Grid (slots, H).
+    Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
+    U: [tokens, H, V]. The backward reads T and W only transposed, and fp32 operands of
+    tensor-core products must not be transposed on the way in: they would go through shared
+    memory one element at a time. Grid (slots, H).
     """
     IT: tl.constexpr = W.dtype.element_ty
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products

@@ -71,7 +71,8 @@ class Precision:
 
     state: torch.dtype  # chunk-start states hs and chunk-end state gradients dHs
     scores: torch.dtype  # the scaled intra-chunk scores A
-    wy: torch.dtype  # delta rule: T, W, U, the corrected writes d and their gradient dd
+    wy: torch.dtype  # delta rule: T, W, U, the corrected writes d and their gradient dd (W's transposed
+    # copy, read only by the backward's product W^T dd, takes the states' dtype)
 
 
 def precision_for(dtype: torch.dtype) -> Precision:
@@ -157,11 +158,13 @@ def sequential_config(kernel: str, sparse: bool, delta: bool, decay: int) -> str
     0.414 -> 0.340 ms, kda 0.591 -> 0.433; deltanet and gla lost 10% and 20%), state_bwd of the
     undecayed delta rule (deltanet 0.376 -> 0.325; gla 0.519 -> 0.651, gated 0.424 -> 0.594). kda's
     3-stage state_fwd at K = 128, V block 32 needs 249 KiB of shared memory, more than an SM has, so
-    ``_launch`` runs it at one stage: that is the 0.433 ms measured."""
+    ``_launch`` runs it at one stage: that is the 0.433 ms measured. Session 7, with W^T in bf16 (half
+    the shared memory per stage): the deeper state_bwd now pays for gated delta as well (0.426 ->
+    0.329 ms at 8 x 2048; forward+backward 2.550 -> 2.417 ms at 2 x 8192), not for kda (0.72 -> 0.79)."""
     if kernel == "state_fwd":
         deep = sparse or (delta and decay != 0)
     else:
-        deep = sparse or (delta and decay == 0)
+        deep = sparse or (delta and decay != 2)
     return f"{kernel}_deep" if deep else kernel
 
 
@@ -211,7 +214,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     [B, T, H, K] fp32; beta: [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or
     None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tt, Wt)`` for the backward
     (``d``, ``Tt``, ``Wt`` only for the delta rule, else None; ``Tt``: T transposed per chunk
-    [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C]).
+    [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states' dtype).
     """
     s = shapes_of(q, v, cu_seqlens)
     dev, P = q.device, precision_for(q.dtype)
@@ -228,7 +231,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     if delta:
         Tt = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.wy)
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
-        Wt = torch.empty(s.slots, s.H, s.K, CHUNK, device=dev, dtype=P.wy)
+        Wt = torch.empty(s.slots, s.H, s.K, CHUNK, device=dev, dtype=P.state)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)

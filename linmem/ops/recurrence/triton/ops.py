@@ -50,7 +50,7 @@ def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
     if beta is None:
         return torch.empty_like(v), hN, G, hs, A, empty, empty, empty
     return (torch.empty_like(v), hN, G, hs, A, torch.empty_like(v, dtype=P.wy),
-            q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy), q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.wy))
+            q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy), q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state))
 
 
 @torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())

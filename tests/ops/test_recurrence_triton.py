@@ -244,6 +244,19 @@ def test_custom_op_traces_without_graph_breaks():
     assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
 
 
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True)], ids=combo_id)
+def test_fake_outputs_match_the_kernels(combo):
+    """The custom ops' fake implementations (what torch.compile traces with) give every output, the
+    saved bf16/fp32 intermediates included, the shape and dtype the kernels give it."""
+    from linmem.ops.recurrence.triton import ops
+
+    t = inputs(combo, B=1, T=20, H=1, K=16, V=16, dtype=torch.bfloat16)
+    decay = launch.DECAY_CODES[combo[0]]
+    args = (t["q"], t["k"], t["v"], t["log_decay"].float().contiguous(), t.get("beta"), t.get("bonus"),
+            t["initial_state"].float(), None, 0.25, decay, True)
+    torch.library.opcheck(ops.chunk_fwd_op, args, test_utils=("test_faketensor",))
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.gpu

@@ -22,8 +22,8 @@ it; the delta rule's ``wy_grads_kernel`` takes the key gradients through W and L
 ``grads_kernel`` every other gradient per key channel, each reading its score gradient once as
 stored and once transposed. Transposed products are computed as products of transposed loads,
 never by transposing a product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits
-that pattern); the fp32 operands the backward needs transposed (the delta rule's T and W) are
-stored transposed by the forward instead.
+that pattern); the operands the backward needs transposed (the delta rule's T, fp32, and W, in
+the states' dtype) are stored transposed by the forward instead.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
                        cu_seqlens, scale, T, H, N, K, V,
                        DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The gradients of one chunk that loop over value channels, stored for ``grads_kernel``.
+    """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
+    ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
     [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (fp32 for

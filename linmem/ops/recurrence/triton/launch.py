@@ -207,6 +207,22 @@ def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
         kernel[grid](*args, **constexprs, num_warps=warps, num_stages=1)
 
 
+def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
+                  cu_seqlens: Optional[torch.Tensor]) -> tuple:
+    """Empty buffers of what the forward saves for the backward, ``(G, hs, A, d, Tt, Wt)``, in the dtypes of
+    :func:`precision_for`: ``G`` [g's shape] fp32 only with a decay (g given), ``d``, ``Tt`` and ``Wt`` only
+    for the delta rule (else None). The forward fills them; ``ops`` takes its fake outputs from here too."""
+    s = shapes_of(q, v, cu_seqlens)
+    P = precision_for(q.dtype)
+    G = q.new_empty(g.shape, dtype=torch.float32) if g is not None else None
+    hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
+    A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
+    if not delta:
+        return G, hs, A, None, None, None
+    return (G, hs, A, v.new_empty(v.shape, dtype=P.wy), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
+            q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state))
+
+
 def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
     """Forward of the chunked recurrence.
 
@@ -220,23 +236,18 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     dev, P = q.device, precision_for(q.dtype)
     cu = cu_seqlens if cu_seqlens is not None else q
     delta, bonus = beta is not None, u is not None
-    G = None
+    G, hs, A, d, Tt, Wt = saved_buffers(q, v, g, delta, cu_seqlens)
     if decay:
-        G = torch.empty(g.shape, device=dev, dtype=torch.float32)
         nkb = triton.cdiv(s.K, s.BK) if decay == 2 else 1
         _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
     Gp = G if G is not None else q
-    Tt = W = Wt = U = d = None
+    W = U = None
     if delta:
-        Tt = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.wy)
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
-        Wt = torch.empty(s.slots, s.H, s.K, CHUNK, device=dev, dtype=P.state)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
-        d = torch.empty_like(v, dtype=P.wy)
-    hs = torch.empty(s.slots, s.H, s.K, s.V, device=dev, dtype=P.state)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     BVs = s.state_BV(dev)
     grid = (triton.cdiv(s.V, BVs), s.N * s.H)
@@ -245,7 +256,6 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
             hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
             BKF=s.BKF, BV=BVs)
-    A = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=P.scores)
     o = torch.empty_like(v)
     _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,

@@ -12,7 +12,6 @@ from torch import Tensor
 
 from ..inputs import RecurrenceInputs
 from . import launch
-from .common import CHUNK
 
 #: at most this many tokens without autograd run through the fused recurrent kernel
 RECURRENT_MAX_T = 16
@@ -40,17 +39,9 @@ def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
 @chunk_fwd_op.register_fake
 def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
     s = launch.shapes_of(q, v, cu_seqlens)
-    f32 = torch.float32
-    empty = q.new_empty(0)
-    hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=f32) if output_final else empty
-    G = q.new_empty(g.shape, dtype=f32) if decay else empty
-    P = launch.precision_for(q.dtype)
-    hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
-    A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
-    if beta is None:
-        return torch.empty_like(v), hN, G, hs, A, empty, empty, empty
-    return (torch.empty_like(v), hN, G, hs, A, torch.empty_like(v, dtype=P.wy),
-            q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy), q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state))
+    hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=torch.float32) if output_final else q.new_empty(0)
+    G, hs, A, d, Tt, Wt = launch.saved_buffers(q, v, g, beta is not None, cu_seqlens)
+    return torch.empty_like(v), hN, _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tt, q), _or_empty(Wt, q)
 
 
 @torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())

@@ -72,7 +72,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
         # the sequential passes' configs on a wide grid, as launch.sequential_config picks them
         fwd_seq = "state_fwd_deep" if delta and decay else "state_fwd"
-        bwd_seq = "state_bwd_deep" if delta and not decay else "state_bwd"
+        bwd_seq = "state_bwd" if delta and decay == 2 else "state_bwd_deep"
         yield fwd_seq, tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=SBV)
@@ -85,11 +85,15 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
                  BKF=BKF, BV=SBV)
-        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "k": dt, "v": dt, "beta": dt, "G": f32, "u": dt,
-                                                           "Tt": wt, "d": wt, "do": dt, "dd": wt, "dA_out": sc,
-                                                           "dL_out": sc, "Y_out": dt, "dv": dt, "dbeta": f32,
-                                                           "dov_out": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
+        if not delta:
+            yield "dv", tag, bwd.dv_kernel, {"q": dt, "k": dt, "G": f32, "u": dt, "A": dt, "do": dt, "dHs": dt,
+                                             "dv": dt, "cu_seqlens": "*i32"}, \
+                dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
+        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wt,
+                                                           "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
+                                                           "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
+                                                           "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV)
         grads_BK = min(BKF, 128) if decay == 1 else BK  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
@@ -135,7 +139,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, state_fwd_deep, output, "
-                                       "state_bwd, state_bwd_deep, score_grads, wy_grads, grads, grads_decayed_delta, recurrent)")
+                                       "state_bwd, state_bwd_deep, dv, score_grads, wy_grads, grads, "
+                                       "grads_decayed_delta, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

@@ -161,7 +161,8 @@ def test_sequential_grid_classes(sms, bv, sparse, monkeypatch):
     assert launch.sequential_config("state_bwd", sparse, True, 2) == "state_bwd" + deep
     assert launch.sequential_config("state_bwd", sparse, True, 1) == "state_bwd_deep"
     assert launch.sequential_config("state_bwd", sparse, True, 0) == "state_bwd_deep"
-    assert launch.sequential_config("state_bwd", sparse, False, 1) == "state_bwd" + deep
+    assert launch.sequential_config("state_bwd", sparse, False, 1) == "state_bwd_deep"
+    assert launch.sequential_config("state_bwd", sparse, False, 2) == "state_bwd_deep"
 
 
 @pytest.mark.parametrize("sub", [4, 8, 16, 32])

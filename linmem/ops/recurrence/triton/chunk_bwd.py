@@ -15,8 +15,9 @@ combine.) The gate gradient follows from G entering only as exp(+-G) factors:
 ``e^Gamma sum_v h dH + sum_t k_t dk_t(end state)``; dg is the reverse cumulative sum of dG
 inside the chunk (exclusive on the query side with the bonus, whose reads use G_{t-1}).
 
-``state_bwd_kernel`` is the sequential pass (dH of every chunk, dd, the initial state's
-gradient); then, chunk by chunk in parallel, ``score_grads_kernel`` computes what loops over
+``state_bwd_kernel`` is the sequential pass (dH of every chunk, the delta rule's dd, the initial
+state's gradient); then, chunk by chunk in parallel, the additive rule's ``dv_kernel`` computes its
+dd (= dv) from the stored dH, ``score_grads_kernel`` what loops over
 value channels (the score gradients dA and dL, the delta rule's Y = T^T dd and dv) and stores
 it; the delta rule's ``wy_grads_kernel`` takes the key gradients through W and L, and
 ``grads_kernel`` every other gradient per key channel, each reading its score gradient once as
@@ -40,12 +41,14 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_DFINAL: tl.constexpr, STORE_DINIT: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
-    """The reverse sequential pass: gradients of the chunk-end states and of the writes d.
+    """The reverse sequential pass: the gradients of the chunk-end states (and of the delta rule's writes).
 
-    Per chunk, last to first: dHs[slot] = dH; dd = A^T dO + (k e^(Gamma-G)) dH (stored to
-    dd_out); dH = e^Gamma dH + scale (q e^Gq)^T dO (- W^T dd for the delta rule).
-    A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H, K, C] (the delta rule's W,
-    transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V] fp32. Grid (V blocks, N * H).
+    Per chunk, last to first: dHs[slot] = dH; dH = e^Gamma dH + scale (q e^Gq)^T dO. The delta rule's
+    dH also takes - W^T dd, with dd = A^T dO + (k e^(Gamma-G)) dH (stored to dd_out, fp32). The
+    additive rule's dd, its dv, is off this path: ``dv_kernel`` computes it chunk by chunk in parallel
+    (k, A and dd_out are then unused). A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H,
+    K, C] (the delta rule's W, transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V]
+    fp32. Grid (V blocks, N * H).
     A scalar decay stays on the k and q tiles here: moved onto dO's rows and the end-state
     product's rows, as state_fwd and the output kernel do, Triton 3.6 miscompiles this kernel on
     Hopper (wrong dd for Mamba-2, illegal addresses for gated delta; H200, 2026-11-21).
@@ -62,19 +65,24 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         valid = rows < nrows
         store_state(dHs, dS, s0 + c, h, H, K, V, kr, vr, False)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
-        kt = load_rows(k, t0, nrows, h, H, K, rows, kr, False)
+        if DELTA:
+            kt = load_rows(k, t0, nrows, h, H, K, rows, kr, False)
         qT = load_rows(q, t0, nrows, h, H, K, rows, kr, True)
         if DECAY == 1:
             last = tl.load(G + (t0 + nrows - 1) * H + h)
-            kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
+            if DELTA:
+                kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
             qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
         elif DECAY == 2:
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
-            kt = kt * masked_exp2(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
+            if DELTA:
+                kt = kt * masked_exp2(valid[:, None],
+                                      last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
             qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
-        AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
-        dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
-        store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
+        if DELTA:
+            AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
+            dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
+            store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
         if DECAY == 1:
             dS = dS * exp2(last)
         elif DECAY == 2:
@@ -87,10 +95,55 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
 
 
 @triton.jit
-def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
-                       cu_seqlens, scale, T, H, N, K, V,
+def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
+              DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The additive rule's value gradient for one chunk and V block: dv = A^T dO + (k e^(Gamma-G)) dH,
+    plus the bonus's scale (q u k) dO.
+
+    A: the forward's scaled scores [tokens, H, C]; dHs: the chunk-end state gradients [slots, H, K, V]
+    from ``state_bwd_kernel``; dv: [tokens, H, V] in the input dtype. Inside the sequential pass,
+    these products cost GLA's state_bwd two thirds of its time (H200, 8 x 2048, H = 16, K = V = 128:
+    0.519 ms with them, 0.177 without; this kernel takes 0.141). Grid (V blocks, slots, H).
+    """
+    X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    vb, slot, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    vr = vb * BV + tl.arange(0, BV)
+    valid = rows < nrows
+    Klive = tl.where(nrows > 0, K, 0)  # key rows of dH to read (none in an idle slot)
+    last_row = tl.maximum(t0 + nrows - 1, 0)
+    dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
+    dvt = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
+    if DECAY == 1:
+        last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
+        ek = masked_exp2(valid, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False)
+        if DECAY == 1:
+            kt = kt * ek
+        elif DECAY == 2:
+            lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
+            kt = kt * masked_exp2(valid[:, None], lastk[None, :] - load_rows(G, t0, nrows, h, H, K, rows, cols, False))
+        dvt += mm(kt, load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False), dHs.dtype.element_ty, X)
+    if BONUS:  # a loop of its own: with the k tile above also read here, Triton 3.6 miscompiles it at 3 stages
+        qku = tl.full([C], 0.0, tl.float32)  # q (u k), summed over the key channels
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            qku += total(load_rows(q, t0, nrows, h, H, K, rows, cols, False) * uu[None, :]
+                         * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
+        dvt += scale * qku[:, None] * dO
+    store_rows(dv, dvt, t0, nrows, h, H, V, rows, vr)
+
+
+@triton.jit
+def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
+                       cu_seqlens, scale, T, H, N, V,
                        DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       C: tl.constexpr, BV: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
     ``grads_kernel``.
 
@@ -99,8 +152,8 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
     DECAY 2, whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
     Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
     e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Y_out and dL_out take the dtypes
-    of hs and dA_out, which the products of ``wy_grads_kernel`` run in. Bonus: dov_out[t] = dO_t . d_t
-    ([tokens, H] fp32) and dv += scale (q u k) dO. Grid (slots, H).
+    of hs and dA_out, which the products of ``wy_grads_kernel`` run in (the additive rule's dv is
+    ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t ([tokens, H] fp32). Grid (slots, H).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
@@ -149,16 +202,6 @@ def score_grads_kernel(q, k, v, beta, G, u, Tt, d, do, dd, dA_out, dL_out, Y_out
         tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
     if BONUS:
         tl.store(dov_out + (t0 * H + h) + rows * H, dov, mask=valid)
-        qku = tl.full([C], 0.0, tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            qku += total(load_rows(q, t0, nrows, h, H, K, rows, cols, False) * uu[None, :]
-                          * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
-        for v0 in range(0, V, BV):
-            vr = v0 + tl.arange(0, BV)
-            extra = scale * qku[:, None] * load_rows(do, t0, nrows, h, H, V, rows, vr, False)
-            store_rows(dv, load_rows(dv, t0, nrows, h, H, V, rows, vr, False) + extra, t0, nrows, h, H, V, rows, vr)
 
 
 @triton.jit

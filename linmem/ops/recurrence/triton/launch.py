@@ -35,7 +35,9 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: 0.188 -> 0.162); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535). Session 7, with the delta rule's
 #: WY part in its own kernel: grads 1 -> 2 stages for the decayed delta rules only ("grads_decayed_delta":
 #: gated 0.453 -> 0.434, kda 2.16 -> 2.11; deltanet's went 0.284 -> 0.393); wy_grads at 4 warps, 1 stage
-#: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages).
+#: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages). Session 8: the additive rule's dv at 4 warps,
+#: 1 stage (gla 0.141 ms, rwkv6 0.190; at 2 stages 0.157 and 0.208, at 3 0.180 and 0.260; linear attention
+#: and mamba2 within 6 us of their best, 2 stages).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -44,6 +46,7 @@ LAUNCH = {
     "output": (8, 3),
     "state_bwd": (4, 1),
     "state_bwd_deep": (4, 2),
+    "dv": (4, 1),
     "score_grads": (4, 1),
     "grads": (8, 1),
     "grads_decayed_delta": (8, 2),
@@ -160,11 +163,13 @@ def sequential_config(kernel: str, sparse: bool, delta: bool, decay: int) -> str
     3-stage state_fwd at K = 128, V block 32 needs 249 KiB of shared memory, more than an SM has, so
     ``_launch`` runs it at one stage: that is the 0.433 ms measured. Session 7, with W^T in bf16 (half
     the shared memory per stage): the deeper state_bwd now pays for gated delta as well (0.426 ->
-    0.329 ms at 8 x 2048; forward+backward 2.550 -> 2.417 ms at 2 x 8192), not for kda (0.72 -> 0.79)."""
+    0.329 ms at 8 x 2048; forward+backward 2.550 -> 2.417 ms at 2 x 8192), not for kda (0.72 -> 0.79).
+    Session 8, with the additive rule's dv moved to ``dv_kernel``: its state_bwd gains on any grid
+    (8 x 2048: gla 0.280 -> 0.175 ms, mamba2 0.168 -> 0.108, linear attention 0.127 -> 0.074)."""
     if kernel == "state_fwd":
         deep = sparse or (delta and decay != 0)
     else:
-        deep = sparse or (delta and decay != 2)
+        deep = sparse or not delta or decay != 2
     return f"{kernel}_deep" if deep else kernel
 
 
@@ -279,16 +284,20 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     do = do.contiguous()
     dhN = dhN.contiguous() if dhN is not None else None
     dHs = torch.empty_like(hs)
-    dd = torch.empty_like(d if delta else v)  # the gradient of the writes; for the additive rule it is dv
+    dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
     BVs = s.state_BV(dev)
     grid = (triton.cdiv(s.V, BVs), s.N * s.H)
     _launch(sequential_config("state_bwd", s.sparse(dev), delta, decay), chunk_bwd.state_bwd_kernel, grid,
-            q, k, Wt if delta else q, Gp, A, do, dd, dHs, dhN if dhN is not None else dHs,
+            q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
             STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
-    dv = torch.empty_like(v) if delta else dd
+    dv = torch.empty_like(v)
+    if not delta:
+        _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, s.BV), s.slots, s.H),
+                q, k, Gp, u if bonus else q, A, do, dHs, dv, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
+                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=s.BV)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
     # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it
     # (per-channel decays keep fp32 score gradients: their pairwise loops also read them unrounded)
@@ -299,10 +308,10 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
-            q, k, v, beta if delta else q, Gp, u if bonus else q, Tt if delta else q, d if delta else v, do,
-            dd, dA, dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu,
-            scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus),
-            IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=s.BV)
+            q, v, beta if delta else q, Gp, Tt if delta else q, d if delta else v, do, dd if delta else dA, dA,
+            dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu, scale,
+            s.T, s.H, s.N, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
+            C=CHUNK, BV=s.BV)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None

@@ -101,9 +101,13 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                      BV=BV)  # launch.Shapes.wy_BK
+        if decay == 2:
+            yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
+                                                              "dki": f32, "cu_seqlens": "*i32"}, \
+                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK)
         yield "grads_decayed_delta" if delta and decay else "grads", tag, bwd.grads_kernel, \
             {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
-             "dov_in": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
+             "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=grads_BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
@@ -139,7 +143,7 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, state_fwd_deep, output, "
-                                       "state_bwd, state_bwd_deep, dv, score_grads, wy_grads, grads, "
+                                       "state_bwd, state_bwd_deep, dv, score_grads, wy_grads, intra_grads, grads, "
                                        "grads_decayed_delta, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")

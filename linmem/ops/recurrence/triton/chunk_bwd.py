@@ -264,7 +264,81 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
 
 
 @triton.jit
-def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dq, dk, dg, du,
+def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
+                       BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       C: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    """Per-channel decays: the intra-chunk parts of dq and dk for one block of RB rows of a chunk and
+    BK key channels, which ``grads_kernel`` completes.
+
+    dqi[t] = sum_s dA[t, s] k_s e^(Gq_t - G_s),  dki[s] = sum_t dA[t, s] q_t e^(Gq_t - G_s)
+    over the score pairs (s <= t; s < t and Gq_t = G_(t-1) with the bonus): [tokens, H, K] fp32.
+    The other blocks enter through one reference point per block, so both factors of each decay
+    are <= 1: for dq, R = G at the row before this block (blocks j < i: (k_j e^(R - G_j)) products,
+    times e^(Gq_t - R)); for dk, R = G at this block's last row (blocks j > i). Inside the block,
+    one exponential per pair and channel. Grid (K blocks, slots * C / RB, H).
+    """
+    MT: tl.constexpr = dA_in.dtype.element_ty
+    X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    NB: tl.constexpr = C // RB
+    kb, sb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i = sb % NB
+    n, t0, nrows = locate_chunk(sb // NB, cu_seqlens, N, T, C, IS_VARLEN)
+    cols = kb * BK + tl.arange(0, BK)
+    r = tl.arange(0, RB)
+    rows = i * RB + r
+    valid = rows < nrows
+    first = i * RB  # this block's first row
+    if first < nrows:
+        Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
+        Gs = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
+        base = (t0 * H + h) * C  # dA[t0 + t, h, s] = dA_in[base + t * H * C + s]
+        dq = tl.full([RB, BK], 0.0, tl.float32)
+        if i > 0:
+            R = tl.load(G + ((t0 + first - 1) * H + h) * K + cols, mask=cols < K, other=0.0)
+            for j in range(0, i):
+                cj = j * RB + r
+                kj = load_rows(k, t0, nrows, h, H, K, cj, cols, False) * exp2(
+                    R[None, :] - load_rows(G, t0, nrows, h, H, K, cj, cols, False))
+                dq += mm(load_rows(dA_in, t0, nrows, h, H, C, rows, cj, False), kj, MT, X)
+            dq = dq * masked_exp2(valid[:, None], Gq - R[None, :])
+        dk = tl.full([RB, BK], 0.0, tl.float32)
+        last = first + RB - 1  # this block's last row
+        if last + 1 < nrows:
+            R = tl.load(G + ((t0 + last) * H + h) * K + cols, mask=cols < K, other=0.0)
+            for j in range(i + 1, NB):
+                cj = j * RB + r
+                qj = load_rows(q, t0, nrows, h, H, K, cj, cols, False) * masked_exp2(
+                    (cj < nrows)[:, None], load_rows(G, t0, nrows, h, H, K, cj - BONUS, cols, False) - R[None, :])
+                dk += mm(load_rows(dA_in, t0, nrows, h, H, C, cj, rows, True), qj, MT, X)  # dA[cj, rows]^T
+            dk = dk * masked_exp2(valid[:, None], R[None, :] - Gs)
+        for off in range(RB):
+            u = first + off  # the block's row off: the key s of dq's pairs, the query t of dk's
+            live = u < nrows
+            live_cols = cols < tl.where(live, K, 0)
+            live_rows = rows < tl.where(live, nrows, 0)  # valid & live (a scalar mask would not broadcast here)
+            coef = tl.load(dA_in + base + rows * (H * C) + u, mask=live_rows, other=0.0)  # dA[rows, u]
+            ku = tl.load(k + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0).to(tl.float32)
+            Gu = tl.load(G + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0)
+            if BONUS:
+                pair = live_rows & (rows > u)
+            else:
+                pair = live_rows & (rows >= u)
+            dq += coef[:, None] * ku[None, :] * masked_exp2(pair[:, None], Gq - Gu[None, :])
+            coefT = tl.load(dA_in + base + u * (H * C) + rows, mask=live_rows, other=0.0)  # dA[u, rows]
+            qu = tl.load(q + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0).to(tl.float32)
+            Gqu = tl.load(G + ((t0 + u - BONUS) * H + h) * K + cols, mask=cols < tl.where(live & (u >= BONUS), K, 0),
+                          other=0.0)
+            if BONUS:
+                pairT = live_rows & (u > rows)
+            else:
+                pairT = live_rows & (u >= rows)
+            dk += coefT[:, None] * qu[None, :] * masked_exp2(pairT[:, None], Gqu[None, :] - Gs)
+        store_rows(dqi, dq, t0, nrows, h, H, K, rows, cols)
+        store_rows(dki, dk, t0, nrows, h, H, K, rows, cols)
+
+
+@triton.jit
+def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg, du,
                  cu_seqlens, scale, T, H, N, K, V,
                  DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                  C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -272,7 +346,9 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dq, dk, dg, du,
 
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
     [slots, H, K, V]), do: [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in
-    ([tokens, H, C], read once as [t, s] and once transposed) and dov_in ([tokens, H]). For the
+    ([tokens, H, C], read once as [t, s] and once transposed) and dov_in ([tokens, H]). Per-channel
+    decays (DECAY 2) read the intra-chunk parts of dq and dk from dqi and dki (``intra_grads_kernel``)
+    instead. For the
     delta rule (DELTA), dk and dg already hold what ``wy_grads_kernel`` stored, and get the rest
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
@@ -324,8 +400,12 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dq, dk, dg, du,
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
             Gq = Gk
-        dqt = intra_rows(dA_in, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
-        dkt = intra_cols(dA_in, q, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, 0, C, SB, X)
+        if DECAY == 2:  # the intra-chunk parts, from intra_grads_kernel
+            dqt = load_rows(dqi, t0, nrows, h, H, K, rows, cols, False)
+            dkt = load_rows(dki, t0, nrows, h, H, K, rows, cols, False)
+        else:
+            dqt = intra_rows(dA_in, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
+            dkt = intra_cols(dA_in, q, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, 0, C, SB, X)
         if DECAY == 0:
             dqt += scale * dqh
             dkt += dkh

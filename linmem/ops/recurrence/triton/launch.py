@@ -37,7 +37,8 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: gated 0.453 -> 0.434, kda 2.16 -> 2.11; deltanet's went 0.284 -> 0.393); wy_grads at 4 warps, 1 stage
 #: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages). Session 8: the additive rule's dv at 4 warps,
 #: 1 stage (gla 0.141 ms, rwkv6 0.190; at 2 stages 0.157 and 0.208, at 3 0.180 and 0.260; linear attention
-#: and mamba2 within 6 us of their best, 2 stages).
+#: and mamba2 within 6 us of their best, 2 stages). intra_grads at 2 warps, 2 stages (gla 0.953 ms, rwkv6 0.971,
+#: kda 0.954; 0.99, 1.10, 0.99 at 4 warps, 1 stage; 1.17 at 8 warps).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -50,6 +51,7 @@ LAUNCH = {
     "score_grads": (4, 1),
     "grads": (8, 1),
     "grads_decayed_delta": (8, 2),
+    "intra_grads": (2, 2),
     "wy_grads": (4, 1),
     "recurrent": (4, 2),
 }
@@ -63,6 +65,9 @@ STATE_BV = 32
 #: exponentials no longer grow with their number (``common.chunk_scores``). Measured on an H200 at 8 x 2048,
 #: H = 16, K = V = 128, bf16, forward+backward: gla 4.24 (16) / 3.80 (8) / 4.12 ms (4), kda 11.13 / 10.31 / 11.32
 PAIR_SUB = 8
+#: row block of ``intra_grads_kernel`` (per-channel decays): the other blocks of the chunk enter through matrix
+#: products, pairs inside it one exponential each
+INTRA_ROWS = 16
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132
 
@@ -319,8 +324,15 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         _launch("wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
                 k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV)
+    dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk, in blocks of INTRA_ROWS rows
+    if decay == 2:
+        dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
+        _launch("intra_grads", chunk_bwd.intra_grads_kernel, (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS),
+                                                              s.H),
+                q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
+                RB=INTRA_ROWS, BK=s.BK)
     _launch("grads_decayed_delta" if delta and decay else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
-            q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dq, dk,
+            q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
             DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB,
             BK=s.grads_BK(decay), BV=s.BV)

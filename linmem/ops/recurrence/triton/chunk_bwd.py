@@ -315,7 +315,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
             u = first + off  # the block's row off: the key s of dq's pairs, the query t of dk's
             live = u < nrows
             live_cols = cols < tl.where(live, K, 0)
-            live_rows = rows < tl.where(live, nrows, 0)  # valid & live (a scalar mask would not broadcast here)
+            live_rows = rows < tl.where(live, nrows, 0)  # valid & live (the interpreter rejects scalar & vector)
             coef = tl.load(dA_in + base + rows * (H * C) + u, mask=live_rows, other=0.0)  # dA[rows, u]
             ku = tl.load(k + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0).to(tl.float32)
             Gu = tl.load(G + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0)

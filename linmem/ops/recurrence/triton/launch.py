@@ -33,12 +33,14 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms). Stages, per kernel alone
 #: (session 4): prep 2 -> 3 (deltanet 0.446 -> 0.423 ms), output 2 -> 3 (gla 0.843 -> 0.789, deltanet
 #: 0.188 -> 0.162); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535). Session 7, with the delta rule's
-#: WY part in its own kernel: grads 1 -> 2 stages for the decayed delta rules only ("grads_decayed_delta":
+#: WY part in its own kernel: grads 1 -> 2 stages for the decayed delta rules only ("grads_pipelined":
 #: gated 0.453 -> 0.434, kda 2.16 -> 2.11; deltanet's went 0.284 -> 0.393); wy_grads at 4 warps, 1 stage
 #: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages). Session 8: the additive rule's dv at 4 warps,
 #: 1 stage (gla 0.141 ms, rwkv6 0.190; at 2 stages 0.157 and 0.208, at 3 0.180 and 0.260; linear attention
 #: and mamba2 within 6 us of their best, 2 stages). intra_grads at 2 warps, 2 stages (gla 0.953 ms, rwkv6 0.971,
-#: kda 0.954; 0.99, 1.10, 0.99 at 4 warps, 1 stage; 1.17 at 8 warps).
+#: kda 0.954; 0.99, 1.10, 0.99 at 4 warps, 1 stage; 1.17 at 8 warps). With the intra-chunk parts out of
+#: grads_kernel, per-channel decays' grads also take 2 stages ("grads_pipelined": gla 0.857 -> 0.776 ms, rwkv6
+#: 0.897 -> 0.851; 4 warps and 2 stages miscompiles rwkv6, and 16 warps lost).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -50,7 +52,7 @@ LAUNCH = {
     "dv": (4, 1),
     "score_grads": (4, 1),
     "grads": (8, 1),
-    "grads_decayed_delta": (8, 2),
+    "grads_pipelined": (8, 2),
     "intra_grads": (2, 2),
     "wy_grads": (4, 1),
     "recurrent": (4, 2),
@@ -331,7 +333,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
                                                               s.H),
                 q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
                 RB=INTRA_ROWS, BK=s.BK)
-    _launch("grads_decayed_delta" if delta and decay else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
+    _launch("grads_pipelined" if (delta and decay) or decay == 2 else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
             DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB,

@@ -161,10 +161,10 @@ def main() -> None:
         warps, stages = launch[name]
         try:
             smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages)
-            print(f"{name:14s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
+            print(f"{name:15s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
                   f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code}")
         except Exception as error:  # a variant that does not compile says why
-            print(f"{name:14s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            print(f"{name:15s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
 if __name__ == "__main__":

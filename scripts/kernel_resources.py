@@ -108,7 +108,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         yield "grads_pipelined" if (delta and decay) or decay == 2 else "grads", tag, bwd.grads_kernel, \
             {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
              "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=grads_BK, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=grads_BK, BV=BV)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=SBV)

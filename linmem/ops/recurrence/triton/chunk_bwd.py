@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (exp2, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2,
-                     mm, running_total, sequence_state, store_rows, store_state, total)
+from .common import (bonus_scores, exp2, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
+                     masked_exp2, mm, running_total, sequence_state, store_rows, store_state, total)
 
 
 @triton.jit
@@ -129,13 +129,7 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
             kt = kt * masked_exp2(valid[:, None], lastk[None, :] - load_rows(G, t0, nrows, h, H, K, rows, cols, False))
         dvt += mm(kt, load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False), dHs.dtype.element_ty, X)
     if BONUS:  # a loop of its own: with the k tile above also read here, Triton 3.6 miscompiles it at 3 stages
-        qku = tl.full([C], 0.0, tl.float32)  # q (u k), summed over the key channels
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            qku += total(load_rows(q, t0, nrows, h, H, K, rows, cols, False) * uu[None, :]
-                         * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
-        dvt += scale * qku[:, None] * dO
+        dvt += scale * bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK)[:, None] * dO
     store_rows(dv, dvt, t0, nrows, h, H, V, rows, vr)
 
 
@@ -341,7 +335,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
 def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg, du,
                  cu_seqlens, scale, T, H, N, K, V,
                  DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The gradients of one chunk per key channel: dq, dk, dg, du.
 
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
@@ -403,9 +397,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         if DECAY == 2:  # the intra-chunk parts, from intra_grads_kernel
             dqt = load_rows(dqi, t0, nrows, h, H, K, rows, cols, False)
             dkt = load_rows(dki, t0, nrows, h, H, K, rows, cols, False)
-        else:
-            dqt = intra_rows(dA_in, k, G, Gq, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, C, SB, X)
-            dkt = intra_cols(dA_in, q, q, G, Gk, t0, nrows, h, H, K, cols, ST, DECAY, BONUS, BONUS, 0, C, SB, X)
+        else:  # dA carries the decays: dA k and dA^T q
+            dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False),
+                     load_rows(k, t0, nrows, h, H, K, rows, cols, False), ST, X)
+            qc = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
+            dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qc, ST, X)
         if DECAY == 0:
             dqt += scale * dqh
             dkt += dkh

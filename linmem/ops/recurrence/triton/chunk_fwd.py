@@ -20,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, LOG2E, chunk_scores, exp2, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t, store_state,
-                     total)
+from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, load_gate_rows, load_rows, load_state,
+                     locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t,
+                     store_state, total)
 
 
 @triton.jit
@@ -233,12 +233,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
     if DECAY == 1:
         eq = exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
     if BONUS:
-        qku = tl.full([C], 0.0, tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-            qku += total(qt * uu[None, :] * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
+        qku = bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK)
     for v0 in range(0, V, BV):
         vr = v0 + tl.arange(0, BV)
         acc = tl.full([C, BV], 0.0, tl.float32)

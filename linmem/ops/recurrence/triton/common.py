@@ -300,6 +300,18 @@ def masked_exp2(mask, x):
 
 
 @triton.jit
+def bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK: tl.constexpr):
+    """The RWKV-6 bonus's score of each row with itself, ``q_t . (u k_t)``: [C] fp32 (u: [H, K])."""
+    qku = tl.full([rows.shape[0]], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+        qku += total(load_rows(q, t0, nrows, h, H, K, rows, cols, False) * uu[None, :]
+                     * load_rows(k, t0, nrows, h, H, K, rows, cols, False), 1)
+    return qku
+
+
+@triton.jit
 def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                  DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr,
                  C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr):

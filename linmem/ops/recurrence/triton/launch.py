@@ -336,8 +336,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     _launch("grads_pipelined" if (delta and decay) or decay == 2 else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-            DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB,
-            BK=s.grads_BK(decay), BV=s.BV)
+            DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.grads_BK(decay), BV=s.BV)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 

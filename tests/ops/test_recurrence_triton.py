@@ -109,18 +109,20 @@ def test_odd_lengths(combo, T):
     compare(inputs(combo, B=1, T=T, H=2, K=16, V=16), FP32_TOL)
 
 
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", False),
-                                   ("scalar", "delta", False)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
+                                   ("scalar", "additive", False), ("scalar", "delta", False)], ids=combo_id)
 def test_several_key_blocks_and_odd_head_dims(combo):
-    """K = 80 spans two key blocks of 64, three of 32 (the per-channel delta rule's wy_grads_kernel) and
-    one of 128 with its last 48 columns masked (the scalar decays' gradient kernel); V = 40 is no power
-    of two; no initial state."""
+    """K = 80 spans two key blocks of 64 (of which intra_grads_kernel and dv_kernel mask the last 48
+    columns), three of 32 (the per-channel delta rule's wy_grads_kernel) and one of 128 with its last 48
+    columns masked (the scalar decays' gradient kernel); V = 40 is no power of two; no initial state."""
     compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
 
 
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", True)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
+                                   ("scalar", "additive", True)], ids=combo_id)
 def test_varlen_equals_reference(combo):
-    """Packed sequences of lengths 5, 0, 70, 1, 33: an empty one, partial chunks, idle slots."""
+    """Packed sequences of lengths 5, 0, 70, 1, 33: an empty one, partial chunks, idle slots (and, with
+    the bonus and per-channel decays, the shifted reads of intra_grads_kernel and dv_kernel)."""
     lengths = [5, 0, 70, 1, 33]
     t = inputs(combo, B=1, T=sum(lengths), H=1, K=16, V=16, initial_state=False)
     t["initial_state"] = torch.randn(len(lengths), 1, 16, 16, generator=seeded("h0")).to(DEVICE)

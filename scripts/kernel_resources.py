@@ -75,7 +75,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         bwd_seq = "state_bwd" if delta and decay == 2 else "state_bwd_deep"
         yield fwd_seq, tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF, BV=SBV)
+            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF,
+                 KB=BK if delta else BKF, BV=SBV)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
@@ -84,7 +85,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
-                 BKF=BKF, BV=SBV)
+                 BKF=BKF, KB=BK if delta else BKF, BV=SBV)  # launch.Shapes.state_KB
         if not delta:
             yield "dv", tag, bwd.dv_kernel, {"q": dt, "k": dt, "G": f32, "u": dt, "A": dt, "do": dt, "dHs": dt,
                                              "dv": dt, "cu_seqlens": "*i32"}, \

@@ -138,6 +138,17 @@ def test_bf16_against_fp32_reference(combo):
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 
+@pytest.mark.parametrize("combo", [("none", "delta", False), ("scalar", "delta", False), ("vector", "delta", False)],
+                         ids=combo_id)
+def test_four_state_tiles(combo, monkeypatch):
+    """The delta rule's sequential passes with the state as four tiles of 16 key rows (K = 56: the last
+    tile is masked to 8 rows), as K = 256 runs them at tiles of 64."""
+    monkeypatch.setattr(launch, "STATE_KB", 16)
+    t = inputs(combo, B=1, T=70, H=1, K=56, V=24)
+    assert launch.shapes_of(t["q"], t["v"], None).state_KB(True) == 16
+    compare(t, FP32_TOL)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
 def test_both_state_blocks(sms, monkeypatch):

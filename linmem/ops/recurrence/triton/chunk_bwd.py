@@ -32,15 +32,58 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (bonus_scores, exp2, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
+from .common import (bonus_scores, exp2, first_state, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
                      masked_exp2, mm, running_total, sequence_state, store_rows, store_state, total)
+
+
+@triton.jit
+def _end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
+    """The chunk's total decay (log2 units): a scalar (DECAY 1) or at key rows kb, [KB] (DECAY 2)."""
+    if DECAY == 1:
+        last = tl.load(G + (t0 + nrows - 1) * H + h)
+    else:
+        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
+    return last
+
+
+@triton.jit
+def _writes_grad_part(k, G, dS, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, SD: tl.constexpr,
+                      X: tl.constexpr):
+    """(k e^(Gamma - G))[:, kb] dS: the part of the delta rule's dd that key rows kb carry, [C, BV] fp32."""
+    kt = load_rows(k, t0, nrows, h, H, K, rows, kb, False)
+    valid = rows < nrows
+    if DECAY == 1:
+        last = _end_decay(G, t0, nrows, h, H, K, kb, DECAY)
+        kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
+    elif DECAY == 2:
+        last = _end_decay(G, t0, nrows, h, H, K, kb, DECAY)
+        kt = kt * masked_exp2(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kb, False))
+    return mm(kt, dS, SD, X)
+
+
+@triton.jit
+def _state_grad_step(dS, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb, scale,
+                     DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
+                     X: tl.constexpr):
+    """Key rows kb of the gradient of the chunk's start state: e^Gamma dS + scale (q e^Gq)^T dO (- W^T dd)."""
+    qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
+    if DECAY == 1:
+        qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
+        dS = dS * exp2(_end_decay(G, t0, nrows, h, H, K, kb, DECAY))
+    elif DECAY == 2:
+        qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
+        dS = dS * exp2(_end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
+    dS += scale * mm(qT, dO, q.dtype.element_ty, X)
+    if DELTA:
+        dS -= mm(load_state(Wt, slot, h, H, K, C, kb, rows, K, False), dd, Wt.dtype.element_ty, X)
+    return dS
 
 
 @triton.jit
 def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale, T, H, N, K, V,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_DFINAL: tl.constexpr, STORE_DINIT: tl.constexpr,
-                     C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
+                     C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The reverse sequential pass: the gradients of the chunk-end states (and of the delta rule's writes).
 
     Per chunk, last to first: dHs[slot] = dH; dH = e^Gamma dH + scale (q e^Gq)^T dO. The delta rule's
@@ -49,49 +92,62 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     (k, A and dd_out are then unused). A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H,
     K, C] (the delta rule's W, transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V]
     fp32. Grid (V blocks, N * H).
+    The state is held as BKF // KB tiles (1, 2 or 4) of KB key rows, each with its own loads: at
+    K = 128 the delta rule's pass then needs fewer registers than with one [K, BV] tile.
     A scalar decay stays on the k and q tiles here: moved onto dO's rows and the end-state
     product's rows, as state_fwd and the output kernel do, Triton 3.6 miscompiles this kernel on
     Hopper (wrong dd for Mamba-2, illegal addresses for gated delta; H200, 2026-11-21).
     """
-    DT: tl.constexpr = q.dtype.element_ty
-    X: tl.constexpr = DT == tl.float32  # fp32 inputs: fp32-accurate products
-    n, h, bos, eos, s0, kr, vr, rows, dS = sequence_state(dhN, HAS_DFINAL, cu_seqlens, T, H, K, V, C, IS_VARLEN,
-                                                            BKF, BV)
+    X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    SD: tl.constexpr = dHs.dtype.element_ty
+    NKB: tl.constexpr = BKF // KB
+    n, h, bos, eos, s0, kb0, vr, rows, dS0 = sequence_state(dhN, HAS_DFINAL, cu_seqlens, T, H, K, V, C, IS_VARLEN,
+                                                             KB, BV)
+    kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
+    if NKB > 1:
+        dS1 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb1, vr)
+    if NKB > 2:
+        dS2 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb2, vr)
+        dS3 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb3, vr)
     nchunks = (eos - bos + C - 1) // C
     for i in range(nchunks):
-        c = nchunks - 1 - i
-        t0 = bos + c * C
+        slot = s0 + nchunks - 1 - i
+        t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
-        valid = rows < nrows
-        store_state(dHs, dS, s0 + c, h, H, K, V, kr, vr, False)
+        store_state(dHs, dS0, slot, h, H, K, V, kb0, vr, False)
+        if NKB > 1:
+            store_state(dHs, dS1, slot, h, H, K, V, kb1, vr, False)
+        if NKB > 2:
+            store_state(dHs, dS2, slot, h, H, K, V, kb2, vr, False)
+            store_state(dHs, dS3, slot, h, H, K, V, kb3, vr, False)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
+        dd = dO  # the additive rule's pass does not read it
         if DELTA:
-            kt = load_rows(k, t0, nrows, h, H, K, rows, kr, False)
-        qT = load_rows(q, t0, nrows, h, H, K, rows, kr, True)
-        if DECAY == 1:
-            last = tl.load(G + (t0 + nrows - 1) * H + h)
-            if DELTA:
-                kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
-            qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
-        elif DECAY == 2:
-            last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
-            if DELTA:
-                kt = kt * masked_exp2(valid[:, None],
-                                      last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kr, False))
-            qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kr, True))
-        if DELTA:
-            AT = load_rows(A, t0, nrows, h, H, C, rows, rows, True)
-            dd = mm(AT, dO, A.dtype.element_ty, X) + mm(kt, dS, dHs.dtype.element_ty, X)
+            dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
+            dd += _writes_grad_part(k, G, dS0, t0, nrows, h, H, K, rows, kb0, DECAY, SD, X)
+            if NKB > 1:
+                dd += _writes_grad_part(k, G, dS1, t0, nrows, h, H, K, rows, kb1, DECAY, SD, X)
+            if NKB > 2:
+                dd += _writes_grad_part(k, G, dS2, t0, nrows, h, H, K, rows, kb2, DECAY, SD, X)
+                dd += _writes_grad_part(k, G, dS3, t0, nrows, h, H, K, rows, kb3, DECAY, SD, X)
             store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
-        if DECAY == 1:
-            dS = dS * exp2(last)
-        elif DECAY == 2:
-            dS = dS * exp2(last)[:, None]
-        dS += scale * mm(qT, dO, DT, X)
-        if DELTA:
-            dS -= mm(load_state(Wt, s0 + c, h, H, K, C, kr, rows, K, False), dd, Wt.dtype.element_ty, X)
+        dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
+                               BONUS, C, X)
+        if NKB > 1:
+            dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
+                                   BONUS, C, X)
+        if NKB > 2:
+            dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
+                                   BONUS, C, X)
+            dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
+                                   BONUS, C, X)
     if STORE_DINIT:
-        store_state(dh0, dS, n, h, H, K, V, kr, vr, False)
+        store_state(dh0, dS0, n, h, H, K, V, kb0, vr, False)
+        if NKB > 1:
+            store_state(dh0, dS1, n, h, H, K, V, kb1, vr, False)
+        if NKB > 2:
+            store_state(dh0, dS2, n, h, H, K, V, kb2, vr, False)
+            store_state(dh0, dS3, n, h, H, K, V, kb3, vr, False)
 
 
 @triton.jit

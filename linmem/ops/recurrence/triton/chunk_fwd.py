@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, load_gate_rows, load_rows, load_state,
+from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, first_state, load_gate_rows, load_rows, load_state,
                      locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t,
                      store_state, total)
 
@@ -165,51 +165,84 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
 
 
 @triton.jit
+def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, DELTA: tl.constexpr,
+                WT: tl.constexpr, X: tl.constexpr):
+    """Key rows kb of the next chunk's start state: e^Gamma S + (k e^(Gamma - G))^T d. With a scalar decay the
+    delta rule's d arrives decayed (e^(Gamma - G) on its rows, a [C, BV] tile before its tf32 product)."""
+    kT = load_rows(k, t0, nrows, h, H, K, rows, kb, True)
+    valid = rows < nrows
+    if DECAY == 1:
+        last = tl.load(G + (t0 + nrows - 1) * H + h)
+        if not DELTA:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
+            kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
+        S = S * exp2(last)
+    elif DECAY == 2:
+        GT = load_rows(G, t0, nrows, h, H, K, rows, kb, True)
+        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
+        kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
+        S = S * exp2(last)[:, None]
+    return S + mm(kT, d, WT, X)
+
+
+@triton.jit
 def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr):
+                     C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The sequential pass over chunks: stores the chunk-start states and carries the state.
 
     Per chunk: hs[slot] = h; d = U - W h (DELTA, stored to d_out) or d = v;
     h = e^Gamma h + (k e^(Gamma - G))^T d, computed as k^T (e^(Gamma - G) d) for the delta rule
     with a scalar decay. vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
-    [N, H, K, V] fp32. Grid (V blocks, N * H); the whole K is one tile.
+    [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
+    of KB key rows, each with its own loads.
     """
     IT: tl.constexpr = W.dtype.element_ty  # the delta rule's intermediates
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     WT: tl.constexpr = d_out.dtype.element_ty  # the writes: v, or the corrected writes
-    n, h, bos, eos, s0, kr, vr, rows, S = sequence_state(h0, HAS_INIT, cu_seqlens, T, H, K, V, C, IS_VARLEN,
-                                                            BKF, BV)
+    NKB: tl.constexpr = BKF // KB
+    n, h, bos, eos, s0, kb0, vr, rows, S0 = sequence_state(h0, HAS_INIT, cu_seqlens, T, H, K, V, C, IS_VARLEN,
+                                                            KB, BV)
+    kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
+    if NKB > 1:
+        S1 = first_state(h0, HAS_INIT, n, h, H, K, V, kb1, vr)
+    if NKB > 2:
+        S2 = first_state(h0, HAS_INIT, n, h, H, K, V, kb2, vr)
+        S3 = first_state(h0, HAS_INIT, n, h, H, K, V, kb3, vr)
     for c in range((eos - bos + C - 1) // C):
         t0 = bos + c * C
         nrows = tl.minimum(eos - t0, C)
-        store_state(hs, S, s0 + c, h, H, K, V, kr, vr, False)
+        store_state(hs, S0, s0 + c, h, H, K, V, kb0, vr, False)
+        if NKB > 1:
+            store_state(hs, S1, s0 + c, h, H, K, V, kb1, vr, False)
+        if NKB > 2:
+            store_state(hs, S2, s0 + c, h, H, K, V, kb2, vr, False)
+            store_state(hs, S3, s0 + c, h, H, K, V, kb3, vr, False)
+        d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         if DELTA:
-            Wt = load_rows(W, t0, nrows, h, H, K, rows, kr, False)
-            d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False) - mm(Wt, S, IT, X)
+            d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb0, False), S0, IT, X)
+            if NKB > 1:
+                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb1, False), S1, IT, X)
+            if NKB > 2:
+                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb2, False), S2, IT, X)
+                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb3, False), S3, IT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
-        else:
-            d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
-        kT = load_rows(k, t0, nrows, h, H, K, rows, kr, True)
-        valid = rows < nrows
-        if DECAY == 1 and DELTA:  # on d's rows, a [C, BV] tile (k^T is [K, C]), before its tf32 product
-            last = tl.load(G + (t0 + nrows - 1) * H + h)
-            d = d * masked_exp2(valid, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
-            S = S * exp2(last)
-        elif DECAY == 1:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
-            Gs = load_gate_rows(G, t0, nrows, h, H, rows)
-            last = tl.load(G + (t0 + nrows - 1) * H + h)
-            kT = kT * masked_exp2(valid[None, :], last - Gs[None, :])
-            S = S * exp2(last)
-        elif DECAY == 2:
-            GT = load_rows(G, t0, nrows, h, H, K, rows, kr, True)
-            last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kr, mask=kr < K, other=0.0)
-            kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
-            S = S * exp2(last)[:, None]
-        S += mm(kT, d, WT, X)
+            if DECAY == 1:
+                last = tl.load(G + (t0 + nrows - 1) * H + h)
+                d = d * masked_exp2(rows < nrows, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, WT, X)
+        if NKB > 1:
+            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, WT, X)
+        if NKB > 2:
+            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, WT, X)
+            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, WT, X)
     if STORE_FINAL:
-        store_state(hN, S, n, h, H, K, V, kr, vr, False)
+        store_state(hN, S0, n, h, H, K, V, kb0, vr, False)
+        if NKB > 1:
+            store_state(hN, S1, n, h, H, K, V, kb1, vr, False)
+        if NKB > 2:
+            store_state(hN, S2, n, h, H, K, V, kb2, vr, False)
+            store_state(hN, S3, n, h, H, K, V, kb3, vr, False)
 
 
 @triton.jit

@@ -149,11 +149,17 @@ def sequence_state(init, PRESENT: tl.constexpr, cu_seqlens, T, H, K, V, C: tl.co
     kr = tl.arange(0, BKF)
     vr = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
+    return n, h, bos, eos, s0, kr, vr, rows, first_state(init, PRESENT, n, h, H, K, V, kr, vr)
+
+
+@triton.jit
+def first_state(init, PRESENT: tl.constexpr, n, h, H, K, V, kr, vr):
+    """Rows kr, columns vr of sequence n's state in ``init`` [N, H, K, V] as fp32, or zeros when not PRESENT."""
     if PRESENT:
         S = load_state(init, n, h, H, K, V, kr, vr, K, False).to(tl.float32)
     else:
-        S = tl.full([BKF, BV], 0.0, tl.float32)
-    return n, h, bos, eos, s0, kr, vr, rows, S
+        S = tl.full([kr.shape[0], vr.shape[0]], 0.0, tl.float32)
+    return S
 
 
 @triton.jit

@@ -62,6 +62,8 @@ LAUNCH = {
 #: sequences): measured on an H200 at 1 x 16384, H = 16 (64 programs at 32), 16 took gla forward+backward
 #: from 8.80 to 7.80 ms and deltanet from 4.15 to 3.93 ms; at 8 x 2048 (512 programs) it cost 3.33 vs 2.81 ms
 STATE_BV = 32
+#: key rows per state tile of the delta rule's sequential passes (the additive rule's hold the whole K as one tile)
+STATE_KB = 64
 #: sub-block of the per-channel decays' pairwise loops in the output and gradient kernels (the delta rule's
 #: inverse keeps SUB = 16). Halving it halves the pairwise exponentials and adds cross-sub-block products, whose
 #: exponentials no longer grow with their number (``common.chunk_scores``). Measured on an H200 at 8 x 2048,
@@ -139,6 +141,10 @@ class Shapes:
         hold [64, BK] fp32 gates and exponentials (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
         kda wy_grads 1.95 -> 1.69 ms; deltanet's went 0.315 -> 0.388 at 32)."""
         return min(self.BK, 32) if decay == 2 else self.BK
+
+    def state_KB(self, delta: bool) -> int:
+        """Key rows per state tile of the sequential passes: ``STATE_KB`` for the delta rule, the whole K otherwise."""
+        return min(self.BKF, STATE_KB) if delta else self.BKF
 
     @property
     def BV(self) -> int:
@@ -267,7 +273,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
             k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
             hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
-            BKF=s.BKF, BV=BVs)
+            BKF=s.BKF, KB=s.state_KB(delta), BV=BVs)
     o = torch.empty_like(v)
     _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
@@ -299,7 +305,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
-            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, BV=BVs)
+            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta), BV=BVs)
     dv = torch.empty_like(v)
     if not delta:
         _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, s.BV), s.slots, s.H),

@@ -50,7 +50,7 @@ def _load(name: str) -> types.ModuleType:
 
 
 def launch_setting(name: str):
-    """A literal module-level setting of launch.py (``LAUNCH``, ``STATE_BV``, ``PAIR_SUB``), read without
+    """A literal module-level setting of launch.py (``LAUNCH``, ``SEQUENTIAL``, ``PAIR_SUB``), read without
     importing it (it imports torch)."""
     tree = ast.parse((KERNELS / "launch.py").read_text())
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
@@ -58,9 +58,11 @@ def launch_setting(name: str):
 
 
 def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
-    """(kernel name, tag, function, pointer dtypes, constexprs) of every kernel a benchmark run uses."""
+    """(kernel name, tag, function, pointer dtypes, constexprs, (warps, stages)) of every kernel a benchmark run
+    uses; the sequential passes as ``launch.sequential_config`` sets them on a grid of one program per SM or more."""
     f32 = "*fp32"
-    SBV, PAIR_SUB = launch_setting("STATE_BV"), launch_setting("PAIR_SUB")  # at a wide grid (no halving)
+    LAUNCH, PAIR_SUB = launch_setting("LAUNCH"), launch_setting("PAIR_SUB")
+    SEQUENTIAL, WARPS = launch_setting("SEQUENTIAL"), launch_setting("SEQUENTIAL_WARPS")
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
@@ -69,50 +71,50 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
                                                        "Wt": dt, "U": f32, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV)
-        # the sequential passes' configs on a wide grid, as launch.sequential_config picks them
-        fwd_seq = "state_fwd_deep" if delta and decay else "state_fwd"
-        bwd_seq = "state_bwd" if delta and decay == 2 else "state_bwd_deep"
-        yield fwd_seq, tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV), LAUNCH["prep"]
+        fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
+        bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
+        yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF,
-                 KB=BK if delta else BKF, BV=SBV)  # launch.Shapes.state_KB
+                 KB=BK if delta else BKF, BV=fbv), (WARPS, fstages)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                 BV=BV)
-        yield bwd_seq, tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
+                 BV=BV), LAUNCH["output"]
+        yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
-                 BKF=BKF, KB=BK if delta else BKF, BV=SBV)  # launch.Shapes.state_KB
+                 BKF=BKF, KB=BK if delta else BKF, BV=bbv), (WARPS, bstages)  # launch.Shapes.state_KB
         if not delta:
             yield "dv", tag, bwd.dv_kernel, {"q": dt, "k": dt, "G": f32, "u": dt, "A": dt, "do": dt, "dHs": dt,
                                              "dv": dt, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV)
+                dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV), LAUNCH["dv"]
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wt,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), LAUNCH["score_grads"]
         grads_BK = min(BKF, 128) if decay == 1 else BK  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                     BV=BV)  # launch.Shapes.wy_BK
+                     BV=BV), LAUNCH["wy_grads"]  # launch.Shapes.wy_BK
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
-                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK)
-        yield "grads_pipelined" if (delta and decay) or decay == 2 else "grads", tag, bwd.grads_kernel, \
+                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK), LAUNCH["intra_grads"]
+        grads = "grads_pipelined" if (delta and decay) or decay == 2 else "grads"
+        yield grads, tag, bwd.grads_kernel, \
             {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
              "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=grads_BK, BV=BV)
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=grads_BK, BV=BV), LAUNCH[grads]
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
-        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=SBV)
+        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=launch_setting("RECURRENT_BV")), LAUNCH["recurrent"]
 
 
 def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int, int, int, str]:
@@ -143,8 +145,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, state_fwd_deep, output, "
-                                       "state_bwd, state_bwd_deep, dv, score_grads, wy_grads, intra_grads, grads, "
+    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, "
+                                       "state_bwd, dv, score_grads, wy_grads, intra_grads, grads, "
                                        "grads_pipelined, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
@@ -154,12 +156,10 @@ def main() -> None:
     sys.modules["lk"].__path__ = [str(KERNELS)]
     _load("common")
     fwd, bwd, rec = _load("chunk_fwd"), _load("chunk_bwd"), _load("recurrent")
-    launch = launch_setting("LAUNCH")
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, K = V = {args.K}{', varlen' if args.varlen else ''}")
-    for name, tag, fn, pointers, constexprs in variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen)):
+    for name, tag, fn, pointers, constexprs, (warps, stages) in variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen)):
         if args.only and name not in args.only.split(","):
             continue
-        warps, stages = launch[name]
         try:
             smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages)
             print(f"{name:15s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "

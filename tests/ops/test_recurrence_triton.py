@@ -152,30 +152,50 @@ def test_four_state_tiles(combo, monkeypatch):
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
 def test_both_state_blocks(sms, monkeypatch):
-    """The sequential passes take [K, 32] state tiles while their grid fills the SMs, else [K, 16]."""
+    """The sequential passes take the V blocks of ``launch.SEQUENTIAL`` while their grid fills the SMs (64
+    forward, 32 backward for the delta rule: V = 40 leaves 24 and 8 columns masked), else blocks of 16."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=40)
-    assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == (32 if sms == 1 else 16)
+    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
+    blocks = (launch.sequential_config("state_fwd", s, True, 1, dev)[0],
+              launch.sequential_config("state_bwd", s, True, 1, dev)[0])
+    assert blocks == ((64, 32) if sms == 1 else (16, 16))
     compare(t, FP32_TOL)
 
 
+def test_launch_drops_stages_until_they_fit(caplog):
+    """A config whose pipelining exceeds shared memory runs with one stage fewer at a time (the debug log
+    says so), and later launches of it start at the stages that fitted."""
+    from triton.runtime.errors import OutOfResources
+
+    calls = []
+
+    class Kernel:  # needs 3 stages' worth of shared memory less than configured
+        def __getitem__(self, grid):
+            def run(*args, num_warps, num_stages, **constexprs):
+                calls.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(300000, 232448, "shared memory")
+            return run
+
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        launch._launch("fake", Kernel(), (1,), torch.zeros(1), config=(4, 4), X=1)
+    launch._launch("fake", Kernel(), (1,), torch.zeros(1), config=(4, 4), X=1)
+    assert calls == [4, 3, 2, 2]
+    assert "fake with 4 stages does not fit" in caplog.text
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
-@pytest.mark.parametrize("sms, bv, sparse", [(100, 32, False), (140, 16, False), (300, 16, True)])
-def test_sequential_grid_classes(sms, bv, sparse, monkeypatch):
-    """N * H = 32, V = 128: 128 programs at V block 32, 256 at 16. Wide: 32; narrow: 16, two programs
-    per SM or at most one (sparse); the deeper pipelining goes to sparse grids and to the rules
-    measured to gain from it on any grid."""
+@pytest.mark.parametrize("sms, forward, backward", [(60, (64, 2), (32, 3)), (100, (64, 3), (32, 3)),
+                                                    (200, (32, 3), (32, 3)), (300, (16, 3), (16, 3))])
+def test_sequential_grid_classes(sms, forward, backward, monkeypatch):
+    """N * H = 32, V = 128: 64 programs at V block 64, 128 at 32, 256 at 16. A grid of at least one program
+    per SM takes ``launch.SEQUENTIAL`` (GLA's forward: 64, 2 stages); a smaller one ``NARROW_STAGES`` and
+    halves the V block while it fills less than half the SMs (the delta rule's backward starts at 32)."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
-    s = launch.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False)
-    assert (s.state_BV(torch.device("cpu")), s.sparse(torch.device("cpu"))) == (bv, sparse)
-    deep = "_deep" if sparse else ""
-    assert launch.sequential_config("state_fwd", sparse, False, 2) == "state_fwd" + deep
-    assert launch.sequential_config("state_fwd", sparse, True, 1) == "state_fwd_deep"
-    assert launch.sequential_config("state_bwd", sparse, True, 2) == "state_bwd" + deep
-    assert launch.sequential_config("state_bwd", sparse, True, 1) == "state_bwd_deep"
-    assert launch.sequential_config("state_bwd", sparse, True, 0) == "state_bwd_deep"
-    assert launch.sequential_config("state_bwd", sparse, False, 1) == "state_bwd_deep"
-    assert launch.sequential_config("state_bwd", sparse, False, 2) == "state_bwd_deep"
+    s, cpu = launch.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False), torch.device("cpu")
+    assert launch.sequential_config("state_fwd", s, False, 2, cpu) == forward
+    assert launch.sequential_config("state_bwd", s, True, 0, cpu) == backward
 
 
 @pytest.mark.parametrize("sub", [4, 8, 16, 32])
@@ -308,23 +328,25 @@ def test_gpu_varlen(combo):
 @pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
                          ids=combo_id)
 def test_gpu_wide_grid(combo):
-    """B * H * V / 32 above the SM count: the sequential passes' full [K, 32] state tiles, at the
-    pipelining ``launch.sequential_config`` picks for each rule there."""
+    """B * H above the SM count: the sequential passes' V blocks and stages of ``launch.SEQUENTIAL``."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
-    assert launch.shapes_of(t["q"], t["v"], None).state_BV(t["q"].device) == 32
+    s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
+    for kernel in ("state_fwd", "state_bwd"):
+        assert launch.sequential_config(kernel, s, delta, decay, dev) == launch.SEQUENTIAL[(kernel, delta, decay)]
     compare(t, LOW_TOL)
 
 
 @gpu
 @pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
                          ids=combo_id)
-def test_gpu_narrow_grid_two_programs_per_sm(combo):
-    """B * H * V / 32 below the SM count, B * H * V / 16 above it: [K, 16] state tiles, and the
-    pipelining of a grid that is not sparse."""
+def test_gpu_narrow_grid(combo):
+    """B * H * V / 32 below the SM count, B * H * V / 16 above it: the sequential passes at V block 32 and
+    ``launch.NARROW_STAGES`` (one program per SM)."""
     H = launch.sm_count(torch.device(DEVICE)) // 4 - 1
     t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s = launch.shapes_of(t["q"], t["v"], None)
-    assert s.state_BV(t["q"].device) == 16 and not s.sparse(t["q"].device)
+    s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
+    for kernel in ("state_fwd", "state_bwd"):
+        assert launch.sequential_config(kernel, s, delta, decay, dev) == (32, launch.NARROW_STAGES)
     compare(t, LOW_TOL)
 
 

@@ -25,11 +25,9 @@ logger = logging.getLogger("linmem.ops")
 #: decay kinds of the kernels (``constant`` is expanded to ``scalar`` before launch)
 DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 
-#: (num_warps, num_stages) per kernel (``linmem bench ops --launch`` tries others). The sequential
-#: passes stay at 4 warps: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
-#: gradients or illegal addresses at K = 100, 128, 256; measured on an H200, 2026-11-21). Measured
-#: there at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet forward 1.47 -> 0.85 ms)
-#: and state_bwd unpipelined (deltanet forward+backward 4.07 -> 3.84 ms, gla 6.19 -> 6.06 ms); score_grads at
+#: (num_warps, num_stages) per kernel but the sequential passes (``SEQUENTIAL``; ``linmem bench ops --launch``
+#: tries others). Measured on an H200 at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet
+#: forward 1.47 -> 0.85 ms); score_grads at
 #: 4 warps (8: deltanet 2.84 -> 2.97 ms), grads at 8 (4: gla 5.39 -> 5.93 ms). Stages, per kernel alone
 #: (session 4): prep 2 -> 3 (deltanet 0.446 -> 0.423 ms), output 2 -> 3 (gla 0.843 -> 0.789, deltanet
 #: 0.188 -> 0.162); score_grads 1 -> 2 lost (deltanet 0.340 -> 0.535). Session 7, with the delta rule's
@@ -44,11 +42,7 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
-    "state_fwd": (4, 2),
-    "state_fwd_deep": (4, 3),
     "output": (8, 3),
-    "state_bwd": (4, 1),
-    "state_bwd_deep": (4, 2),
     "dv": (4, 1),
     "score_grads": (4, 1),
     "grads": (8, 1),
@@ -57,11 +51,39 @@ LAUNCH = {
     "wy_grads": (4, 1),
     "recurrent": (4, 2),
 }
-#: V block of the sequential passes and of the recurrent kernel (the state tile is [K, STATE_BV] fp32);
-#: the sequential passes halve it while their grid has fewer programs than the device has SMs (few long
-#: sequences): measured on an H200 at 1 x 16384, H = 16 (64 programs at 32), 16 took gla forward+backward
-#: from 8.80 to 7.80 ms and deltanet from 4.15 to 3.93 ms; at 8 x 2048 (512 programs) it cost 3.33 vs 2.81 ms
-STATE_BV = 32
+#: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
+RECURRENT_BV = 32
+#: (V block, pipeline stages) of the sequential passes per (pass, delta rule, decay kind) on a grid of at least
+#: one program per SM; they run at ``SEQUENTIAL_WARPS``. Measured on an H200 at 8 x 2048, H = 16, K = V = 128,
+#: bf16, kernel ms against the session 8 configs (V block 32 for all; stages 2 (3 for the decayed delta rules)
+#: forward, 2 (1 for kda) backward), with the delta rule's state in tiles of 64 key rows. Forward: deltanet
+#: 0.200 -> 0.169, gated delta 0.230 -> 0.179, kda 0.440 -> 0.332, gla 0.185 -> 0.114, mamba2 0.117 -> 0.074.
+#: Backward: deltanet 0.307 -> 0.209, gated delta 0.260 (V block 64: 0.401), kda 0.599 -> 0.451, gla 0.173 ->
+#: 0.105, mamba2 0.107 -> 0.071. Linear attention takes Mamba-2's, RWKV-6 GLA's (their decay kinds).
+SEQUENTIAL = {
+    ("state_fwd", False, 0): (64, 3),
+    ("state_fwd", False, 1): (64, 3),
+    ("state_fwd", False, 2): (64, 2),
+    ("state_fwd", True, 0): (64, 3),
+    ("state_fwd", True, 1): (64, 3),
+    ("state_fwd", True, 2): (64, 2),
+    ("state_bwd", False, 0): (64, 3),
+    ("state_bwd", False, 1): (64, 3),
+    ("state_bwd", False, 2): (64, 2),
+    ("state_bwd", True, 0): (32, 3),
+    ("state_bwd", True, 1): (32, 2),
+    ("state_bwd", True, 2): (64, 2),
+}
+#: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
+#: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
+SEQUENTIAL_WARPS = 4
+#: stages of the sequential passes on a grid of fewer programs than SMs: one program per SM, and no other
+#: program there to hide its loads. Measured on an H200 (kernel ms, H = 16, K = V = 128, bf16) at 2 x 8192
+#: (V block 32, 128 programs; stages 2 -> 3): forward deltanet 0.322 -> 0.210, gated delta 0.331 -> 0.226,
+#: gla 0.284 -> 0.215, mamba2 0.186 -> 0.137; backward 0.313 -> 0.202, 0.408 -> 0.310, 0.280 -> 0.242, 0.164 ->
+#: 0.116. At 1 x 16384 (V block 16, 128 programs) likewise: backward deltanet 0.496 -> 0.347, gated delta 0.698
+#: -> 0.566, gla 0.499 -> 0.362, mamba2 0.303 -> 0.191. kda's 3 stages do not fit in shared memory: it runs 2.
+NARROW_STAGES = 3
 #: key rows per state tile of the delta rule's sequential passes (the additive rule's hold the whole K as one tile)
 STATE_KB = 64
 #: sub-block of the per-channel decays' pairwise loops in the output and gradient kernels (the delta rule's
@@ -150,40 +172,25 @@ class Shapes:
     def BV(self) -> int:
         return min(_pow2(self.V), 64)
 
-    def narrow(self, device: torch.device) -> bool:
-        """Whether the sequential passes' grid at ``STATE_BV`` has fewer programs than the device has SMs."""
-        return triton.cdiv(self.V, min(_pow2(self.V), STATE_BV)) * self.N * self.H < sm_count(device)
 
-    def state_BV(self, device: torch.device) -> int:
-        """V block of the sequential passes (grid: V blocks x N * H), halved on a narrow grid."""
-        bv = min(_pow2(self.V), STATE_BV)
-        return bv // 2 if bv > 16 and self.narrow(device) else bv
+def sequential_config(kernel: str, s: Shapes, delta: bool, decay: int, device: torch.device) -> tuple[int, int]:
+    """(V block, stages) of a sequential pass (``state_fwd`` or ``state_bwd``; grid: V blocks x N * H).
 
-    def sparse(self, device: torch.device) -> bool:
-        """Whether the sequential passes' grid, at its V block, has at most one program per SM."""
-        return triton.cdiv(self.V, self.state_BV(device)) * self.N * self.H <= sm_count(device)
-
-
-def sequential_config(kernel: str, sparse: bool, delta: bool, decay: int) -> str:
-    """The LAUNCH entry of a sequential pass (``state_fwd`` or ``state_bwd``): its ``_deep`` variant
-    pipelines one stage further. Measured on an H200 at H = 16, K = V = 128, bf16 (session 5), the
-    deeper pipeline pays on sparse grids, where no other program on the SM hides a load (1 x 16384,
-    128 programs, forward+backward: gla 5.08 -> 4.36 ms, deltanet 3.18 -> 2.64, gated 3.75 -> 3.44, kda
-    11.05 -> 10.56), but not at two programs per SM (2 x 8192: gla 4.28 -> 4.40, gated 3.21 -> 3.38).
-    At 8 x 2048 (512 programs) it pays for some rules only: state_fwd of the decayed delta rules (gated
-    0.414 -> 0.340 ms, kda 0.591 -> 0.433; deltanet and gla lost 10% and 20%), state_bwd of the
-    undecayed delta rule (deltanet 0.376 -> 0.325; gla 0.519 -> 0.651, gated 0.424 -> 0.594). kda's
-    3-stage state_fwd at K = 128, V block 32 needs 249 KiB of shared memory, more than an SM has, so
-    ``_launch`` runs it at one stage: that is the 0.433 ms measured. Session 7, with W^T in bf16 (half
-    the shared memory per stage): the deeper state_bwd now pays for gated delta as well (0.426 ->
-    0.329 ms at 8 x 2048; forward+backward 2.550 -> 2.417 ms at 2 x 8192), not for kda (0.72 -> 0.79).
-    Session 8, with the additive rule's dv moved to ``dv_kernel``: its state_bwd gains on any grid
-    (8 x 2048: gla 0.280 -> 0.175 ms, mamba2 0.168 -> 0.108, linear attention 0.127 -> 0.074)."""
-    if kernel == "state_fwd":
-        deep = sparse or (delta and decay != 0)
-    else:
-        deep = sparse or not delta or decay != 2
-    return f"{kernel}_deep" if deep else kernel
+    ``SEQUENTIAL`` gives both for a grid of at least one program per SM. On a smaller grid (few long
+    sequences) the pass takes ``NARROW_STAGES`` and halves its V block while the grid fills less than
+    half the SMs. Measured on an H200 at 1 x 16384, H = 16 (64 programs at 32, 128 at 16), backward
+    kernel ms at 3 stages: deltanet 0.410 (32) -> 0.347 (16), gated delta 0.632 -> 0.566, gla 0.463 ->
+    0.362; at 2 x 8192 (128 programs at 32) halving lost: deltanet 0.202 -> 0.344, gated delta 0.310 -> 0.564.
+    """
+    bv, stages = SEQUENTIAL[(kernel, delta, decay)]
+    bv = min(bv, _pow2(s.V))
+    sms = sm_count(device)
+    programs = lambda b: triton.cdiv(s.V, b) * s.N * s.H  # noqa: E731
+    if programs(bv) >= sms:
+        return bv, stages
+    while bv > 16 and 2 * programs(bv) < sms:
+        bv //= 2
+    return bv, max(stages, NARROW_STAGES)
 
 
 def sm_count(device: torch.device) -> int:
@@ -204,25 +211,28 @@ def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     return Shapes(T=T, TT=B * T, N=N, H=H, K=K, V=v.shape[-1], varlen=cu_seqlens is not None)
 
 
-#: (kernel, its constexprs, dtypes) whose configured pipelining did not fit in shared memory
-_ONE_STAGE: set = set()
+#: (kernel, its constexprs, dtypes, configured stages) -> the most stages that fit in shared memory
+_FITTING_STAGES: dict = {}
 
 
-def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
-    """kernel[grid](*args) with the LAUNCH config of ``name``; a config whose software pipelining
-    does not fit the device's shared memory (fp32 or K = 256 tiles) runs again with one stage."""
-    warps, stages = LAUNCH[name]
-    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args))
-    if key in _ONE_STAGE:
-        stages = 1
-    try:
-        kernel[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
-    except triton.runtime.errors.OutOfResources as error:
-        if stages == 1:
-            raise
-        logger.debug("linear_recurrence: %s with %d stages does not fit (%s); using 1", name, stages, error)
-        _ONE_STAGE.add(key)
-        kernel[grid](*args, **constexprs, num_warps=warps, num_stages=1)
+def _launch(name: str, kernel, grid: tuple, *args, config: Optional[tuple[int, int]] = None, **constexprs) -> None:
+    """kernel[grid](*args) with ``config`` (warps, stages), else the LAUNCH config of ``name``; a config whose
+    software pipelining does not fit the device's shared memory (fp32 or K = 256 tiles) runs with one stage
+    fewer, until it fits."""
+    warps, stages = config or LAUNCH[name]
+    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), stages)
+    stages = _FITTING_STAGES.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
+            return
+        except triton.runtime.errors.OutOfResources as error:
+            if stages == 1:
+                raise
+            logger.debug("linear_recurrence: %s with %d stages does not fit (%s); trying %d", name, stages, error,
+                         stages - 1)
+            stages -= 1
+            _FITTING_STAGES[key] = stages
 
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
@@ -267,13 +277,12 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
-    BVs = s.state_BV(dev)
-    grid = (triton.cdiv(s.V, BVs), s.N * s.H)
-    _launch(sequential_config("state_fwd", s.sparse(dev), delta, decay), chunk_fwd.state_fwd_kernel, grid,
+    BVs, stages = sequential_config("state_fwd", s, delta, decay, dev)
+    _launch("state_fwd", chunk_fwd.state_fwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
             k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
             hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
-            BKF=s.BKF, KB=s.state_KB(delta), BV=BVs)
+            BKF=s.BKF, KB=s.state_KB(delta), BV=BVs, config=(SEQUENTIAL_WARPS, stages))
     o = torch.empty_like(v)
     _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
@@ -299,13 +308,13 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
-    BVs = s.state_BV(dev)
-    grid = (triton.cdiv(s.V, BVs), s.N * s.H)
-    _launch(sequential_config("state_bwd", s.sparse(dev), delta, decay), chunk_bwd.state_bwd_kernel, grid,
+    BVs, stages = sequential_config("state_bwd", s, delta, decay, dev)
+    _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
             q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
             dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
             BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
-            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta), BV=BVs)
+            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta), BV=BVs,
+            config=(SEQUENTIAL_WARPS, stages))
     dv = torch.empty_like(v)
     if not delta:
         _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, s.BV), s.slots, s.H),
@@ -356,7 +365,7 @@ def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torc
     V = v.shape[-1]
     o = torch.empty_like(v)
     BK = _pow2(K)
-    BV = min(_pow2(V), STATE_BV)
+    BV = min(_pow2(V), RECURRENT_BV)
     _launch("recurrent", recurrent.recurrent_kernel, (triton.cdiv(V, BV), N * H),
             q, k, v, g if decay else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
             T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)

@@ -16,6 +16,18 @@ def test_kernel_breakdown_sums_its_parts_largest_first():
     assert "aten::linalg_solve_triangular" in dict(parts)  # the delta rule's WY solve is in the list
 
 
+def test_kernel_breakdown_resets_the_leaves_gradients():
+    """Each profiled call starts from no gradient, as after a training step's zero_grad: q.grad is one
+    call's gradient, not the sum of the warm-up and profiled calls'."""
+    q = torch.randn(1, 64, 2, 16, requires_grad=True)
+    fn = lambda: linear_recurrence(q, q, q, backend="chunk")[0]  # noqa: E731
+    torch.manual_seed(0)
+    kernel_breakdown(fn, "cpu", iters=2, leaves=[q])
+    torch.manual_seed(0)
+    once = torch.autograd.grad(fn(), q, torch.randn_like(fn()))[0]
+    torch.testing.assert_close(q.grad, once)
+
+
 def test_breakdown_rows_name_each_op_and_backend():
     config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=("gla", "deltanet", "attention"),
                          backends=("chunk", "reference"))

@@ -18,7 +18,7 @@ import json
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -82,17 +82,21 @@ class Row:
 def _timer(config: BenchConfig) -> Callable[[Callable[[], object]], float]:
     import triton
 
-    return lambda fn: triton.testing.do_bench(fn, warmup=config.warmup_ms, rep=config.rep_ms, return_mode="median")
+    return lambda fn, leaves=(): triton.testing.do_bench(fn, warmup=config.warmup_ms, rep=config.rep_ms,
+                                                         grad_to_none=list(leaves) or None, return_mode="median")
 
 
-def _time_fwd_bwd(bench, fn: Callable[[], torch.Tensor], row: Row, backward: bool = True) -> Row:
-    """Fill a row with the median time of fn() and of fn().backward(g); errors go into the row."""
+def _time_fwd_bwd(bench, fn: Callable[[], torch.Tensor], row: Row, backward: bool = True,
+                  leaves: Sequence[torch.Tensor] = ()) -> Row:
+    """Fill a row with the median time of fn() and of fn().backward(g); errors go into the row. The
+    gradients of ``leaves`` are reset before each timed call (outside the timing), as a training step's
+    ``zero_grad`` does, so no call pays for adding its gradients to the last call's."""
     try:
         row.fwd_ms = bench(fn)
         if backward:
             out = fn()
             grad = torch.randn_like(out)
-            row.fwdbwd_ms = bench(lambda: fn().backward(grad))
+            row.fwdbwd_ms = bench(lambda: fn().backward(grad), leaves)
     except Exception as error:  # a peer or backend that cannot run these shapes says so in the table
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
     finally:
@@ -117,6 +121,11 @@ def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     if bonus:
         args["bonus"] = leaf(torch.randn(H, D, device=device, dtype=dtype) * 0.1)
     return args
+
+
+def grad_leaves(args: dict) -> list[torch.Tensor]:
+    """The tensors of ``args`` that receive gradients."""
+    return [x for x in args.values() if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
 def _fla_call(name: str, args: dict) -> Callable[[], torch.Tensor]:
@@ -185,12 +194,13 @@ def run_ops(config: BenchConfig, device: str = "cuda", report: Callable[[Row], N
         for op in config.ops:
             if op in MEMORY_OPS:
                 args = memory_inputs(op, B, T, H, D, dtype, device)
+                leaves = grad_leaves(args)
                 for backend in config.backends:
                     fn = lambda args=args, backend=backend: linear_recurrence(**args, backend=backend)[0]  # noqa: E731
-                    add(_time_fwd_bwd(bench, fn, Row(op, backend, B, T)))
+                    add(_time_fwd_bwd(bench, fn, Row(op, backend, B, T), leaves=leaves))
                 if "fla" in config.peers and op in FLA_PEERS:
                     add(_fla_row(bench, FLA_PEERS[op], op, args, B, T))
-                del args
+                del args, leaves
             elif op in ("attention", "fox"):
                 for row in _attention_rows(bench, op, config, B, T, H, D, dtype, device):
                     add(row)
@@ -207,7 +217,7 @@ def _fla_row(bench, name: str, op: str, args: dict, B: int, T: int) -> Row:
     except ImportError as error:
         row.error = f"fla not installed ({error})"
         return row
-    return _time_fwd_bwd(bench, fn, row)
+    return _time_fwd_bwd(bench, fn, row, leaves=grad_leaves(args))
 
 
 def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
@@ -218,11 +228,11 @@ def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
     if op == "fox":
         log_f = F.logsigmoid(torch.randn(B, T, H, device=device) + 3).requires_grad_(True)
     rows.append(_time_fwd_bwd(bench, lambda: forgetting_attention(q, k, v, log_forget=log_f),
-                              Row(op, "linmem", B, T)))
+                              Row(op, "linmem", B, T), leaves=[x for x in (q, k, v, log_f) if x is not None]))
     if "sdpa" in config.peers and op == "attention":  # as shared/peers/bench_peers.py: PyTorch picks the kernel
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
         sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
-        rows.append(_time_fwd_bwd(bench, sdpa, Row(op, "torch.sdpa_causal", B, T)))
+        rows.append(_time_fwd_bwd(bench, sdpa, Row(op, "torch.sdpa_causal", B, T), leaves=(qt, kt, vt)))
     return rows
 
 
@@ -304,12 +314,13 @@ def environment() -> dict:
     return env
 
 
-def kernel_breakdown(fn: Callable[[], torch.Tensor], device: str = "cuda", iters: int = 10
-                     ) -> tuple[float, list[tuple[str, float]]]:
+def kernel_breakdown(fn: Callable[[], torch.Tensor], device: str = "cuda", iters: int = 10,
+                     leaves: Sequence[torch.Tensor] = ()) -> tuple[float, list[tuple[str, float]]]:
     """Where one ``fn().backward(g)`` spends its time: ``(total ms, [(name, ms), ...])``, largest first.
 
     On CUDA the names are kernels and the times their GPU time; on CPU, aten ops and their self
-    time. Means over ``iters`` calls after two warm-up calls.
+    time. Means over ``iters`` calls after two warm-up calls. The gradients of ``leaves`` are reset
+    before each call, so no call adds its gradients to the last call's.
 
     Example:
         >>> q = torch.randn(1, 64, 2, 16, requires_grad=True)
@@ -321,12 +332,18 @@ def kernel_breakdown(fn: Callable[[], torch.Tensor], device: str = "cuda", iters
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     grad = torch.randn_like(fn())
-    for _ in range(2):
+
+    def step() -> None:
+        for x in leaves:
+            x.grad = None
         fn().backward(grad)
+
+    for _ in range(2):
+        step()
     sync()
     with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
-            fn().backward(grad)
+            step()
         sync()
     per_name: dict[str, float] = defaultdict(float)
     if device == "cuda":
@@ -366,7 +383,7 @@ def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: in
             lines.append(f"{op} fla: not installed ({error})")
     for impl, fn in calls:
         try:
-            total, parts = kernel_breakdown(fn, device, iters)
+            total, parts = kernel_breakdown(fn, device, iters, leaves=grad_leaves(args))
         except Exception as error:  # a peer that refuses these inputs says so
             lines.append(f"{op} {impl}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
             continue

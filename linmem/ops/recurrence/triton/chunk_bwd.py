@@ -32,8 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (bonus_scores, exp2, first_state, intra_cols, intra_rows, load_gate_rows, load_rows, load_state, locate_chunk,
-                     masked_exp2, mm, running_total, sequence_state, store_rows, store_state, total)
+from .common import (bonus_scores, exp2, first_state_tiles, intra_cols, intra_rows, load_gate_rows, load_rows,
+                     load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows,
+                     store_state_tiles, total)
 
 
 @triton.jit
@@ -101,25 +102,15 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
     NKB: tl.constexpr = BKF // KB
-    n, h, bos, eos, s0, kb0, vr, rows, dS0 = sequence_state(dhN, HAS_DFINAL, cu_seqlens, T, H, K, V, C, IS_VARLEN,
-                                                             KB, BV)
+    n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
-    if NKB > 1:
-        dS1 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb1, vr)
-    if NKB > 2:
-        dS2 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb2, vr)
-        dS3 = first_state(dhN, HAS_DFINAL, n, h, H, K, V, kb3, vr)
+    dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
     nchunks = (eos - bos + C - 1) // C
     for i in range(nchunks):
         slot = s0 + nchunks - 1 - i
         t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
-        store_state(dHs, dS0, slot, h, H, K, V, kb0, vr, False)
-        if NKB > 1:
-            store_state(dHs, dS1, slot, h, H, K, V, kb1, vr, False)
-        if NKB > 2:
-            store_state(dHs, dS2, slot, h, H, K, V, kb2, vr, False)
-            store_state(dHs, dS3, slot, h, H, K, V, kb3, vr, False)
+        store_state_tiles(dHs, dS0, dS1, dS2, dS3, slot, h, H, K, V, kb0, vr, NKB)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         dd = dO  # the additive rule's pass does not read it
         if DELTA:
@@ -142,12 +133,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
             dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
                                    BONUS, C, X)
     if STORE_DINIT:
-        store_state(dh0, dS0, n, h, H, K, V, kb0, vr, False)
-        if NKB > 1:
-            store_state(dh0, dS1, n, h, H, K, V, kb1, vr, False)
-        if NKB > 2:
-            store_state(dh0, dS2, n, h, H, K, V, kb2, vr, False)
-            store_state(dh0, dS3, n, h, H, K, V, kb3, vr, False)
+        store_state_tiles(dh0, dS0, dS1, dS2, dS3, n, h, H, K, V, kb0, vr, NKB)
 
 
 @triton.jit

@@ -20,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, first_state, load_gate_rows, load_rows, load_state,
-                     locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t,
-                     store_state, total)
+from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, first_state_tiles, load_gate_rows, load_rows,
+                     load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t,
+                     store_state, store_state_tiles, total)
 
 
 @triton.jit
@@ -201,23 +201,13 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     WT: tl.constexpr = d_out.dtype.element_ty  # the writes: v, or the corrected writes
     NKB: tl.constexpr = BKF // KB
-    n, h, bos, eos, s0, kb0, vr, rows, S0 = sequence_state(h0, HAS_INIT, cu_seqlens, T, H, K, V, C, IS_VARLEN,
-                                                            KB, BV)
+    n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
-    if NKB > 1:
-        S1 = first_state(h0, HAS_INIT, n, h, H, K, V, kb1, vr)
-    if NKB > 2:
-        S2 = first_state(h0, HAS_INIT, n, h, H, K, V, kb2, vr)
-        S3 = first_state(h0, HAS_INIT, n, h, H, K, V, kb3, vr)
+    S0, S1, S2, S3 = first_state_tiles(h0, HAS_INIT, n, h, H, K, V, kb0, vr, NKB)
     for c in range((eos - bos + C - 1) // C):
         t0 = bos + c * C
         nrows = tl.minimum(eos - t0, C)
-        store_state(hs, S0, s0 + c, h, H, K, V, kb0, vr, False)
-        if NKB > 1:
-            store_state(hs, S1, s0 + c, h, H, K, V, kb1, vr, False)
-        if NKB > 2:
-            store_state(hs, S2, s0 + c, h, H, K, V, kb2, vr, False)
-            store_state(hs, S3, s0 + c, h, H, K, V, kb3, vr, False)
+        store_state_tiles(hs, S0, S1, S2, S3, s0 + c, h, H, K, V, kb0, vr, NKB)
         d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         if DELTA:
             d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb0, False), S0, IT, X)
@@ -237,12 +227,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, WT, X)
             S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, WT, X)
     if STORE_FINAL:
-        store_state(hN, S0, n, h, H, K, V, kb0, vr, False)
-        if NKB > 1:
-            store_state(hN, S1, n, h, H, K, V, kb1, vr, False)
-        if NKB > 2:
-            store_state(hN, S2, n, h, H, K, V, kb2, vr, False)
-            store_state(hN, S3, n, h, H, K, V, kb3, vr, False)
+        store_state_tiles(hN, S0, S1, S2, S3, n, h, H, K, V, kb0, vr, NKB)
 
 
 @triton.jit

@@ -135,21 +135,44 @@ def locate_chunk(slot, cu_seqlens, N, T, C: tl.constexpr, IS_VARLEN: tl.constexp
 
 
 @triton.jit
-def sequence_state(init, PRESENT: tl.constexpr, cu_seqlens, T, H, K, V, C: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   BKF: tl.constexpr, BV: tl.constexpr):
+def sequence_state(cu_seqlens, T, H, C: tl.constexpr, IS_VARLEN: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The start of a sequential pass's program (grid: V blocks x N * H).
 
-    Returns (n, h, bos, eos, first slot, key range [BKF], value range [BV], chunk rows [C], the
-    fp32 state tile [BKF, BV] read from ``init`` [N, H, K, V], or zeros when not PRESENT).
+    Returns (n, h, bos, eos, first slot, the first state tile's key rows [KB], value range [BV], chunk rows [C]).
     """
     vb, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
     s0 = first_slot(n, bos, T, C, IS_VARLEN)
-    kr = tl.arange(0, BKF)
-    vr = vb * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    return n, h, bos, eos, s0, kr, vr, rows, first_state(init, PRESENT, n, h, H, K, V, kr, vr)
+    return n, h, bos, eos, s0, tl.arange(0, KB), vb * BV + tl.arange(0, BV), tl.arange(0, C)
+
+
+@triton.jit
+def first_state_tiles(init, PRESENT: tl.constexpr, n, h, H, K, V, kb0, vr, NKB: tl.constexpr):
+    """Sequence n's state in ``init`` as NKB tiles (1, 2 or 4) of len(kb0) key rows from kb0, fp32 (see
+    :func:`first_state`); the tiles past NKB are returned as the first, unused."""
+    KB: tl.constexpr = kb0.shape[0]
+    S0 = first_state(init, PRESENT, n, h, H, K, V, kb0, vr)
+    S1, S2, S3 = S0, S0, S0
+    if NKB > 1:
+        S1 = first_state(init, PRESENT, n, h, H, K, V, kb0 + KB, vr)
+    if NKB > 2:
+        S2 = first_state(init, PRESENT, n, h, H, K, V, kb0 + 2 * KB, vr)
+        S3 = first_state(init, PRESENT, n, h, H, K, V, kb0 + 3 * KB, vr)
+    return S0, S1, S2, S3
+
+
+@triton.jit
+def store_state_tiles(ptr, S0, S1, S2, S3, idx, h, H, K, V, kb0, vr, NKB: tl.constexpr):
+    """The first NKB tiles of a state held as tiles of len(kb0) key rows from kb0 -> S[idx, h] (see
+    :func:`store_state`)."""
+    KB: tl.constexpr = kb0.shape[0]
+    store_state(ptr, S0, idx, h, H, K, V, kb0, vr, False)
+    if NKB > 1:
+        store_state(ptr, S1, idx, h, H, K, V, kb0 + KB, vr, False)
+    if NKB > 2:
+        store_state(ptr, S2, idx, h, H, K, V, kb0 + 2 * KB, vr, False)
+        store_state(ptr, S3, idx, h, H, K, V, kb0 + 3 * KB, vr, False)
 
 
 @triton.jit

@@ -32,19 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (bonus_scores, exp2, first_state_tiles, intra_cols, intra_rows, load_gate_rows, load_rows,
-                     load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows,
+from .common import (bonus_scores, end_decay, exp2, first_state_tiles, intra_cols, intra_rows, load_gate_rows,
+                     load_rows, load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows,
                      store_state_tiles, total)
-
-
-@triton.jit
-def _end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
-    """The chunk's total decay (log2 units): a scalar (DECAY 1) or at key rows kb, [KB] (DECAY 2)."""
-    if DECAY == 1:
-        last = tl.load(G + (t0 + nrows - 1) * H + h)
-    else:
-        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
-    return last
 
 
 @triton.jit
@@ -54,11 +44,11 @@ def _writes_grad_part(k, G, dS, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexp
     kt = load_rows(k, t0, nrows, h, H, K, rows, kb, False)
     valid = rows < nrows
     if DECAY == 1:
-        last = _end_decay(G, t0, nrows, h, H, K, kb, DECAY)
-        kt = kt * masked_exp2(valid[:, None], last - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
+        kt = kt * masked_exp2(valid[:, None], end_decay(G, t0, nrows, h, H, K, kb, DECAY)
+                              - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
     elif DECAY == 2:
-        last = _end_decay(G, t0, nrows, h, H, K, kb, DECAY)
-        kt = kt * masked_exp2(valid[:, None], last[None, :] - load_rows(G, t0, nrows, h, H, K, rows, kb, False))
+        kt = kt * masked_exp2(valid[:, None], end_decay(G, t0, nrows, h, H, K, kb, DECAY)[None, :]
+                              - load_rows(G, t0, nrows, h, H, K, rows, kb, False))
     return mm(kt, dS, SD, X)
 
 
@@ -70,10 +60,10 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb, s
     qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
     if DECAY == 1:
         qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
-        dS = dS * exp2(_end_decay(G, t0, nrows, h, H, K, kb, DECAY))
+        dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))
     elif DECAY == 2:
         qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
-        dS = dS * exp2(_end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
+        dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
     dS += scale * mm(qT, dO, q.dtype.element_ty, X)
     if DELTA:
         dS -= mm(load_state(Wt, slot, h, H, K, C, kb, rows, K, False), dd, Wt.dtype.element_ty, X)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, exp2, first_state_tiles, load_gate_rows, load_rows,
-                     load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows, store_rows_t,
-                     store_state, store_state_tiles, total)
+from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, end_decay, exp2, first_state_tiles, load_gate_rows,
+                     load_rows, load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows,
+                     store_rows_t, store_state, store_state_tiles, total)
 
 
 @triton.jit
@@ -172,13 +172,13 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
     kT = load_rows(k, t0, nrows, h, H, K, rows, kb, True)
     valid = rows < nrows
     if DECAY == 1:
-        last = tl.load(G + (t0 + nrows - 1) * H + h)
+        last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         if not DELTA:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
             kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
         S = S * exp2(last)
     elif DECAY == 2:
         GT = load_rows(G, t0, nrows, h, H, K, rows, kb, True)
-        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
+        last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
         S = S * exp2(last)[:, None]
     return S + mm(kT, d, WT, X)
@@ -218,8 +218,8 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
                 d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb3, False), S3, IT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
             if DECAY == 1:
-                last = tl.load(G + (t0 + nrows - 1) * H + h)
-                d = d * masked_exp2(rows < nrows, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
+                d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)
+                                    - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, WT, X)
         if NKB > 1:
             S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, WT, X)

@@ -148,6 +148,17 @@ def sequence_state(cu_seqlens, T, H, C: tl.constexpr, IS_VARLEN: tl.constexpr, K
 
 
 @triton.jit
+def end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
+    """A chunk's total decay in log2 units, G at its last row: a scalar (DECAY 1, G [tokens, H]) or
+    [KB] at key channels kb (DECAY 2, G [tokens, H, K]; 0 past K)."""
+    if DECAY == 1:
+        last = tl.load(G + (t0 + nrows - 1) * H + h)
+    else:
+        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
+    return last
+
+
+@triton.jit
 def first_state_tiles(init, PRESENT: tl.constexpr, n, h, H, K, V, kb0, vr, NKB: tl.constexpr):
     """Sequence n's state in ``init`` as NKB tiles (1, 2 or 4) of len(kb0) key rows from kb0, fp32 (see
     :func:`first_state`); the tiles past NKB are returned as the first, unused."""

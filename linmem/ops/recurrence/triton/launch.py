@@ -344,10 +344,9 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk, in blocks of INTRA_ROWS rows
     if decay == 2:
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
-        _launch("intra_grads", chunk_bwd.intra_grads_kernel, (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS),
-                                                              s.H),
-                q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
-                RB=INTRA_ROWS, BK=s.BK)
+        grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
+        _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
+                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
     _launch("grads_pipelined" if (delta and decay) or decay == 2 else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,

@@ -290,6 +290,35 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
 
 
 @triton.jit
+def _half_pairs(dq, dk, dA_in, q, k, G, Gq, Gs, t0, nrows, h, H, K, C: tl.constexpr, rows, cols, src, off,
+                HB: tl.constexpr, BONUS: tl.constexpr):
+    """One step of the pairs inside the halves of HB rows: src holds, per row, the off-th row of its half.
+
+    dq[t] += dA[t, src] k_src e^(Gq_t - G_src) for src <= t (src < t with the bonus), and
+    dk[s] += dA[src, s] q_src e^(Gq_src - G_s) for src >= s (src > s); one exponential per pair and channel.
+    """
+    live = (rows < nrows) & (src < nrows)
+    pos = rows % HB
+    coef = tl.load(dA_in + (t0 * H + h) * C + rows * (H * C) + src, mask=live, other=0.0)  # dA[t, src]
+    if BONUS:
+        pair = live & (pos > off)
+    else:
+        pair = live & (pos >= off)
+    ku = load_rows(k, t0, nrows, h, H, K, src, cols, False).to(tl.float32)
+    Gu = load_rows(G, t0, nrows, h, H, K, src, cols, False)
+    dq += coef[:, None] * ku * masked_exp2(pair[:, None], Gq - Gu)
+    coefT = tl.load(dA_in + (t0 * H + h) * C + src * (H * C) + rows, mask=live, other=0.0)  # dA[src, s]
+    if BONUS:
+        pairT = live & (off > pos)
+    else:
+        pairT = live & (off >= pos)
+    qu = load_rows(q, t0, nrows, h, H, K, src, cols, False).to(tl.float32)
+    Gqu = load_rows(G, t0, nrows, h, H, K, src - BONUS, cols, False)
+    dk += coefT[:, None] * qu * masked_exp2(pairT[:, None], Gqu - Gs)
+    return dq, dk
+
+
+@triton.jit
 def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
                        BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                        C: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
@@ -298,14 +327,22 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
 
     dqi[t] = sum_s dA[t, s] k_s e^(Gq_t - G_s),  dki[s] = sum_t dA[t, s] q_t e^(Gq_t - G_s)
     over the score pairs (s <= t; s < t and Gq_t = G_(t-1) with the bonus): [tokens, H, K] fp32.
-    The other blocks enter through one reference point per block, so both factors of each decay
-    are <= 1: for dq, R = G at the row before this block (blocks j < i: (k_j e^(R - G_j)) products,
-    times e^(Gq_t - R)); for dk, R = G at this block's last row (blocks j > i). Inside the block,
-    one exponential per pair and channel. Grid (K blocks, slots * C / RB, H).
+    Every decay splits at a reference point R between its two rows, so both factors are <= 1:
+    - the blocks before this one, for dq: R0 = G at the row before the block, one product
+      dA[block, j] (k_j e^(R0 - G_j)) per block j;
+    - the blocks after it, for dk: R1 = G at the block's last row, one product per block;
+    - pairs across the block's two halves of RB / 2 rows: Rm = G at the first half's last row, one
+      masked product per side. The second half's rows then take Rm as their reference for dq (the
+      earlier blocks' sum carried there by e^(Rm - R0)), the first half's for dk (by e^(R1 - Rm));
+    - pairs inside a half: one exponential per pair and channel.
+    The halves take half the pairwise exponentials of the whole block: on an H200 at 8 x 2048, H = 16,
+    K = 128, bf16, 0.956 -> 0.681 ms for gla (rwkv6 0.973 -> 0.777, kda 0.954 -> 0.680).
+    Grid (K blocks, slots * C / RB, H).
     """
     MT: tl.constexpr = dA_in.dtype.element_ty
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NB: tl.constexpr = C // RB
+    HB: tl.constexpr = RB // 2
     kb, sb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = sb % NB
     n, t0, nrows = locate_chunk(sb // NB, cu_seqlens, N, T, C, IS_VARLEN)
@@ -317,48 +354,41 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     if first < nrows:
         Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
         Gs = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
-        base = (t0 * H + h) * C  # dA[t0 + t, h, s] = dA_in[base + t * H * C + s]
-        dq = tl.full([RB, BK], 0.0, tl.float32)
-        if i > 0:
-            R = tl.load(G + ((t0 + first - 1) * H + h) * K + cols, mask=cols < K, other=0.0)
-            for j in range(0, i):
-                cj = j * RB + r
-                kj = load_rows(k, t0, nrows, h, H, K, cj, cols, False) * exp2(
-                    R[None, :] - load_rows(G, t0, nrows, h, H, K, cj, cols, False))
-                dq += mm(load_rows(dA_in, t0, nrows, h, H, C, rows, cj, False), kj, MT, X)
-            dq = dq * masked_exp2(valid[:, None], Gq - R[None, :])
-        dk = tl.full([RB, BK], 0.0, tl.float32)
         last = first + RB - 1  # this block's last row
+        R0 = tl.load(G + ((t0 + first - 1) * H + h) * K + cols, mask=cols < tl.where(first > 0, K, 0), other=0.0)
+        R1 = tl.load(G + ((t0 + tl.minimum(last, nrows - 1)) * H + h) * K + cols, mask=cols < K, other=0.0)
+        dq = tl.full([RB, BK], 0.0, tl.float32)
+        for j in range(0, i):
+            cj = j * RB + r
+            kj = load_rows(k, t0, nrows, h, H, K, cj, cols, False) * exp2(
+                R0[None, :] - load_rows(G, t0, nrows, h, H, K, cj, cols, False))
+            dq += mm(load_rows(dA_in, t0, nrows, h, H, C, rows, cj, False), kj, MT, X)
+        dk = tl.full([RB, BK], 0.0, tl.float32)
         if last + 1 < nrows:
-            R = tl.load(G + ((t0 + last) * H + h) * K + cols, mask=cols < K, other=0.0)
             for j in range(i + 1, NB):
                 cj = j * RB + r
                 qj = load_rows(q, t0, nrows, h, H, K, cj, cols, False) * masked_exp2(
-                    (cj < nrows)[:, None], load_rows(G, t0, nrows, h, H, K, cj - BONUS, cols, False) - R[None, :])
+                    (cj < nrows)[:, None], load_rows(G, t0, nrows, h, H, K, cj - BONUS, cols, False) - R1[None, :])
                 dk += mm(load_rows(dA_in, t0, nrows, h, H, C, cj, rows, True), qj, MT, X)  # dA[cj, rows]^T
-            dk = dk * masked_exp2(valid[:, None], R[None, :] - Gs)
-        for off in range(RB):
-            u = first + off  # the block's row off: the key s of dq's pairs, the query t of dk's
-            live = u < nrows
-            live_cols = cols < tl.where(live, K, 0)
-            live_rows = rows < tl.where(live, nrows, 0)  # valid & live (the interpreter rejects scalar & vector)
-            coef = tl.load(dA_in + base + rows * (H * C) + u, mask=live_rows, other=0.0)  # dA[rows, u]
-            ku = tl.load(k + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0).to(tl.float32)
-            Gu = tl.load(G + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0)
-            if BONUS:
-                pair = live_rows & (rows > u)
-            else:
-                pair = live_rows & (rows >= u)
-            dq += coef[:, None] * ku[None, :] * masked_exp2(pair[:, None], Gq - Gu[None, :])
-            coefT = tl.load(dA_in + base + u * (H * C) + rows, mask=live_rows, other=0.0)  # dA[u, rows]
-            qu = tl.load(q + ((t0 + u) * H + h) * K + cols, mask=live_cols, other=0.0).to(tl.float32)
-            Gqu = tl.load(G + ((t0 + u - BONUS) * H + h) * K + cols, mask=cols < tl.where(live & (u >= BONUS), K, 0),
-                          other=0.0)
-            if BONUS:
-                pairT = live_rows & (u > rows)
-            else:
-                pairT = live_rows & (u >= rows)
-            dk += coefT[:, None] * qu[None, :] * masked_exp2(pairT[:, None], Gqu[None, :] - Gs)
+        mid = tl.minimum(first + HB - 1, nrows - 1)
+        Rm = tl.load(G + ((t0 + mid) * H + h) * K + cols, mask=cols < K, other=0.0)
+        upper = (r >= HB)[:, None]  # rows of the second half
+        kF = tl.where((r < HB)[:, None] & valid[:, None],
+                      load_rows(k, t0, nrows, h, H, K, rows, cols, False) * exp2(Rm[None, :] - Gs), 0.0)
+        across = upper & (r < HB)[None, :]  # [t, s]: t in the second half, s in the first
+        dq = tl.where(upper, dq * exp2(Rm - R0)[None, :], dq) + mm(
+            tl.where(across, load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), 0.0), kF, MT, X)
+        dq = dq * masked_exp2(valid[:, None], Gq - tl.where(upper, Rm[None, :], R0[None, :]))
+        qF = tl.where(upper & valid[:, None],
+                      load_rows(q, t0, nrows, h, H, K, rows, cols, False) * exp2(Gq - Rm[None, :]), 0.0)
+        acrossT = (r < HB)[:, None] & (r >= HB)[None, :]  # [s, t]
+        dk = tl.where(upper, dk, dk * exp2(R1 - Rm)[None, :]) + mm(
+            tl.where(acrossT, load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), 0.0), qF, MT, X)
+        dk = dk * masked_exp2(valid[:, None], tl.where(upper, R1[None, :], Rm[None, :]) - Gs)
+        half_first = first + (r // HB) * HB  # first row of each row's half
+        for off in range(HB):
+            dq, dk = _half_pairs(dq, dk, dA_in, q, k, G, Gq, Gs, t0, nrows, h, H, K, C, rows, cols, half_first + off,
+                                 off, HB, BONUS)
         store_rows(dqi, dq, t0, nrows, h, H, K, rows, cols)
         store_rows(dki, dk, t0, nrows, h, H, K, rows, cols)
 

@@ -35,10 +35,11 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: gated 0.453 -> 0.434, kda 2.16 -> 2.11; deltanet's went 0.284 -> 0.393); wy_grads at 4 warps, 1 stage
 #: (deltanet 0.315 ms; 0.488 at 8 warps, 0.332 at 2 stages). Session 8: the additive rule's dv at 4 warps,
 #: 1 stage (gla 0.141 ms, rwkv6 0.190; at 2 stages 0.157 and 0.208, at 3 0.180 and 0.260; linear attention
-#: and mamba2 within 6 us of their best, 2 stages). intra_grads at 2 warps, 2 stages (gla 0.953 ms, rwkv6 0.971,
-#: kda 0.954; 0.99, 1.10, 0.99 at 4 warps, 1 stage; 1.17 at 8 warps). With the intra-chunk parts out of
-#: grads_kernel, per-channel decays' grads also take 2 stages ("grads_pipelined": gla 0.857 -> 0.776 ms, rwkv6
-#: 0.897 -> 0.851; 4 warps and 2 stages miscompiles rwkv6, and 16 warps lost).
+#: and mamba2 within 6 us of their best, 2 stages). With the intra-chunk parts out of grads_kernel, per-channel
+#: decays' grads also take 2 stages ("grads_pipelined": gla 0.857 -> 0.776 ms, rwkv6 0.897 -> 0.851; 4 warps and 2
+#: stages miscompiles rwkv6, and 16 warps lost). Session 10, with the pairs in halves of its blocks: intra_grads at
+#: 4 warps, 2 stages (gla 0.677 ms, rwkv6 0.779, kda 0.678; at 2 warps, 2 stages 0.721, 0.950, 0.720; 4 warps,
+#: 1 stage 0.724, 0.785, 0.725; 8 warps, 2 stages 0.967, 0.828, 0.966).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -47,7 +48,7 @@ LAUNCH = {
     "score_grads": (4, 1),
     "grads": (8, 1),
     "grads_pipelined": (8, 2),
-    "intra_grads": (2, 2),
+    "intra_grads": (4, 2),
     "wy_grads": (4, 1),
     "recurrent": (4, 2),
 }
@@ -91,8 +92,8 @@ STATE_KB = 64
 #: exponentials no longer grow with their number (``common.chunk_scores``). Measured on an H200 at 8 x 2048,
 #: H = 16, K = V = 128, bf16, forward+backward: gla 4.24 (16) / 3.80 (8) / 4.12 ms (4), kda 11.13 / 10.31 / 11.32
 PAIR_SUB = 8
-#: row block of ``intra_grads_kernel`` (per-channel decays): the other blocks of the chunk enter through matrix
-#: products, pairs inside it one exponential each
+#: row block of ``intra_grads_kernel`` (per-channel decays): the other blocks of the chunk, and pairs across the
+#: block's two halves, enter through matrix products; pairs inside a half take one exponential each
 INTRA_ROWS = 16
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132

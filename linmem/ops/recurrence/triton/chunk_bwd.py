@@ -78,7 +78,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     """The reverse sequential pass: the gradients of the chunk-end states (and of the delta rule's writes).
 
     Per chunk, last to first: dHs[slot] = dH; dH = e^Gamma dH + scale (q e^Gq)^T dO. The delta rule's
-    dH also takes - W^T dd, with dd = A^T dO + (k e^(Gamma-G)) dH (stored to dd_out, fp32). The
+    dH also takes - W^T dd, with dd = A^T dO + (k e^(Gamma-G)) dH (stored to dd_out, in d's dtype). The
     additive rule's dd, its dv, is off this path: ``dv_kernel`` computes it chunk by chunk in parallel
     (k, A and dd_out are then unused). A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H,
     K, C] (the delta rule's W, transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V]

@@ -166,7 +166,7 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
 
 @triton.jit
 def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, DELTA: tl.constexpr,
-                WT: tl.constexpr, X: tl.constexpr):
+                PT: tl.constexpr, X: tl.constexpr):
     """Key rows kb of the next chunk's start state: e^Gamma S + (k e^(Gamma - G))^T d. With a scalar decay the
     delta rule's d arrives decayed (e^(Gamma - G) on its rows, a [C, BV] tile before its tf32 product)."""
     kT = load_rows(k, t0, nrows, h, H, K, rows, kb, True)
@@ -181,7 +181,7 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
         last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
         S = S * exp2(last)[:, None]
-    return S + mm(kT, d, WT, X)
+    return S + mm(kT, d, PT, X)
 
 
 @triton.jit
@@ -196,10 +196,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     with a scalar decay. vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
+    The delta rule's k^T d runs in the WY factors' dtype (tf32 for bf16 inputs) whatever d_out's: with
+    d stored in bf16 and the same bf16 tile fed to the product, Triton 3.6 miscompiles this kernel on
+    Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22).
     """
-    IT: tl.constexpr = W.dtype.element_ty  # the delta rule's intermediates
+    IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors: the dtype of both products
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
-    WT: tl.constexpr = d_out.dtype.element_ty  # the writes: v, or the corrected writes
     NKB: tl.constexpr = BKF // KB
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
@@ -220,12 +222,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             if DECAY == 1:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)
                                     - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
-        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, WT, X)
+        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, IT, X)
         if NKB > 1:
-            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, WT, X)
+            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, IT, X)
         if NKB > 2:
-            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, WT, X)
-            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, WT, X)
+            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, IT, X)
+            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, IT, X)
     if STORE_FINAL:
         store_state_tiles(hN, S0, S1, S2, S3, n, h, H, K, V, kb0, vr, NKB)
 

@@ -106,14 +106,18 @@ class Precision:
 
     state: torch.dtype  # chunk-start states hs and chunk-end state gradients dHs
     scores: torch.dtype  # the scaled intra-chunk scores A
-    wy: torch.dtype  # delta rule: T, W, U, the corrected writes d and their gradient dd (W's transposed
-    # copy, read only by the backward's product W^T dd, takes the states' dtype)
+    wy: torch.dtype  # delta rule: T, W, U (W's transposed copy, read only by the backward's product W^T dd,
+    # takes the states' dtype)
+    writes: torch.dtype  # delta rule: the corrected writes d = U - W h and their gradient dd
 
 
 def precision_for(dtype: torch.dtype) -> Precision:
     """The intermediates of fp16/bf16 inputs: the delta rule's WY factors stay fp32 (their products
-    cancel: d = U - W h), states and scores take the input dtype."""
-    return Precision(state=dtype, scores=dtype, wy=torch.float32)
+    cancel: d = U - W h), states and scores take the input dtype. The corrected writes d and their
+    gradient dd are rounded after that cancellation: bf16 for bf16 inputs (fp16's range does not hold
+    dd, which sums the state gradients over every later chunk), else fp32."""
+    writes = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return Precision(state=dtype, scores=dtype, wy=torch.float32, writes=writes)
 
 
 def _pow2(n: int) -> int:
@@ -248,7 +252,7 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
     A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
     if not delta:
         return G, hs, A, None, None, None
-    return (G, hs, A, v.new_empty(v.shape, dtype=P.wy), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
+    return (G, hs, A, v.new_empty(v.shape, dtype=P.writes), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
             q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state))
 
 

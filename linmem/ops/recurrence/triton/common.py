@@ -371,6 +371,8 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
     acc = tl.full([C, C], 0.0, tl.float32)
     if DECAY == 2:
         blk = rows // SB
+        offs = tl.arange(0, SB)
+        P = tl.full([C, SB], 0.0, tl.float32)  # P[t, off]: the pair (t, first row of t's sub-block + off)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
@@ -396,8 +398,12 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                     pair = valid & (rows % SB > off)
                 else:
                     pair = valid & (rows % SB >= off)
-                part = total(x.to(tl.float32) * ysel * masked_exp2(pair[:, None], Gx - Gsel), 1)
-                acc += tl.where(rows[None, :] == src[:, None], part[:, None], 0.0)
+                P += tl.where(offs[None, :] == off, total(x.to(tl.float32) * ysel * masked_exp2(pair[:, None],
+                                                                                              Gx - Gsel), 1)[:, None], 0.0)
+        # the pairs to their columns once, after every key block: a [C, SB] sum per step above, not a [C, C] one
+        for off in range(SB):
+            src = (rows // SB) * SB + off
+            acc += tl.where(rows[None, :] == src[:, None], total(tl.where(offs[None, :] == off, P, 0.0), 1)[:, None], 0.0)
     else:
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)

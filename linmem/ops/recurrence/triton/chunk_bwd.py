@@ -489,17 +489,22 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                      mask=cols < K)
         store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
         store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
-        if DECAY == 2:
-            gk_rev = total(gk, 0)[None, :] - running_total(gk, 0) + gk
-            gq_rev = total(gq, 0)[None, :] - running_total(gq, 0)
-            if not BONUS:
-                gq_rev += gq
-            store_rows(dg, gk_rev + gq_rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
+        if DECAY == 2:  # one reverse cumulative sum of both sides (the query side's is exclusive with the bonus)
+            gs = gk + gq
+            rev = total(gs, 0)[None, :] - running_total(gs, 0)
+            if BONUS:
+                rev += gk
+            else:
+                rev += gs
+            store_rows(dg, rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
         elif DECAY == 1:
             dGk += total(gk, 1)
             dGq += total(gq, 1)
-    if DECAY == 1:
-        rev = total(dGk, 0) - running_total(dGk, 0) + dGk + total(dGq, 0) - running_total(dGq, 0)
-        if not BONUS:
-            rev += dGq
+    if DECAY == 1:  # as for DECAY 2, on the channel sums
+        dGs = dGk + dGq
+        rev = total(dGs, 0) - running_total(dGs, 0)
+        if BONUS:
+            rev += dGk
+        else:
+            rev += dGs
         tl.store(dg + (t0 * H + h) + rows * H, rev + gam, mask=valid)

@@ -56,6 +56,13 @@ def running_total(x, axis: tl.constexpr):
 
 
 @triton.jit
+def remaining_total(x, axis: tl.constexpr):
+    """The reverse inclusive cumulative sum (element i: the sum of elements i, i + 1, ... along axis), spelled
+    with Triton builtins only (see :func:`total`)."""
+    return tl.associative_scan(x, axis, tl.standard._sum_combine, reverse=True)
+
+
+@triton.jit
 def rounded(x, DT: tl.constexpr):
     """x rounded to DT (round to nearest even), as DT.
 

@@ -107,7 +107,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
                 dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK), LAUNCH["intra_grads"]
-        grads = "grads_pipelined" if (delta and decay) or decay == 2 else "grads"
+        grads = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
         yield grads, tag, bwd.grads_kernel, \
             {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
              "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
@@ -147,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, "
                                        "state_bwd, dv, score_grads, wy_grads, intra_grads, grads, "
-                                       "grads_pipelined, recurrent)")
+                                       "grads_pipelined, grads_vector, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

@@ -39,7 +39,9 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: decays' grads also take 2 stages ("grads_pipelined": gla 0.857 -> 0.776 ms, rwkv6 0.897 -> 0.851; 4 warps and 2
 #: stages miscompiles rwkv6, and 16 warps lost). Session 10, with the pairs in halves of its blocks: intra_grads at
 #: 4 warps, 2 stages (gla 0.677 ms, rwkv6 0.779, kda 0.678; at 2 warps, 2 stages 0.721, 0.950, 0.720; 4 warps,
-#: 1 stage 0.724, 0.785, 0.725; 8 warps, 2 stages 0.967, 0.828, 0.966).
+#: 1 stage 0.724, 0.785, 0.725; 8 warps, 2 stages 0.967, 0.828, 0.966). With one reverse cumulative sum in
+#: grads_kernel, per-channel decays' grads take 3 stages ("grads_vector": gla 0.675 -> 0.642 ms, rwkv6 0.742 ->
+#: 0.712; 16 warps at 2 stages 0.728, 0.867).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -48,6 +50,7 @@ LAUNCH = {
     "score_grads": (4, 1),
     "grads": (8, 1),
     "grads_pipelined": (8, 2),
+    "grads_vector": (8, 3),
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),
     "recurrent": (4, 2),
@@ -353,7 +356,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
-    _launch("grads_pipelined" if (delta and decay) or decay == 2 else "grads", chunk_bwd.grads_kernel, (s.slots, s.H),
+    config = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
+    _launch(config, chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
             DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.grads_BK(decay), BV=s.BV)

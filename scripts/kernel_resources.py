@@ -90,7 +90,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if not delta:
             yield "dv", tag, bwd.dv_kernel, {"q": dt, "k": dt, "G": f32, "u": dt, "A": dt, "do": dt, "dHs": dt,
                                              "dv": dt, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK, BV=BV), LAUNCH["dv"]
+                dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
+                     BV=min(triton.next_power_of_2(K), 128) if decay else BV), LAUNCH["dv"]  # launch.Shapes.dv_BV
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wt,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,

@@ -118,6 +118,16 @@ def test_several_key_blocks_and_odd_head_dims(combo):
     compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
 
 
+@pytest.mark.parametrize("combo", [("vector", "additive", True), ("scalar", "additive", False),
+                                   ("none", "additive", False)], ids=combo_id)
+def test_value_blocks_past_64(combo):
+    """V = 96: the decayed additive rules' dv_kernel takes it as one V block of 128 with its last 32
+    columns masked (``Shapes.dv_BV``), the undecayed rule as two blocks of 64."""
+    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).dv_BV(int(combo[0] != "none")) == (
+        128 if combo[0] != "none" else 64)
+    compare(inputs(combo, B=1, T=70, H=1, K=16, V=96), FP32_TOL)
+
+
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
                                    ("scalar", "additive", True)], ids=combo_id)
 def test_varlen_equals_reference(combo):

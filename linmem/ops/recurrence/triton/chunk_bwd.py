@@ -502,7 +502,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         elif DECAY == 1:
             dGk += total(gk, 1)
             dGq += total(gq, 1)
-    if DECAY == 1:  # as for DECAY 2, on the channel sums
+    if DECAY == 1:  # one reverse cumulative sum of both sides' channel sums, as one reverse scan
         rev = remaining_total(dGk + dGq, 0)
         if BONUS:
             rev -= dGq

@@ -117,8 +117,8 @@ class Precision:
 def precision_for(dtype: torch.dtype) -> Precision:
     """The intermediates of fp16/bf16 inputs: the delta rule's WY factors stay fp32 (their products
     cancel: d = U - W h), states and scores take the input dtype. The corrected writes d and their
-    gradient dd are rounded after that cancellation: bf16 for bf16 inputs (fp16's range does not hold
-    dd, which sums the state gradients over every later chunk), else fp32."""
+    gradient dd are rounded after that cancellation: bf16 for bf16 inputs, else fp32 (dd sums the state
+    gradients of every later chunk, which fp16's narrow range is not trusted to hold)."""
     writes = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return Precision(state=dtype, scores=dtype, wy=torch.float32, writes=writes)
 
@@ -363,8 +363,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
-    config = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
-    _launch(config, chunk_bwd.grads_kernel, (s.slots, s.H),
+    entry = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
+    _launch(entry, chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
             DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.grads_BK(decay), BV=s.BV)

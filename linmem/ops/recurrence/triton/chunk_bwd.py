@@ -34,33 +34,48 @@ import triton.language as tl
 
 from .common import (bonus_scores, end_decay, exp2, first_state_tiles, intra_cols, intra_rows, load_gate_rows,
                      load_rows, load_state, locate_chunk, masked_exp2, mm, remaining_total, running_total,
-                     sequence_state, store_rows, store_state_tiles, total)
+                     scalar_gates, sequence_state, store_rows, store_state_tiles, total)
 
 
 @triton.jit
 def _writes_grad_part(k, G, dS, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, SD: tl.constexpr,
                       X: tl.constexpr):
-    """(k e^(Gamma - G))[:, kb] dS: the part of the delta rule's dd that key rows kb carry, [C, BV] fp32."""
+    """(k e^(Gamma - G))[:, kb] dS: the part of the delta rule's dd that key rows kb carry, [C, BV] fp32.
+    A scalar decay's e^(Gamma - G) is left out: the caller puts it on the rows of the parts' sum."""
     kt = load_rows(k, t0, nrows, h, H, K, rows, kb, False)
     valid = rows < nrows
-    if DECAY == 1:
-        kt = kt * masked_exp2(valid[:, None], end_decay(G, t0, nrows, h, H, K, kb, DECAY)
-                              - load_gate_rows(G, t0, nrows, h, H, rows)[:, None])
-    elif DECAY == 2:
+    if DECAY == 2:
         kt = kt * masked_exp2(valid[:, None], end_decay(G, t0, nrows, h, H, K, kb, DECAY)[None, :]
                               - load_rows(G, t0, nrows, h, H, K, rows, kb, False))
     return mm(kt, dS, SD, X)
 
 
 @triton.jit
-def _state_grad_step(dS, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb, scale,
+def _writes_grad_parts(dd, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB: tl.constexpr,
+                       DECAY: tl.constexpr, SD: tl.constexpr, X: tl.constexpr):
+    """dd plus :func:`_writes_grad_part` of each of the NKB state tiles (of len(kb0) key rows each)."""
+    KB: tl.constexpr = kb0.shape[0]
+    dd += _writes_grad_part(k, G, dS0, t0, nrows, h, H, K, rows, kb0, DECAY, SD, X)
+    if NKB > 1:
+        dd += _writes_grad_part(k, G, dS1, t0, nrows, h, H, K, rows, kb0 + KB, DECAY, SD, X)
+    if NKB > 2:
+        dd += _writes_grad_part(k, G, dS2, t0, nrows, h, H, K, rows, kb0 + 2 * KB, DECAY, SD, X)
+        dd += _writes_grad_part(k, G, dS3, t0, nrows, h, H, K, rows, kb0 + 3 * KB, DECAY, SD, X)
+    return dd
+
+
+@triton.jit
+def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb, scale,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
                      X: tl.constexpr):
-    """Key rows kb of the gradient of the chunk's start state: e^Gamma dS + scale (q e^Gq)^T dO (- W^T dd)."""
+    """Key rows kb of the gradient of the chunk's start state: e^Gamma dS + scale (q e^Gq)^T dO (- W^T dd).
+    With a scalar decay the delta rule's dO arrives as e^Gq dO (the decay on its rows), with eg = e^Gamma."""
     qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
     if DECAY == 1:
-        qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
-        dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))
+        if not DELTA:  # on q^T: on the additive rule's bf16 dO rows it broke the bf16 bound of dlog_decay
+            qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
+            eg = exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))
+        dS = dS * eg
     elif DECAY == 2:
         qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
         dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
@@ -85,9 +100,13 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     fp32. Grid (V blocks, N * H).
     The state is held as BKF // KB tiles (1, 2 or 4) of KB key rows, each with its own loads: at
     K = 128 the delta rule's pass then needs fewer registers than with one [K, BV] tile.
-    A scalar decay stays on the k and q tiles here: moved onto dO's rows and the end-state
-    product's rows, as state_fwd and the output kernel do, Triton 3.6 miscompiles this kernel on
-    Hopper (wrong dd for Mamba-2, illegal addresses for gated delta; H200, 2026-11-21).
+    A scalar decay (gated delta rule) enters the delta rule's pass on [C, BV] rows, off the chain of
+    dependent products: e^(Gamma - G) on the rows of the sum of the key tiles' products, e^Gq on dO's
+    rows for the q^T product; its gates are loaded a chunk ahead. Measured on an H200 (H = 16, K = V =
+    128, bf16), kernel ms against the decay on the k and q tiles: 1 x 16384 0.524 -> 0.370, 8 x 2048
+    0.247 -> 0.236 (at 3 stages; 0.281 at 2). Either change alone gained little at 1 x 16384 (0.493 on
+    the rows, 0.530 loaded ahead). The additive rule keeps its decay on the q tiles (see
+    ``_state_grad_step``), and both rules' gates loaded ahead lost there (Mamba-2 0.189 -> 0.207).
     """
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
@@ -96,31 +115,41 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
     dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
     nchunks = (eos - bos + C - 1) // C
+    if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last)
+        tn = bos + (nchunks - 1) * C
+        Gn, Gqn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows, BONUS)
     for i in range(nchunks):
         slot = s0 + nchunks - 1 - i
         t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
+        eg = nrows  # the delta rule's e^Gamma for a scalar decay (unused otherwise)
+        if DECAY == 1 and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
+            ek = masked_exp2(rows < nrows, lastn - Gn)
+            eq = exp2(Gqn)
+            eg = exp2(lastn)
+            Gn, Gqn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows, BONUS)
         store_state_tiles(dHs, dS0, dS1, dS2, dS3, slot, h, H, K, V, kb0, vr, NKB)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         dd = dO  # the additive rule's pass does not read it
         if DELTA:
             dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
-            dd += _writes_grad_part(k, G, dS0, t0, nrows, h, H, K, rows, kb0, DECAY, SD, X)
-            if NKB > 1:
-                dd += _writes_grad_part(k, G, dS1, t0, nrows, h, H, K, rows, kb1, DECAY, SD, X)
-            if NKB > 2:
-                dd += _writes_grad_part(k, G, dS2, t0, nrows, h, H, K, rows, kb2, DECAY, SD, X)
-                dd += _writes_grad_part(k, G, dS3, t0, nrows, h, H, K, rows, kb3, DECAY, SD, X)
+            if DECAY == 1:  # the key tiles' products first, their rows decayed once
+                kdS = _writes_grad_parts(tl.zeros_like(dd), k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0,
+                                         NKB, DECAY, SD, X)
+                dd += kdS * ek[:, None]
+                dO = dO * eq[:, None]
+            else:
+                dd = _writes_grad_parts(dd, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, DECAY, SD, X)
             store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
-        dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
+        dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
                                BONUS, C, X)
         if NKB > 1:
-            dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
+            dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
                                    BONUS, C, X)
         if NKB > 2:
-            dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
+            dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
                                    BONUS, C, X)
-            dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
+            dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
                                    BONUS, C, X)
     if STORE_DINIT:
         store_state_tiles(dh0, dS0, dS1, dS2, dS3, n, h, H, K, V, kb0, vr, NKB)

@@ -173,7 +173,7 @@ def test_both_state_blocks(sms, monkeypatch):
     compare(t, FP32_TOL)
 
 
-def test_launch_drops_stages_until_they_fit(caplog):
+def test_launch_drops_stages_until_they_fit(monkeypatch, caplog):
     """A config whose pipelining exceeds shared memory runs with one stage fewer at a time (the debug log
     says so), and later launches of it start at the stages that fitted."""
     from triton.runtime.errors import OutOfResources
@@ -188,11 +188,47 @@ def test_launch_drops_stages_until_they_fit(caplog):
                     raise OutOfResources(300000, 232448, "shared memory")
             return run
 
+    monkeypatch.setitem(launch.LAUNCH, "fake", (4, 4))
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch._launch("fake", Kernel(), (1,), torch.zeros(1), config=(4, 4), X=1)
-    launch._launch("fake", Kernel(), (1,), torch.zeros(1), config=(4, 4), X=1)
+        launch._launch("fake", Kernel(), (1,), torch.zeros(1), X=1)
+    launch._launch("fake", Kernel(), (1,), torch.zeros(1), X=1)
     assert calls == [4, 3, 2, 2]
     assert "fake with 4 stages does not fit" in caplog.text
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+def test_sequential_pass_narrows_before_one_stage(monkeypatch, caplog):
+    """A sequential pass whose config does not fit drops stages down to 2, then halves its V block at 2 stages,
+    and runs 1 stage (at its own V block) only when no V block fits 2; later launches start at what fitted."""
+    from triton.runtime.errors import OutOfResources
+
+    assert launch._sequential_fallbacks(32, 3) == [(32, 3), (32, 2), (16, 2), (32, 1)]
+    assert launch._sequential_fallbacks(64, 2) == [(64, 2), (32, 2), (16, 2), (64, 1)]
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)  # a wide grid: the configured (V block, stages)
+    monkeypatch.setitem(launch.SEQUENTIAL, ("state_bwd", True, 1), (32, 3))
+    s = launch.Shapes(T=64, TT=64, N=1, H=2, K=256, V=64, varlen=False)
+
+    def kernel(fits):
+        calls = []
+
+        class Kernel:
+            def __getitem__(self, grid):
+                def run(*args, BV, num_warps, num_stages, **constexprs):
+                    calls.append((grid[0], BV, num_stages))
+                    if not fits(BV, num_stages):
+                        raise OutOfResources(300000, 232448, "shared memory")
+                return run
+        return Kernel(), calls
+
+    narrow, calls = kernel(lambda bv, stages: bv * stages <= 32)
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        launch._launch_sequential("state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+    launch._launch_sequential("state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+    assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (4, 16, 2)]  # grid: V blocks of the V block tried
+    assert "state_bwd at V block 32, 2 stages does not fit" in caplog.text
+    one_stage, calls = kernel(lambda bv, stages: stages == 1)
+    launch._launch_sequential("state_bwd", one_stage, s, True, 1, torch.zeros(1), X=2)
+    assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (2, 32, 1)]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
@@ -319,7 +355,8 @@ def test_gpu_real_shapes(combo, dtype):
 
 @gpu
 @pytest.mark.parametrize("KV", [(64, 256), (256, 64), (100, 72)], ids=lambda kv: f"K{kv[0]}V{kv[1]}")
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "additive", True)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "delta", False), ("scalar", "additive", True)],
+                         ids=combo_id)
 def test_gpu_head_dims(combo, KV):
     compare(inputs(combo, B=1, T=300, H=2, K=KV[0], V=KV[1], dtype=torch.bfloat16), LOW_TOL)
 

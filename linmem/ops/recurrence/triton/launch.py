@@ -232,11 +232,10 @@ def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tenso
 _FITTING_STAGES: dict = {}
 
 
-def _launch(name: str, kernel, grid: tuple, *args, config: Optional[tuple[int, int]] = None, **constexprs) -> None:
-    """kernel[grid](*args) with ``config`` (warps, stages), else the LAUNCH config of ``name``; a config whose
-    software pipelining does not fit the device's shared memory (fp32 or K = 256 tiles) runs with one stage
-    fewer, until it fits."""
-    warps, stages = config or LAUNCH[name]
+def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
+    """kernel[grid](*args) with the LAUNCH config (warps, stages) of ``name``; a config whose software pipelining
+    does not fit the device's shared memory (fp32 or K = 256 tiles) runs with one stage fewer, until it fits."""
+    warps, stages = LAUNCH[name]
     key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), stages)
     stages = _FITTING_STAGES.get(key, stages)
     while True:
@@ -250,6 +249,47 @@ def _launch(name: str, kernel, grid: tuple, *args, config: Optional[tuple[int, i
                          stages - 1)
             stages -= 1
             _FITTING_STAGES[key] = stages
+
+
+#: (pass, its constexprs, dtypes, configured (V block, stages)) -> the (V block, stages) that fit in shared memory
+_FITTING_SEQUENTIAL: dict = {}
+
+
+def _sequential_fallbacks(bv: int, stages: int) -> list[tuple[int, int]]:
+    """(V block, stages) to try in order: the configured ones, fewer stages down to 2, then V blocks halved down
+    to 16 at 2 stages, then 1 stage at the configured V block."""
+    tries = [(bv, st) for st in range(stages, 1, -1)]
+    if stages >= 2:
+        b = bv // 2
+        while b >= 16:
+            tries.append((b, 2))
+            b //= 2
+    return tries + [(bv, 1)]
+
+
+def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *args, **constexprs) -> None:
+    """A sequential pass, grid (V blocks, N * H), at the (V block, stages) of :func:`sequential_config`. A config
+    whose pipelining does not fit the device's shared memory (K = 256, fp32) takes the next of
+    :func:`_sequential_fallbacks` that fits: narrower V blocks come before a single stage, since at one stage
+    Triton 3.6 miscompiles the gated delta rule's backward pass at K = 256 on Hopper (illegal addresses; H200,
+    2026-11-22), which fits two stages at V blocks of 16."""
+    dev = args[0].device
+    configured = sequential_config(name, s, delta, decay, dev)
+    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), configured)
+    tries = _sequential_fallbacks(*configured)
+    if key in _FITTING_SEQUENTIAL:
+        tries = tries[tries.index(_FITTING_SEQUENTIAL[key]):]
+    for i, (bv, stages) in enumerate(tries):
+        try:
+            kernel[(triton.cdiv(s.V, bv), s.N * s.H)](*args, **constexprs, BV=bv, num_warps=SEQUENTIAL_WARPS,
+                                                      num_stages=stages)
+            _FITTING_SEQUENTIAL[key] = (bv, stages)
+            return
+        except triton.runtime.errors.OutOfResources as error:
+            if i == len(tries) - 1:
+                raise
+            logger.debug("linear_recurrence: %s at V block %d, %d stages does not fit (%s); trying %s", name, bv,
+                         stages, error, tries[i + 1])
 
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
@@ -294,12 +334,11 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
-    BVs, stages = sequential_config("state_fwd", s, delta, decay, dev)
-    _launch("state_fwd", chunk_fwd.state_fwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
-            k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
-            hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
-            IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
-            BKF=s.BKF, KB=s.state_KB(delta), BV=BVs, config=(SEQUENTIAL_WARPS, stages))
+    _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
+                       k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
+                       hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
+                       IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
+                       BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
@@ -325,13 +364,11 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
-    BVs, stages = sequential_config("state_bwd", s, delta, decay, dev)
-    _launch("state_bwd", chunk_bwd.state_bwd_kernel, (triton.cdiv(s.V, BVs), s.N * s.H),
-            q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
-            dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
-            BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
-            STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta), BV=BVs,
-            config=(SEQUENTIAL_WARPS, stages))
+    _launch_sequential("state_bwd", chunk_bwd.state_bwd_kernel, s, delta, decay,
+                       q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
+                       dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
+                       DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
+                       STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
     dv = torch.empty_like(v)
     if not delta:
         _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, s.dv_BV(decay)), s.slots, s.H),

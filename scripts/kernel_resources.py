@@ -66,7 +66,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
-        wt = f32 if delta else dt  # the writes: the delta rule's corrected writes are fp32
+        wy = f32 if delta else dt  # the delta rule's WY factors U, W and T are fp32 (launch.Precision)
+        wt = f32 if delta and dt != "*bf16" else dt  # the writes: bf16 inputs' corrected writes are bf16
         sc = f32 if decay == 2 else dt  # the score gradient dA (launch.chunk_backward)
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
@@ -74,7 +75,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV), LAUNCH["prep"]
         fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
-        yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wt, "W": wt, "G": f32, "hs": dt, "d_out": wt,
+        yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF,
                  KB=BK if delta else BKF, BV=fbv), (WARPS, fstages)  # launch.Shapes.state_KB
@@ -92,7 +93,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                              "dv": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
                      BV=min(triton.next_power_of_2(K), 128) if decay else BV), LAUNCH["dv"]  # launch.Shapes.dv_BV
-        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wt,
+        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wy,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \

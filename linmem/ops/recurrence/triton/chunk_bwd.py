@@ -115,9 +115,9 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
     dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
     nchunks = (eos - bos + C - 1) // C
-    if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last)
+    if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
         tn = bos + (nchunks - 1) * C
-        Gn, Gqn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows, BONUS)
+        Gn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows)
     for i in range(nchunks):
         slot = s0 + nchunks - 1 - i
         t0 = bos + (nchunks - 1 - i) * C
@@ -125,9 +125,9 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         eg = nrows  # the delta rule's e^Gamma for a scalar decay (unused otherwise)
         if DECAY == 1 and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
             ek = masked_exp2(rows < nrows, lastn - Gn)
-            eq = exp2(Gqn)
+            eq = exp2(Gn)
             eg = exp2(lastn)
-            Gn, Gqn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows, BONUS)
+            Gn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows)
         store_state_tiles(dHs, dS0, dS1, dS2, dS3, slot, h, H, K, V, kb0, vr, NKB)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         dd = dO  # the additive rule's pass does not read it

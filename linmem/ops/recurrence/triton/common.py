@@ -291,16 +291,12 @@ def load_gate_rows(ptr, t0, nrows, h, H, r):
 
 
 @triton.jit
-def scalar_gates(G, t0, nrows, h, H, rows, BONUS: tl.constexpr):
-    """A scalar decay's cumulative gates of one chunk (G [tokens, H], log2 units, 0 outside the chunk):
-    ``(G at its rows [C], the query side's [C] (the row before with the bonus, else the same), G at its
-    last row)``; the last is 0 for an empty chunk (nrows 0)."""
+def scalar_gates(G, t0, nrows, h, H, rows):
+    """A scalar decay's cumulative gates of one chunk (G [tokens, H], log2 units): ``(G at its rows [C],
+    0 outside the chunk; G at its last row, 0 for an empty chunk (nrows 0))``."""
     Gr = load_gate_rows(G, t0, nrows, h, H, rows)
-    Gq = Gr
-    if BONUS:
-        Gq = load_gate_rows(G, t0, nrows, h, H, rows - 1)
     last = tl.load(G + (t0 + nrows - 1) * H + h, mask=nrows > 0, other=0.0)
-    return Gr, Gq, last
+    return Gr, last
 
 
 @triton.jit

@@ -173,6 +173,26 @@ def test_both_state_blocks(sms, monkeypatch):
     compare(t, FP32_TOL)
 
 
+def test_kernels_call_no_jit_helper_of_triton_language():
+    """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
+    fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),
+    the interpreter refuses them inside a kernel (``common.total`` spells tl.sum with builtins for this)."""
+    import pathlib
+    import re
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    helpers = {name for name in dir(tl) if isinstance(getattr(tl, name), (JITFunction, InterpretedFunction))}
+    assert "zeros" in helpers  # what this test guards against
+    called = {}
+    for path in pathlib.Path(common.__file__).parent.glob("*.py"):
+        for name in set(re.findall(r"\btl\.(\w+)\(", path.read_text())) & helpers:
+            called.setdefault(name, []).append(path.name)
+    assert not called, f"jit helpers of triton.language called in the kernels: {called}"
+
+
 def test_launch_drops_stages_until_they_fit(monkeypatch, caplog):
     """A config whose pipelining exceeds shared memory runs with one stage fewer at a time (the debug log
     says so), and later launches of it start at the stages that fitted."""

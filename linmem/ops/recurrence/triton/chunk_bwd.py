@@ -134,8 +134,9 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         if DELTA:
             dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
             if DECAY == 1:  # the key tiles' products first, their rows decayed once
-                kdS = _writes_grad_parts(tl.zeros([C, BV], tl.float32), k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K,
-                                         rows, kb0, NKB, DECAY, SD, X)
+                kdS = tl.full([C, BV], 0.0, tl.float32)  # (tl.zeros is a jit helper: see common.total)
+                kdS = _writes_grad_parts(kdS, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, DECAY, SD,
+                                         X)
                 dd += kdS * ek[:, None]
                 dO = dO * eq[:, None]
             else:

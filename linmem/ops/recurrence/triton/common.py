@@ -417,7 +417,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                 P += tl.where(offs[None, :] == off, total(x.to(tl.float32) * ysel * masked_exp2(pair[:, None],
                                                                                               Gx - Gsel), 1)[:, None], 0.0)
         # the pairs to their columns once, after every key block: a [C, SB] sum per step above, not a [C, C] one
-        same = (rows // SB)[:, None] == (rows // SB)[None, :]
+        same = blk[:, None] == blk[None, :]
         acc += tl.where(same, tl.gather(P, tl.broadcast_to((rows % SB)[None, :], [C, C]), 1), 0.0)
     else:
         for k0 in range(0, K, BK):

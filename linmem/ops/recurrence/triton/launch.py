@@ -228,31 +228,36 @@ def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     return Shapes(T=T, TT=B * T, N=N, H=H, K=K, V=v.shape[-1], varlen=cu_seqlens is not None)
 
 
-#: (kernel, its constexprs, dtypes, configured stages) -> the most stages that fit in shared memory
-_FITTING_STAGES: dict = {}
+#: (kernel, its constexprs, dtypes, first config) -> the first config of its fallbacks that fit in shared memory
+_FITTING: dict = {}
+
+
+def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, constexprs: dict) -> None:
+    """launch(config) for the first of ``tries`` whose software pipelining fits the device's shared memory
+    (fp32 or K = 256 tiles), starting from the one that fitted for the same kernel, constexprs, dtypes and
+    ``tries`` before; each miss is logged at debug level, ``describe(config)`` naming the config."""
+    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), tries[0])
+    if key in _FITTING:
+        tries = tries[tries.index(_FITTING[key]):]
+    for i, config in enumerate(tries):
+        try:
+            launch(config)
+            _FITTING[key] = config
+            return
+        except triton.runtime.errors.OutOfResources as error:
+            if i == len(tries) - 1:
+                raise
+            logger.debug("linear_recurrence: %s %s does not fit (%s); trying %s", name, describe(config), error,
+                         describe(tries[i + 1]))
 
 
 def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
     """kernel[grid](*args) with the LAUNCH config (warps, stages) of ``name``; a config whose software pipelining
-    does not fit the device's shared memory (fp32 or K = 256 tiles) runs with one stage fewer, until it fits."""
+    does not fit the device's shared memory runs with one stage fewer, until it fits."""
     warps, stages = LAUNCH[name]
-    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), stages)
-    stages = _FITTING_STAGES.get(key, stages)
-    while True:
-        try:
-            kernel[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
-            return
-        except triton.runtime.errors.OutOfResources as error:
-            if stages == 1:
-                raise
-            logger.debug("linear_recurrence: %s with %d stages does not fit (%s); trying %d", name, stages, error,
-                         stages - 1)
-            stages -= 1
-            _FITTING_STAGES[key] = stages
-
-
-#: (pass, its constexprs, dtypes, configured (V block, stages)) -> the (V block, stages) that fit in shared memory
-_FITTING_SEQUENTIAL: dict = {}
+    _launch_fitting(name, list(range(stages, 0, -1)),
+                    lambda st: kernel[grid](*args, **constexprs, num_warps=warps, num_stages=st),
+                    lambda st: f"with {st} stages", args, constexprs)
 
 
 def _sequential_fallbacks(bv: int, stages: int) -> list[tuple[int, int]]:
@@ -273,23 +278,12 @@ def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *a
     :func:`_sequential_fallbacks` that fits: narrower V blocks come before a single stage, since at one stage
     Triton 3.6 miscompiles the gated delta rule's backward pass at K = 256 on Hopper (illegal addresses; H200,
     2026-11-22), which fits two stages at V blocks of 16."""
-    dev = args[0].device
-    configured = sequential_config(name, s, delta, decay, dev)
-    key = (name, tuple(sorted(constexprs.items())), tuple(getattr(a, "dtype", None) for a in args), configured)
-    tries = _sequential_fallbacks(*configured)
-    if key in _FITTING_SEQUENTIAL:
-        tries = tries[tries.index(_FITTING_SEQUENTIAL[key]):]
-    for i, (bv, stages) in enumerate(tries):
-        try:
-            kernel[(triton.cdiv(s.V, bv), s.N * s.H)](*args, **constexprs, BV=bv, num_warps=SEQUENTIAL_WARPS,
-                                                      num_stages=stages)
-            _FITTING_SEQUENTIAL[key] = (bv, stages)
-            return
-        except triton.runtime.errors.OutOfResources as error:
-            if i == len(tries) - 1:
-                raise
-            logger.debug("linear_recurrence: %s at V block %d, %d stages does not fit (%s); trying %s", name, bv,
-                         stages, error, tries[i + 1])
+    tries = _sequential_fallbacks(*sequential_config(name, s, delta, decay, args[0].device))
+    _launch_fitting(name, tries,
+                    lambda c: kernel[(triton.cdiv(s.V, c[0]), s.N * s.H)](*args, **constexprs, BV=c[0],
+                                                                           num_warps=SEQUENTIAL_WARPS,
+                                                                           num_stages=c[1]),
+                    lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
 
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,

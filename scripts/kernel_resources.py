@@ -109,7 +109,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
                 dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK), LAUNCH["intra_grads"]
-        grads = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
+        grads = "grads_vector" if decay == 2 else "grads_pipelined" if decay else "grads"
         yield grads, tag, bwd.grads_kernel, \
             {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
              "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \

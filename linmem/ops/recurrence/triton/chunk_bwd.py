@@ -453,10 +453,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
         Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
         last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
-        dGk = tl.full([C], 0.0, tl.float32)
+        dGs = tl.full([C], 0.0, tl.float32)  # both sides' channel sums
         if DELTA:
-            dGk += load_gate_rows(dg, t0, nrows, h, H, rows)
-        dGq = tl.full([C], 0.0, tl.float32)
+            dGs += load_gate_rows(dg, t0, nrows, h, H, rows)
+        if BONUS:
+            dGq = tl.full([C], 0.0, tl.float32)
         gam = total(tl.full([C], 0.0, tl.float32), 0)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -500,15 +501,20 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         else:
             dqt += scale * dqh * eq
             kend = dkh * ek
-            dkt += kend
-            gq = qt * dqt
-            gk = -kt * dkt
             if DECAY == 2:
+                dkt += kend
+                gq = qt * dqt
+                gk = -kt * dkt
                 gam_k = exp2(lastk) * gH + total(kt * kend, 0)
                 if DELTA:
                     gk += load_rows(dg, t0, nrows, h, H, K, rows, cols, False)
-            else:
-                gam += total(exp2(last) * gH + total(kt * kend, 0), 0)
+            else:  # two row sums: q dq - k dk before the chunk-end part, and that part (k kend), which gam sums
+                kendr = total(kt * kend, 1)
+                dGs += total(qt * dqt - kt * dkt, 1) - kendr
+                if BONUS:
+                    dGq += total(qt * dqt, 1)
+                gam += exp2(last) * total(gH, 0) + total(kendr, 0)
+                dkt += kend
         if DELTA:
             dkt += load_rows(dk, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if BONUS:
@@ -529,11 +535,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             else:
                 rev += gs
             store_rows(dg, rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
-        elif DECAY == 1:
-            dGk += total(gk, 1)
-            dGq += total(gq, 1)
     if DECAY == 1:  # one reverse cumulative sum of both sides' channel sums, as one reverse scan
-        rev = remaining_total(dGk + dGq, 0)
+        rev = remaining_total(dGs, 0)
         if BONUS:
             rev -= dGq
         tl.store(dg + (t0 * H + h) + rows * H, rev + gam, mask=valid)

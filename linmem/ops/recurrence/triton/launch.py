@@ -41,7 +41,9 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: 4 warps, 2 stages (gla 0.677 ms, rwkv6 0.779, kda 0.678; at 2 warps, 2 stages 0.721, 0.950, 0.720; 4 warps,
 #: 1 stage 0.724, 0.785, 0.725; 8 warps, 2 stages 0.967, 0.828, 0.966). With one reverse cumulative sum in
 #: grads_kernel, per-channel decays' grads take 3 stages ("grads_vector": gla 0.675 -> 0.642 ms, rwkv6 0.742 ->
-#: 0.712; 16 warps at 2 stages 0.728, 0.867).
+#: 0.712; 16 warps at 2 stages 0.728, 0.867). Session 12, with a scalar decay's gate gradient as two row sums
+#: per key block: every scalar decay's grads take 2 stages (mamba2 0.393 ms at 1 stage before -> 0.322, 0.420 at
+#: 1 stage; gated delta 0.378 -> 0.354).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -395,7 +397,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
-    entry = "grads_vector" if decay == 2 else "grads_pipelined" if delta and decay else "grads"
+    entry = "grads_vector" if decay == 2 else "grads_pipelined" if decay else "grads"
     _launch(entry, chunk_bwd.grads_kernel, (s.slots, s.H),
             q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,

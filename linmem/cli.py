@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
     ops.add_argument("--accuracy", action="store_true",
                      help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
-    ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads=8x1,output=8x2 (warps x stages)")
+    ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads_key=8x2,output=8x2 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
     layers = bench_sub.add_parser("layers", help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
     from .bench.layers import add_arguments

@@ -98,7 +98,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), LAUNCH["score_grads"]
-        grads_BK = min(BKF, 128) if decay == 1 else BK  # launch.Shapes.grads_BK
+        grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
@@ -109,11 +109,14 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
                 dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK), LAUNCH["intra_grads"]
-        grads = "grads_vector" if decay == 2 else "grads_pipelined" if decay else "grads"
-        yield grads, tag, bwd.grads_kernel, \
-            {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
-             "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=grads_BK, BV=BV), LAUNCH[grads]
+        sides = [(1, "grads_query"), (2, "grads_key")] if decay == 0 else \
+            [(0, "grads_vector" if decay == 2 else "grads_pipelined")]  # launch.chunk_backward
+        for side, grads in sides:
+            yield grads, tag, bwd.grads_kernel, \
+                {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
+                 "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
+                dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, SIDE=side, C=64, BK=grads_BK, BV=BV), \
+                LAUNCH[grads]
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
         dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=launch_setting("RECURRENT_BV")), LAUNCH["recurrent"]
@@ -148,8 +151,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, "
-                                       "state_bwd, dv, score_grads, wy_grads, intra_grads, grads, "
-                                       "grads_pipelined, grads_vector, recurrent)")
+                                       "state_bwd, dv, score_grads, wy_grads, intra_grads, grads_query, "
+                                       "grads_key, grads_pipelined, grads_vector, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

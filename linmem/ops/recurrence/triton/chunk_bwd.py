@@ -427,7 +427,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
 def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg, du,
                  cu_seqlens, scale, T, H, N, K, V,
                  DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                 SIDE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The gradients of one chunk per key channel: dq, dk, dg, du.
 
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
@@ -438,7 +438,14 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     delta rule (DELTA), dk and dg already hold what ``wy_grads_kernel`` stored, and get the rest
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
+
+    SIDE 0 computes both sides of the chunk. Without a decay the sides share nothing but their loads of
+    q, k and dA, and run as two launches of about half the registers each: SIDE 1 the query side (dq:
+    dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du).
     """
+    tl.static_assert(SIDE == 0 or DECAY == 0)
+    QS: tl.constexpr = SIDE != 2  # the query side: dq
+    KS: tl.constexpr = SIDE != 1  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
@@ -468,11 +475,16 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         gH = tl.full([BK], 0.0, tl.float32)  # sum_v h dH
         for v0 in range(0, V, BV):
             vr = v0 + tl.arange(0, BV)
-            hT = load_state(hs, slot, h, H, K, V, cols, vr, Klive, True)
-            dHT = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, True)
-            dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
-            dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            gH += total(hT.to(tl.float32) * dHT, 0)
+            if QS:
+                hT = load_state(hs, slot, h, H, K, V, cols, vr, Klive, True)
+            if KS:
+                dHT = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, True)
+            if QS:
+                dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
+            if KS:
+                dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
+            if DECAY != 0:
+                gH += total(hT.to(tl.float32) * dHT, 0)
         if DECAY == 2:
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
@@ -491,13 +503,17 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             dqt = load_rows(dqi, t0, nrows, h, H, K, rows, cols, False)
             dkt = load_rows(dki, t0, nrows, h, H, K, rows, cols, False)
         else:  # dA carries the decays: dA k and dA^T q
-            dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False),
-                     load_rows(k, t0, nrows, h, H, K, rows, cols, False), ST, X)
-            qc = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-            dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qc, ST, X)
+            if QS:
+                dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False),
+                         load_rows(k, t0, nrows, h, H, K, rows, cols, False), ST, X)
+            if KS:
+                qc = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
+                dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qc, ST, X)
         if DECAY == 0:
-            dqt += scale * dqh
-            dkt += dkh
+            if QS:
+                dqt += scale * dqh
+            if KS:
+                dkt += dkh
         else:
             dqt += scale * dqh * eq
             kend = dkh * ek
@@ -515,16 +531,20 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                     dGq += total(qt * dqt, 1)
                 gam += exp2(last) * total(gH, 0) + total(kendr, 0)
                 dkt += kend
-        if DELTA:
+        if DELTA and KS:
             dkt += load_rows(dk, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if BONUS:
             uu = tl.load(u + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            dqt += scale * dov[:, None] * uu[None, :] * kt
-            dkt += scale * dov[:, None] * uu[None, :] * qt
-            tl.store(du + (slot.to(tl.int64) * H + h) * K + cols, scale * total(dov[:, None] * qt * kt, 0),
-                     mask=cols < K)
-        store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
-        store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
+            if QS:
+                dqt += scale * dov[:, None] * uu[None, :] * kt
+            if KS:
+                dkt += scale * dov[:, None] * uu[None, :] * qt
+                tl.store(du + (slot.to(tl.int64) * H + h) * K + cols, scale * total(dov[:, None] * qt * kt, 0),
+                         mask=cols < K)
+        if QS:
+            store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
+        if KS:
+            store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
         if DECAY == 2:  # one reverse cumulative sum of both sides (the query side's is exclusive with the bonus);
             # a column sum and a forward scan: as one reverse scan (remaining_total) it took longer (gla 0.684 ->
             # 0.696 ms, rwkv6 0.751 -> 0.776 at 8 x 2048, H200), unlike the [C] sums of a scalar decay below

@@ -43,18 +43,21 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: grads_kernel, per-channel decays' grads take 3 stages ("grads_vector": gla 0.675 -> 0.642 ms, rwkv6 0.742 ->
 #: 0.712; 16 warps at 2 stages 0.728, 0.867). Session 12, with a scalar decay's gate gradient as two row sums
 #: per key block: every scalar decay's grads take 2 stages (mamba2 0.393 ms at 1 stage before -> 0.322, 0.420 at
-#: 1 stage; gated delta 0.378 -> 0.354).
+#: 1 stage; gated delta 0.378 -> 0.354). Without a decay, grads runs as two launches (the query side, then the key
+#: side: ``grads_query`` and ``grads_key``) at key blocks of 128, about 120 registers each, two 8-warp programs per
+#: SM: deltanet 0.262 -> 0.240 ms, linear attention 0.239 -> 0.212 (at key blocks of 64: 0.264).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
     "output": (8, 3),
     "dv": (4, 1),
     "score_grads": (4, 1),
-    "grads": (8, 1),
     "grads_pipelined": (8, 2),
     "grads_vector": (8, 3),
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),
+    "grads_query": (8, 2),
+    "grads_key": (8, 1),
     "recurrent": (4, 2),
 }
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
@@ -167,8 +170,9 @@ class Shapes:
         """K block of the gradient kernel: up to 128 for scalar decays, whose per-block decay factors
         and gate-gradient reductions then run once (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
         mamba2 grads 0.496 -> 0.399 ms, gated delta's 0.541 -> 0.434 once ``wy_grads_kernel`` took its WY
-        part; linear attention's went 0.239 -> 0.274, gla's 2.00 -> 2.40 and deltanet's 0.284 -> 0.301)."""
-        return min(self.BKF, 128) if decay == 1 else self.BK
+        part; gla's went 2.00 -> 2.40), and for the decay-free rules' two launches, one side each (deltanet
+        0.264 -> 0.240 ms, linear attention's 0.212 at 128)."""
+        return self.BK if decay == 2 else min(self.BKF, 128)
 
     def wy_BK(self, decay: int) -> int:
         """K block of the delta rule's ``wy_grads_kernel``: 32 for per-channel decays, whose pairwise loops
@@ -397,11 +401,16 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
-    entry = "grads_vector" if decay == 2 else "grads_pipelined" if decay else "grads"
-    _launch(entry, chunk_bwd.grads_kernel, (s.slots, s.H),
-            q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
-            dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-            DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.grads_BK(decay), BV=s.BV)
+    args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
+            dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
+    flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
+                 BK=s.grads_BK(decay), BV=s.BV)
+    if decay == 0:  # the query side, then the key side (no gate gradient joins them)
+        _launch("grads_query", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=1)
+        _launch("grads_key", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=2)
+    else:
+        _launch("grads_vector" if decay == 2 else "grads_pipelined", chunk_bwd.grads_kernel, (s.slots, s.H), *args,
+                **flags, SIDE=0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 

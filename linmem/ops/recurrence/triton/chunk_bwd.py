@@ -439,9 +439,9 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
 
-    SIDE 0 computes both sides of the chunk. Without a decay the sides share nothing but their loads of
-    q, k and dA, and run as two launches of about half the registers each: SIDE 1 the query side (dq:
-    dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du).
+    SIDE 0 computes both sides of the chunk. Without a decay no gate gradient joins the sides (they
+    share only their reads of q, k and dA), and they run as two launches of about half the registers
+    each: SIDE 1 the query side (dq: dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du).
     """
     tl.static_assert(SIDE == 0 or DECAY == 0)
     QS: tl.constexpr = SIDE != 2  # the query side: dq

@@ -371,9 +371,10 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
                        STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
     dv = torch.empty_like(v)
     if not delta:
-        _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, s.dv_BV(decay)), s.slots, s.H),
+        bv = s.dv_BV(decay)
+        _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, bv), s.slots, s.H),
                 q, k, Gp, u if bonus else q, A, do, dHs, dv, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=s.dv_BV(decay))
+                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=bv)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
     # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it
     # (per-channel decays keep fp32 score gradients: their pairwise loops also read them unrounded)

@@ -22,13 +22,15 @@ DECAY_KINDS = ("none", "constant", "scalar", "vector", "full")
 
 
 def set_debug_checks(enabled: bool) -> None:
-    """Turn value checks of device tensors on or off (they synchronise the device)."""
+    """Turn value checks of device tensors on or off (they synchronise the device; eager mode only)."""
     global _DEBUG_CHECKS
     _DEBUG_CHECKS = bool(enabled)
 
 
 def _values_checkable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or _DEBUG_CHECKS
+    """Whether the values of t are checked: CPU tensors, or any with debug checks on, in eager mode. Under
+    torch.compile a check that reads values would be a data-dependent branch, which a full graph cannot hold."""
+    return (t.device.type == "cpu" or _DEBUG_CHECKS) and not torch.compiler.is_compiling()
 
 
 def _shape(t: torch.Tensor) -> list[int]:

@@ -45,11 +45,14 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: per key block: every scalar decay's grads take 2 stages (mamba2 0.393 ms at 1 stage before -> 0.322, 0.420 at
 #: 1 stage; gated delta 0.378 -> 0.354). Without a decay, grads runs as two launches (the query side, then the key
 #: side: ``grads_query`` and ``grads_key``) at key blocks of 128, about 120 registers each, two 8-warp programs per
-#: SM: deltanet 0.262 -> 0.240 ms, linear attention 0.239 -> 0.212 (at key blocks of 64: 0.264).
+#: SM: deltanet 0.262 -> 0.240 ms, linear attention 0.239 -> 0.212 (at key blocks of 64: 0.264). Session 13: the output
+#: kernel of the rules without a per-channel decay at 4 warps ("output"; per-channel decays keep 8, "output_vector"):
+#: linear attention 0.155 -> 0.128 ms at 8 x 2048 and 1 x 16384; deltanet fwd+bwd 1.496 -> 1.466 and 1.810 -> 1.776.
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
-    "output": (8, 3),
+    "output": (4, 3),
+    "output_vector": (8, 3),
     "dv": (4, 1),
     "score_grads": (4, 1),
     "grads_pipelined": (8, 2),
@@ -340,7 +343,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                        IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
                        BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
-    _launch("output", chunk_fwd.output_kernel, (s.slots, s.H),
+    _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
             DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay),
             BV=s.BV)

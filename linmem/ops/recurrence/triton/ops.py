@@ -137,6 +137,12 @@ def _(q, k, v, g, beta, bonus, state, scale, decay):
     return torch.empty_like(v)
 
 
+def _recurrent_step(q, k, v, g, beta, bonus, state, scale: float, decay: int) -> Tensor:
+    """The decode kernel: the custom op under torch.compile, the launcher itself in eager mode."""
+    step = step_op if torch.compiler.is_compiling() else launch.recurrent_step
+    return step(q, k, v, g, beta, bonus, state, scale, decay)
+
+
 def _per_token_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
     """log_decay as fp32 [B, T, H] or [B, T, H, K] (a constant [H] is expanded) and its kernel code."""
     g = inputs.log_decay
@@ -158,14 +164,13 @@ def triton_recurrence(inputs: RecurrenceInputs) -> tuple[Tensor, Optional[Tensor
     q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
     h0 = None if inputs.initial_state is None else inputs.initial_state.float().contiguous()
     T = q.shape[1]
-    compiling = torch.compiler.is_compiling()
     if inputs.cu_seqlens is None and T <= RECURRENT_MAX_T and not inputs.records_grad:
         B, _, H, K = q.shape
         state = h0.clone() if h0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
-        o = (step_op if compiling else launch.recurrent_step)(q, k, v, g, beta, bonus, state, inputs.scale, decay)
+        o = _recurrent_step(q, k, v, g, beta, bonus, state, inputs.scale, decay)
         return o, (state if inputs.output_final_state else None)
     args = (q, k, v, g, beta, bonus, h0, _contiguous(inputs.cu_seqlens), inputs.scale, decay, inputs.output_final_state)
-    o, hN = chunk_fwd_op(*args)[:2] if compiling else ChunkRecurrence.apply(*args)
+    o, hN = chunk_fwd_op(*args)[:2] if torch.compiler.is_compiling() else ChunkRecurrence.apply(*args)
     return o, (hN if inputs.output_final_state else None)
 
 
@@ -173,5 +178,4 @@ def triton_step(inputs: RecurrenceInputs, state: Tensor) -> Tensor:
     """One decoding step (inputs with a time axis of 1) against ``state``, updated in place: -> o [B, H, V]."""
     g, decay = _per_token_decay(inputs)
     q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
-    step = step_op if torch.compiler.is_compiling() else launch.recurrent_step
-    return step(q, k, v, g, beta, bonus, state, inputs.scale, decay)[:, 0]
+    return _recurrent_step(q, k, v, g, beta, bonus, state, inputs.scale, decay)[:, 0]

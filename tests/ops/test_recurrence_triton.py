@@ -20,6 +20,7 @@ import zlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
@@ -293,6 +294,21 @@ def test_extreme_per_channel_gates_equal_the_reference(combo):
             assert (g[name].double() - g_ref[name]).abs().max() < 1e-5
         else:
             assert rel_err(g[name], g_ref[name]) < FP32_TOL, name
+
+
+@pytest.mark.parametrize("combo", [c for c in COMBOS if c[1] == "delta"], ids=combo_id)
+def test_correlated_keys_and_beta_near_two_equal_the_reference(combo):
+    """Keys near one direction and beta in (1.9, 2) (the delta rule with negative eigenvalues): the chunk's
+    (I + L)^-1 keeps entries of order 1 while the powers of L grow. An inverse that forms those powers
+    (the nilpotent series, before 2026-11-22) lost T to their cancellation: error ratios 3.7e-3 to 3.9e-2
+    here without a decay or with a scalar one."""
+    t = inputs(combo, B=1, T=128, H=1, K=16, V=16)
+    gen = seeded("correlated keys", combo)
+    direction = torch.randn(16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 128, 1, 1, generator=gen, dtype=torch.float64) * direction
+    t["k"] = F.normalize(k + 0.05 * torch.randn(k.shape, generator=gen, dtype=torch.float64), dim=-1).float().to(DEVICE)
+    t["beta"] = (1.9 + 0.1 * torch.rand(1, 128, 1, generator=gen)).to(DEVICE)
+    compare(t, FP32_TOL)
 
 
 def test_gradients_when_only_the_output_is_used():

@@ -61,8 +61,8 @@ def _lower_block(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.c
 
 @triton.jit
 def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
-    """T = (I + L)^-1 for the strictly lower L [C, C] (fp32, stored in Lp); returns T's four row
-    blocks [SB, C] (C = 4 SB).
+    """T = (I + L)^-1 for the strictly lower L [C, C] (fp32, stored in Lp); returns T's ten nonzero
+    blocks [SB, SB] (C = 4 SB), row by row: T00, T10, T11, T20, ..., T33.
 
     The diagonal blocks D_b = (I + L_bb)^-1 of all four blocks at once, by doubling: with D the
     inverse of the diagonal s x s blocks of I + L_bb and Lo the entries of L_bb in the lower-left
@@ -71,9 +71,10 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
     products per doubling, six for SB = 16, instead of SB - 1 dependent substitution steps, and no
     product grows past the inverse's own blocks. (The nilpotent series ``(I - L)(I + L^2)(I + L^4)
     (I + L^8)`` takes as many products, but its powers of L grow with correlated keys and beta near
-    2: their cancellation cost ``T x`` up to 9% relative error in fp32.) Then, block row by block row,
-    ``T_i = D_i (E_i - sum_{m<i} L_im T_m)`` with ``E_i`` the i-th row block of the identity, which
-    is (I + L) T = I solved for row block i. Products in IEEE fp32.
+    2: their cancellation cost ``T x`` up to 5% relative error in fp32, ``scripts/wy_inverse_accuracy.py``.)
+    Then the blocks below the diagonal, ``T_ij = -D_i sum_{j<=m<i} L_im T_mj`` ((I + L) T = I solved
+    for block (i, j)), nearest the diagonal first: 16 products of [SB, SB] blocks, none on the six
+    zero blocks above the diagonal. Products in IEEE fp32.
     """
     tl.static_assert(C == 4 * SB)
     tl.static_assert(SB <= 32)
@@ -89,41 +90,69 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
         if (1 << m) < SB:  # from blocks of s = 2^m rows to blocks of 2s
             Lo = tl.where((a3 // (2 << m) == c3 // (2 << m)) & ((a3 >> m) % 2 == 1) & ((c3 >> m) % 2 == 0), Ld, 0.0)
             D -= _ieee(_ieee(D, Lo), D)
-    ar = tl.arange(0, SB)[:, None]
-    cols = tl.arange(0, C)[None, :]
-    T0 = _ieee(total(tl.where(b3 == 0, D, 0.0), 0), tl.where(cols == ar, 1.0, 0.0))
-    X = _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 1, 0), T0)
-    T1 = _ieee(total(tl.where(b3 == 1, D, 0.0), 0), tl.where(cols == ar + SB, 1.0, 0.0) - X)
-    X = (_ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 0), T0)
-         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 1), T1))
-    T2 = _ieee(total(tl.where(b3 == 2, D, 0.0), 0), tl.where(cols == ar + 2 * SB, 1.0, 0.0) - X)
-    X = (_ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 0), T0)
-         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 1), T1)
-         + _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 2), T2))
-    T3 = _ieee(total(tl.where(b3 == 3, D, 0.0), 0), tl.where(cols == ar + 3 * SB, 1.0, 0.0) - X)
-    return T0, T1, T2, T3
+    D0 = total(tl.where(b3 == 0, D, 0.0), 0)
+    D1 = total(tl.where(b3 == 1, D, 0.0), 0)
+    D2 = total(tl.where(b3 == 2, D, 0.0), 0)
+    D3 = total(tl.where(b3 == 3, D, 0.0), 0)
+    L10 = _lower_block(Lp, t0, nrows, h, H, C, SB, 1, 0)
+    L21 = _lower_block(Lp, t0, nrows, h, H, C, SB, 2, 1)
+    L32 = _lower_block(Lp, t0, nrows, h, H, C, SB, 3, 2)
+    T10 = -_ieee(D1, _ieee(L10, D0))
+    T21 = -_ieee(D2, _ieee(L21, D1))
+    T32 = -_ieee(D3, _ieee(L32, D2))
+    L31 = _lower_block(Lp, t0, nrows, h, H, C, SB, 3, 1)
+    T20 = -_ieee(D2, _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 0), D0) + _ieee(L21, T10))
+    T31 = -_ieee(D3, _ieee(L31, D1) + _ieee(L32, T21))
+    T30 = -_ieee(D3, _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 0), D0) + _ieee(L31, T10) + _ieee(L32, T20))
+    return D0, T10, D1, T20, T21, D2, T30, T31, T32, D3
 
 
 @triton.jit
-def _store_wy_block(out, outT, Ti, x, slot, t0, nrows, h, H, D, r, cols, IT: tl.constexpr, X: tl.constexpr,
-                    C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Rows r of T x (Ti: those rows of T [SB, C], x: [C, BD]) -> out[t0 + r, h, cols]; with TRANSPOSED
-    also -> outT[slot, h, cols, r], the [slots, H, D, C] layout whose [D, C] tiles load untransposed."""
-    y = mm(Ti, x, IT, X)
+def _store_t_block(Tt, x, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.constexpr, j: tl.constexpr):
+    """Block (i, j) [SB, SB] of T into Tt, transposed (Tt[t0 + s, h, c] = T[c, s])."""
+    r = tl.arange(0, SB)
+    store_rows_t(Tt, x, t0, nrows, h, H, C, j * SB + r, i * SB + r)
+
+
+@triton.jit
+def _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, j: tl.constexpr, cols, DECAY: tl.constexpr, SB: tl.constexpr):
+    """Row block j [SB, BD] of beta x e^G (DECAY 0: beta x) for x [tokens, H, D], fp32."""
+    r = j * SB + tl.arange(0, SB)
+    x = load_rows(x_ptr, t0, nrows, h, H, D, r, cols, False) * load_gate_rows(beta, t0, nrows, h, H, r)[:, None]
+    if DECAY == 1:
+        x = x * exp2(load_gate_rows(G, t0, nrows, h, H, r))[:, None]
+    elif DECAY == 2:
+        x = x * exp2(load_rows(G, t0, nrows, h, H, D, r, cols, False))
+    return x
+
+
+@triton.jit
+def _store_wy_rows(out, outT, y, i: tl.constexpr, slot, t0, nrows, h, H, D, cols, C: tl.constexpr, SB: tl.constexpr,
+                   TRANSPOSED: tl.constexpr):
+    """Row block i of T x -> out[t0 + r, h, cols]; with TRANSPOSED also -> outT[slot, h, cols, r], the
+    [slots, H, D, C] layout whose [D, C] tiles load untransposed."""
+    r = i * SB + tl.arange(0, SB)
     store_rows(out, y, t0, nrows, h, H, D, r, cols)
     if TRANSPOSED:  # every row of the slot is written: rows past the chunk's end are 0 (x is 0 there)
         store_state(outT, y, slot, h, H, D, C, cols, r, True)
 
 
 @triton.jit
-def _store_wy(out, outT, T0, T1, T2, T3, x, slot, t0, nrows, h, H, D, cols, IT: tl.constexpr, X: tl.constexpr,
-              C: tl.constexpr, SB: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """T x for the four row blocks of T (see :func:`_store_wy_block`). x: [C, BD]."""
-    r = tl.arange(0, SB)
-    _store_wy_block(out, outT, T0, x, slot, t0, nrows, h, H, D, r, cols, IT, X, C, TRANSPOSED)
-    _store_wy_block(out, outT, T1, x, slot, t0, nrows, h, H, D, r + SB, cols, IT, X, C, TRANSPOSED)
-    _store_wy_block(out, outT, T2, x, slot, t0, nrows, h, H, D, r + 2 * SB, cols, IT, X, C, TRANSPOSED)
-    _store_wy_block(out, outT, T3, x, slot, t0, nrows, h, H, D, r + 3 * SB, cols, IT, X, C, TRANSPOSED)
+def _store_wy(out, outT, x_ptr, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, D,
+              cols, DECAY: tl.constexpr, IT: tl.constexpr, X: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+              TRANSPOSED: tl.constexpr):
+    """T (beta x e^G) by row blocks, from T's ten nonzero blocks (see :func:`_store_wy_rows`)."""
+    x0 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 0, cols, DECAY, SB)
+    _store_wy_rows(out, outT, mm(T00, x0, IT, X), 0, slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
+    x1 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 1, cols, DECAY, SB)
+    _store_wy_rows(out, outT, mm(T10, x0, IT, X) + mm(T11, x1, IT, X), 1, slot, t0, nrows, h, H, D, cols, C, SB,
+                   TRANSPOSED)
+    x2 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 2, cols, DECAY, SB)
+    _store_wy_rows(out, outT, mm(T20, x0, IT, X) + mm(T21, x1, IT, X) + mm(T22, x2, IT, X), 2, slot, t0, nrows,
+                   h, H, D, cols, C, SB, TRANSPOSED)
+    x3 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 3, cols, DECAY, SB)
+    _store_wy_rows(out, outT, mm(T30, x0, IT, X) + mm(T31, x1, IT, X) + mm(T32, x2, IT, X) + mm(T33, x3, IT, X), 3,
+                   slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
 
 
 @triton.jit
@@ -149,25 +178,31 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
     L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X)
     store_rows(Tt, L, t0, nrows, h, H, C, rows, rows)
     tl.debug_barrier()  # L is read back by blocks, by other threads
-    T0, T1, T2, T3 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
+    T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
     tl.debug_barrier()  # every block of L is read before T overwrites it
-    r = tl.arange(0, SB)
-    store_rows_t(Tt, T0, t0, nrows, h, H, C, rows, r)
-    store_rows_t(Tt, T1, t0, nrows, h, H, C, rows, r + SB)
-    store_rows_t(Tt, T2, t0, nrows, h, H, C, rows, r + 2 * SB)
-    store_rows_t(Tt, T3, t0, nrows, h, H, C, rows, r + 3 * SB)
+    zero = tl.full([SB, SB], 0.0, tl.float32)
+    _store_t_block(Tt, T00, t0, nrows, h, H, C, SB, 0, 0)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 1)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 2)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 3)
+    _store_t_block(Tt, T10, t0, nrows, h, H, C, SB, 1, 0)
+    _store_t_block(Tt, T11, t0, nrows, h, H, C, SB, 1, 1)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 1, 2)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 1, 3)
+    _store_t_block(Tt, T20, t0, nrows, h, H, C, SB, 2, 0)
+    _store_t_block(Tt, T21, t0, nrows, h, H, C, SB, 2, 1)
+    _store_t_block(Tt, T22, t0, nrows, h, H, C, SB, 2, 2)
+    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 2, 3)
+    _store_t_block(Tt, T30, t0, nrows, h, H, C, SB, 3, 0)
+    _store_t_block(Tt, T31, t0, nrows, h, H, C, SB, 3, 1)
+    _store_t_block(Tt, T32, t0, nrows, h, H, C, SB, 3, 2)
+    _store_t_block(Tt, T33, t0, nrows, h, H, C, SB, 3, 3)
     for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        x = load_rows(k, t0, nrows, h, H, K, rows, cols, False) * b[:, None]
-        if DECAY == 1:
-            x = x * exp2(load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
-        elif DECAY == 2:
-            x = x * exp2(load_rows(G, t0, nrows, h, H, K, rows, cols, False))
-        _store_wy(W, Wt, T0, T1, T2, T3, x, slot, t0, nrows, h, H, K, cols, IT, X, C, SB, True)
+        _store_wy(W, Wt, k, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, K,
+                  k0 + tl.arange(0, BK), DECAY, IT, X, C, SB, True)
     for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        x = load_rows(v, t0, nrows, h, H, V, rows, cols, False) * b[:, None]
-        _store_wy(U, U, T0, T1, T2, T3, x, slot, t0, nrows, h, H, V, cols, IT, X, C, SB, False)
+        _store_wy(U, U, v, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, V,
+                  v0 + tl.arange(0, BV), 0, IT, X, C, SB, False)
 
 
 @triton.jit

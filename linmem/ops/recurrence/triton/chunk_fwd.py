@@ -180,19 +180,15 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
     tl.debug_barrier()  # L is read back by blocks, by other threads
     T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
     tl.debug_barrier()  # every block of L is read before T overwrites it
-    zero = tl.full([SB, SB], 0.0, tl.float32)
+    for i in tl.static_range(3):  # the zero blocks above the diagonal: the scratch holds L's entries there
+        for j in tl.static_range(i + 1, 4):
+            _store_t_block(Tt, tl.full([SB, SB], 0.0, tl.float32), t0, nrows, h, H, C, SB, i, j)
     _store_t_block(Tt, T00, t0, nrows, h, H, C, SB, 0, 0)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 1)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 2)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 0, 3)
     _store_t_block(Tt, T10, t0, nrows, h, H, C, SB, 1, 0)
     _store_t_block(Tt, T11, t0, nrows, h, H, C, SB, 1, 1)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 1, 2)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 1, 3)
     _store_t_block(Tt, T20, t0, nrows, h, H, C, SB, 2, 0)
     _store_t_block(Tt, T21, t0, nrows, h, H, C, SB, 2, 1)
     _store_t_block(Tt, T22, t0, nrows, h, H, C, SB, 2, 2)
-    _store_t_block(Tt, zero, t0, nrows, h, H, C, SB, 2, 3)
     _store_t_block(Tt, T30, t0, nrows, h, H, C, SB, 3, 0)
     _store_t_block(Tt, T31, t0, nrows, h, H, C, SB, 3, 1)
     _store_t_block(Tt, T32, t0, nrows, h, H, C, SB, 3, 2)

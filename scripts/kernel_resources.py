@@ -33,6 +33,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+from typing import Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -50,7 +51,7 @@ def _load(name: str) -> types.ModuleType:
 
 
 def launch_setting(name: str):
-    """A literal module-level setting of launch.py (``LAUNCH``, ``SEQUENTIAL``, ``PAIR_SUB``), read without
+    """A literal module-level setting of launch.py (``LAUNCH``, ``SEQUENTIAL``, ``PAIR_SUB``, ...), read without
     importing it (it imports torch)."""
     tree = ast.parse((KERNELS / "launch.py").read_text())
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
@@ -61,7 +62,9 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     """(kernel name, tag, function, pointer dtypes, constexprs, (warps, stages)) of every kernel a benchmark run
     uses; the sequential passes as ``launch.sequential_config`` sets them on a grid of one program per SM or more."""
     f32 = "*fp32"
-    LAUNCH, PAIR_SUB = launch_setting("LAUNCH"), launch_setting("PAIR_SUB")
+    LAUNCH, PAIR_SUB, SPAN = launch_setting("LAUNCH"), launch_setting("PAIR_SUB"), launch_setting("BLOCK_SPAN")
+    CAP = launch_setting("MAX_REGISTERS")
+    cfg = lambda key: (*LAUNCH[key], CAP.get(key))  # noqa: E731  (warps, stages, maxnreg)
     SEQUENTIAL, WARPS = launch_setting("SEQUENTIAL"), launch_setting("SEQUENTIAL_WARPS")
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
@@ -72,43 +75,44 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
                                                        "Wt": dt, "U": f32, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV), LAUNCH["prep"]
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN), cfg("prep")
         fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF,
-                 KB=BK if delta else BKF, BV=fbv), (WARPS, fstages)  # launch.Shapes.state_KB
+                 KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                 BV=BV), LAUNCH["output_vector" if decay == 2 else "output"]  # launch.chunk_forward
+                 BV=BV, SPAN=SPAN), cfg("output_vector" if decay == 2 else "output")  # launch.chunk_forward
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, HAS_DFINAL=1, STORE_DINIT=1, C=64,
-                 BKF=BKF, KB=BK if delta else BKF, BV=bbv), (WARPS, bstages)  # launch.Shapes.state_KB
+                 BKF=BKF, KB=BK if delta else BKF, BV=bbv), (WARPS, bstages, None)  # launch.Shapes.state_KB
         if not delta:
             yield "dv", tag, bwd.dv_kernel, {"q": dt, "k": dt, "G": f32, "u": dt, "A": dt, "do": dt, "dHs": dt,
                                              "dv": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
-                     BV=min(triton.next_power_of_2(K), 128) if decay else BV), LAUNCH["dv"]  # launch.Shapes.dv_BV
+                     BV=min(triton.next_power_of_2(K), 128) if decay else BV), cfg("dv")  # launch.Shapes.dv_BV
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wy,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), LAUNCH["score_grads"]
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), cfg("score_grads")
         grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                     BV=BV), LAUNCH["wy_grads"]  # launch.Shapes.wy_BK
+                     BV=BV), cfg("wy_grads")  # launch.Shapes.wy_BK
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
-                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK), LAUNCH["intra_grads"]
+                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK, SPAN=SPAN), \
+                cfg("intra_grads")
         sides = [(1, "grads_query"), (2, "grads_key")] if decay == 0 else \
             [(0, "grads_vector" if decay == 2 else "grads_pipelined")]  # launch.chunk_backward
         for side, grads in sides:
@@ -116,16 +120,17 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
                  "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, SIDE=side, C=64, BK=grads_BK, BV=BV), \
-                LAUNCH[grads]
+                cfg(grads)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
-        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=launch_setting("RECURRENT_BV")), LAUNCH["recurrent"]
+        dict(DECAY=2, DELTA=1, BONUS=0, BK=BKF, BV=launch_setting("RECURRENT_BV")), cfg("recurrent")
 
 
-def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> tuple[int, int, int, int, int, str]:
+def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int, maxnreg: Optional[int]
+              ) -> tuple[int, int, int, int, int, str]:
     """(shared memory bytes, registers per thread, stack bytes per thread, vectorised and all global
     load instructions of the PTX, a hash of the PTX without its debug line information) of one
-    compiled variant."""
+    compiled variant (``maxnreg``: launch.MAX_REGISTERS, or None)."""
     names = list(inspect.signature(fn.fn).parameters)
     signature = {p: "constexpr" if p in constexprs else pointers.get(p, "fp32" if p == "scale" else "i32")
                  for p in names}
@@ -134,7 +139,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> 
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names)
              if p not in constexprs and (signature[p].startswith("*") or p in ("T", "H", "K", "V"))}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -162,12 +168,14 @@ def main() -> None:
     _load("common")
     fwd, bwd, rec = _load("chunk_fwd"), _load("chunk_bwd"), _load("recurrent")
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, K = V = {args.K}{', varlen' if args.varlen else ''}")
-    for name, tag, fn, pointers, constexprs, (warps, stages) in variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen)):
+    kernels = variants(fwd, bwd, rec, f"*{args.dtype}", args.K, int(args.varlen))
+    for name, tag, fn, pointers, constexprs, (warps, stages, maxnreg) in kernels:
         if args.only and name not in args.only.split(","):
             continue
         try:
-            smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages)
-            print(f"{name:15s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}  "
+            smem, regs, stack, vec, loads, code = resources(fn, pointers, constexprs, warps, stages, maxnreg)
+            cap = f" (cap {maxnreg})" if maxnreg else ""
+            print(f"{name:15s} {tag:9s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}{cap}  "
                   f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code}")
         except Exception as error:  # a variant that does not compile says why
             print(f"{name:15s} {tag:9s} {type(error).__name__}: {str(error).splitlines()[0][:200]}")

@@ -269,9 +269,25 @@ def test_sequential_grid_classes(sms, forward, backward, monkeypatch):
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
 def test_pairwise_sub_blocks(combo, sub, monkeypatch):
     """Per-channel decays: pairwise inside sub-blocks of any size, through reference points across them
-    (T = 70: a full chunk and a partial one that ends inside a sub-block)."""
+    (T = 70: a full chunk and a partial one that ends inside a sub-block). A negative BLOCK_SPAN sends every
+    key block to these loops (the mild gates here would otherwise take the block products)."""
     monkeypatch.setattr(launch, "PAIR_SUB", sub)
+    monkeypatch.setattr(launch, "BLOCK_SPAN", -1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
+
+
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
+                                   ("vector", "additive", False)], ids=combo_id)
+def test_block_products_and_pairwise_loops_in_one_call(combo):
+    """Per-channel decays choose their path per chunk (the forward's scores) or per block of rows and key
+    channels (intra_grads_kernel): gates falling by more than 2^-BLOCK_SPAN inside a block of 16 rows run the
+    pairwise loops, milder ones the block products. Here key channels 64-79 of the second chunk decay by e^-6
+    per token (2^-138 over 16 rows), the rest mildly: that chunk's scores run pairwise, and its
+    intra_grads_kernel programs at key channels 64-79 (K = 80: two key blocks of 64); everything else runs by
+    products."""
+    t = inputs(combo, B=1, T=150, H=1, K=80, V=16)
+    t["log_decay"][:, 64:128, :, 64:] = -6.0
+    compare(t, FP32_TOL)
 
 
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)

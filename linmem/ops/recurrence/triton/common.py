@@ -12,13 +12,15 @@ Layout conventions of every kernel (DESIGN.md section 3):
   cumulative log decay, written by ``chunk_cumsum_kernel``); a decay between two tokens is
   always ``2^`` of a non-positive difference of them (``exp2``), masked *before* the ``exp2``.
 
-Per-channel decays are exact inside sub-blocks of ``SB`` tokens (pairwise, one exponential
-per pair and channel); across sub-blocks the reference point ``R_j`` (the cumulative gate at
-the end of sub-block j) splits ``exp(G_t - G_s) = exp(G_t - R_j) exp(R_j - G_s)`` for s in
-sub-block j into two factors <= 1 that enter a matrix product. Each side takes one exponential
-per row and channel, against the nearest reference point: ``exp(R_j - G_s)`` for s in sub-block
-j, and ``exp(G_t - R_(i-1))`` for t in sub-block i, carried to an earlier reference by the
-factors ``exp(R_m - R_(m-1)) <= 1`` (per channel) as the loop over j walks past sub-block m.
+Per-channel decays: across sub-blocks of ``SB`` tokens the reference point ``R_j`` (the
+cumulative gate at the end of sub-block j) splits ``exp(G_t - G_s) = exp(G_t - R_j) exp(R_j - G_s)``
+for s in sub-block j into two factors <= 1 that enter a matrix product. Each side takes one
+exponential per row and channel, against the nearest reference point: ``exp(R_j - G_s)`` for s in
+sub-block j, and ``exp(G_t - R_(i-1))`` for t in sub-block i, carried to an earlier reference by the
+factors ``exp(R_m - R_(m-1)) <= 1`` (per channel) as the loop over j walks past sub-block m. Pairs
+inside a sub-block take the same split at the row before it when no gate falls by more than
+``2^-SPAN`` there (``launch.BLOCK_SPAN``; the right factor is then at most 2^SPAN, finite), and one
+exponential per pair and channel otherwise (the pairwise loops).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import triton.language as tl
 CHUNK = 64
 #: sub-block length of the delta rule's blockwise inverse (C = 4 SUB)
 SUB = 16
+#: row block of the per-channel decays' products without pairwise exponentials (``_block_scores``, the fast
+#: path of ``intra_grads_kernel`` takes ``launch.INTRA_ROWS``)
+FAST_BLOCK: tl.constexpr = tl.constexpr(16)
 #: log2(e): the cumulative gates G of the chunk kernels are log2(e) times the cumulative log decays
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 #: True when the kernels run on the CPU through the Triton interpreter
@@ -47,6 +52,17 @@ def total(x, axis: tl.constexpr):
     work in the interpreter even when TRITON_INTERPRET=1 was set only after that import.
     """
     return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def largest(x, axis: tl.constexpr):
+    """tl.max, spelled with Triton builtins only (see :func:`total`)."""
+    return tl.reduce(x, axis, _larger)
 
 
 @triton.jit
@@ -368,14 +384,65 @@ def bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK: tl.constexpr):
 
 
 @triton.jit
+def block_span(G_ptr, t0, nrows, h, H, K, C: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    """The most a per-channel gate falls inside one block of RB rows of a chunk, from the row before the block
+    to its last valid row (log2 units; G non-increasing along each channel): a scalar, 0 for an idle chunk."""
+    j = tl.arange(0, C // RB)
+    live = (j * RB < nrows)[:, None]
+    span = total(tl.full([C // RB], 0.0, tl.float32), 0)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        before = load_rows(G_ptr, t0, nrows, h, H, K, j * RB - 1, cols, False)
+        last = load_rows(G_ptr, t0, nrows, h, H, K, tl.minimum(j * RB + RB - 1, nrows - 1), cols, False)
+        span = tl.maximum(span, largest(largest(tl.where(live, before - last, 0.0), 1), 0))
+    return span
+
+
+@triton.jit
+def _block_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT: tl.constexpr, C: tl.constexpr,
+                  X: tl.constexpr):
+    """One key block's part of :func:`chunk_scores` for a chunk whose gates fall by at most 2^SPAN inside each
+    block of FAST_BLOCK rows (:func:`block_span`): [C, C] fp32, exact on the pairs s <= t, finite on the rest.
+
+    R_j, G at the row before block j, splits every decay at the start of the column's block:
+    ``exp2(Gx_t - G_s) = exp2(Gx_t - R_j) exp2(R_j - G_s)``, the left factor <= 1 and the right one at most
+    2^SPAN. So the pairs inside a block enter the same product as those across blocks, and no pairwise
+    exponential is left. L holds the rows of blocks >= j against R_j, reaching R_(j-1) by
+    ``exp2(R_j - R_(j-1)) <= 1``. The products run in tf32 (IEEE fp32 for fp32 inputs): the right factors
+    exceed fp16's range.
+    """
+    NB: tl.constexpr = C // FAST_BLOCK
+    blk = rows // FAST_BLOCK
+    valid = rows < nrows
+    Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
+    xE = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False) * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols,
+                                                                             rows, FAST_BLOCK)
+    yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
+        valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, FAST_BLOCK, False, True)
+        - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
+    acc = tl.full([C, C], 0.0, tl.float32)
+    L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+    R = ref_point(G_ptr, t0, nrows, h, H, K, cols, NB - 2, FAST_BLOCK)
+    for jj in range(NB - 1):
+        j = NB - 1 - jj
+        L += tl.where((blk == j)[:, None], xE, 0.0)
+        acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), tl.float32, X)
+        L, R = carry_left(L, R, G_ptr, t0, nrows, h, H, K, cols, j - 1, FAST_BLOCK)
+    L += tl.where((blk == 0)[:, None], xE, 0.0)
+    return acc + mm(L, tl.where((blk == 0)[None, :], yFT, 0.0), tl.float32, X)
+
+
+@triton.jit
 def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                  DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr,
-                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr):
+                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr, SPAN: tl.constexpr):
     """Decayed scores of one chunk, ``A[t, s] = sum_k x_tk y_sk exp2(Gx_tk - G_sk)``: [C, C] fp32.
 
     Pairs s <= t (s < t if STRICT); 0 elsewhere. ``Gx`` is ``G`` of row t, or of row t - 1
     if SHIFT (the RWKV-6 read-out before the step's decay). DECAY: 0 none, 1 one gate per
     token ([tokens, H]), 2 one per key channel ([tokens, H, K]). x, y: [tokens, H, K].
+    Per-channel decays: a chunk whose gates fall by at most 2^-SPAN inside every block of FAST_BLOCK
+    rows (:func:`block_span`) takes :func:`_block_scores`; any other, the pairwise loop below.
     """
     DT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, C)
@@ -386,39 +453,49 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         causal = rows[:, None] >= rows[None, :]
     acc = tl.full([C, C], 0.0, tl.float32)
     if DECAY == 2:
-        blk = rows // SB
-        offs = tl.arange(0, SB)
-        P = tl.full([C, SB], 0.0, tl.float32)  # P[t, off]: the pair (t, first row of t's sub-block + off)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
-            Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
-            # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
-            # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
-            xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
-            yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * to_ref(
-                load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True), G_ptr, t0, nrows, h, H, K, cols, rows, SB, True)
-            L = tl.full([C, BK], 0.0, tl.float32)
-            R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
-            for jj in range(C // SB - 1):
-                j = C // SB - 2 - jj
-                L += tl.where((blk == j + 1)[:, None], xE, 0.0)
-                acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
-                L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
-            # s in the same sub-block as t: pairwise, one column offset at a time
-            for off in range(SB):
-                src = (rows // SB) * SB + off
-                ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
-                Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
-                if STRICT:
-                    pair = valid & (rows % SB > off)
-                else:
-                    pair = valid & (rows % SB >= off)
-                P += tl.where(offs[None, :] == off, total(x.to(tl.float32) * ysel * masked_exp2(pair[:, None],
-                                                                                              Gx - Gsel), 1)[:, None], 0.0)
-        # the pairs to their columns once, after every key block: a [C, SB] sum per step above, not a [C, C] one
-        same = blk[:, None] == blk[None, :]
-        acc += tl.where(same, tl.gather(P, tl.broadcast_to((rows % SB)[None, :], [C, C]), 1), 0.0)
+        # one path for the whole chunk, so that each path's loop keeps its software pipelining (a branch per key
+        # block inside one loop lost it: gla's output kernel 0.571 -> 0.688 ms by products, 1.00 pairwise)
+        if block_span(G_ptr, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN:
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                acc += _block_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT, C, X)
+            # the blocks' products also filled the pairs past the diagonal (finite), which the causal mask drops
+            acc = tl.where(causal & valid[:, None], acc, 0.0)
+        else:
+            blk = rows // SB
+            offs = tl.arange(0, SB)
+            P = tl.full([C, SB], 0.0, tl.float32)  # P[t, off]: the pair (t, first row of t's sub-block + off)
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
+                Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
+                # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
+                # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
+                xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
+                yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * to_ref(
+                    load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True), G_ptr, t0, nrows, h, H, K, cols, rows,
+                    SB, True)
+                L = tl.full([C, BK], 0.0, tl.float32)
+                R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
+                for jj in range(C // SB - 1):
+                    j = C // SB - 2 - jj
+                    L += tl.where((blk == j + 1)[:, None], xE, 0.0)
+                    acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
+                    L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
+                # s in the same sub-block as t: pairwise, one column offset at a time
+                for off in range(SB):
+                    src = (rows // SB) * SB + off
+                    ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
+                    Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
+                    if STRICT:
+                        pair = valid & (rows % SB > off)
+                    else:
+                        pair = valid & (rows % SB >= off)
+                    P += tl.where(offs[None, :] == off, total(x.to(tl.float32) * ysel * masked_exp2(
+                        pair[:, None], Gx - Gsel), 1)[:, None], 0.0)
+            # the pairs to their columns once, after every key block: a [C, SB] sum per step above, not a [C, C] one
+            same = blk[:, None] == blk[None, :]
+            acc += tl.where(same, tl.gather(P, tl.broadcast_to((rows % SB)[None, :], [C, C]), 1), 0.0)
     else:
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)

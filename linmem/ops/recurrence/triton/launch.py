@@ -63,6 +63,11 @@ LAUNCH = {
     "grads_key": (8, 1),
     "recurrent": (4, 2),
 }
+#: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than two programs of its
+#: warps per SM allow. The per-channel output kernel holds two paths for the intra-chunk scores (block products
+#: and pairwise loops, ``common.chunk_scores``); each alone compiles to 118 and 128 registers at 8 warps, both
+#: together to 170 (Triton 3.6, sm_90), one program per SM. Capped at 128 they take no spill
+MAX_REGISTERS = {"output_vector": 128}
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
 RECURRENT_BV = 32
 #: (V block, pipeline stages) of the sequential passes per (pass, delta rule, decay kind) on a grid of at least
@@ -107,6 +112,12 @@ PAIR_SUB = 8
 #: row block of ``intra_grads_kernel`` (per-channel decays): the other blocks of the chunk, and pairs across the
 #: block's two halves, enter through matrix products; pairs inside a half take one exponential each
 INTRA_ROWS = 16
+#: per-channel decays: the most a gate may fall (log2 units) inside one block of ``common.FAST_BLOCK`` rows (of
+#: ``INTRA_ROWS`` in ``intra_grads_kernel``) for a key block to take products instead of pairwise exponentials there:
+#: the decay from the block's start is then split off as a factor of at most 2^BLOCK_SPAN, finite in tf32 for
+#: any input below 2^64. A key block past it runs the pairwise loops (``PAIR_SUB``); a negative value sends every
+#: key block there
+BLOCK_SPAN = 64
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132
 
@@ -261,11 +272,12 @@ def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, const
 
 
 def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
-    """kernel[grid](*args) with the LAUNCH config (warps, stages) of ``name``; a config whose software pipelining
-    does not fit the device's shared memory runs with one stage fewer, until it fits."""
+    """kernel[grid](*args) with the LAUNCH config (warps, stages) of ``name`` (and its MAX_REGISTERS); a config
+    whose software pipelining does not fit the device's shared memory runs with one stage fewer, until it fits."""
     warps, stages = LAUNCH[name]
+    cap = {"maxnreg": MAX_REGISTERS[name]} if name in MAX_REGISTERS else {}
     _launch_fitting(name, list(range(stages, 0, -1)),
-                    lambda st: kernel[grid](*args, **constexprs, num_warps=warps, num_stages=st),
+                    lambda st: kernel[grid](*args, **constexprs, num_warps=warps, num_stages=st, **cap),
                     lambda st: f"with {st} stages", args, constexprs)
 
 
@@ -335,7 +347,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
-                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV)
+                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
                        k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
@@ -346,7 +358,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
             DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay),
-            BV=s.BV)
+            BV=s.BV, SPAN=BLOCK_SPAN)
     return o, hN, (G, hs, A, d, Tt, Wt)
 
 
@@ -404,7 +416,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
-                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK)
+                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN)
     args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,

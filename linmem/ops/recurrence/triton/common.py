@@ -453,8 +453,8 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         causal = rows[:, None] >= rows[None, :]
     acc = tl.full([C, C], 0.0, tl.float32)
     if DECAY == 2:
-        # one path for the whole chunk, so that each path's loop keeps its software pipelining (a branch per key
-        # block inside one loop lost it: gla's output kernel 0.571 -> 0.688 ms by products, 1.00 pairwise)
+        # one path for the whole chunk, a loop each (a choice per key block inside one loop measured the same:
+        # gla's output kernel 0.688 against 0.689 ms by products, before launch.MAX_REGISTERS capped the two paths)
         if block_span(G_ptr, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN:
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)

@@ -270,7 +270,7 @@ def test_sequential_grid_classes(sms, forward, backward, monkeypatch):
 def test_pairwise_sub_blocks(combo, sub, monkeypatch):
     """Per-channel decays: pairwise inside sub-blocks of any size, through reference points across them
     (T = 70: a full chunk and a partial one that ends inside a sub-block). A negative BLOCK_SPAN sends every
-    key block to these loops (the mild gates here would otherwise take the block products)."""
+    chunk to these loops (the mild gates here would otherwise take the block products)."""
     monkeypatch.setattr(launch, "PAIR_SUB", sub)
     monkeypatch.setattr(launch, "BLOCK_SPAN", -1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)

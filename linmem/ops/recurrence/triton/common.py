@@ -247,10 +247,12 @@ def since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr):
 
 
 @triton.jit
-def to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr, TRANS: tl.constexpr):
-    """The key side's decay to the reference point of its own sub-block, 2^(R_blk(s) - G_s): [C, BK],
-    or [BK, C] if TRANS (0 on rows past the chunk's end). Gs: G of the chunk's rows, in that layout."""
-    R = row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, True, TRANS)
+def to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB: tl.constexpr, TRANS: tl.constexpr,
+           BEFORE: tl.constexpr):
+    """The key side's decay to the reference point of its own sub-block, 2^(R_blk(s) - G_s) (<= 1), or if BEFORE
+    from the row before that sub-block, 2^(R_(blk(s)-1) - G_s) (>= 1): [C, BK], or [BK, C] if TRANS (0 on rows
+    past the chunk's end). Gs: G of the chunk's rows, in that layout."""
+    R = row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, SB, 1 - BEFORE, TRANS)
     if TRANS:
         mask = (rows < nrows)[None, :]
     else:
@@ -399,37 +401,47 @@ def block_span(G_ptr, t0, nrows, h, H, K, C: tl.constexpr, RB: tl.constexpr, BK:
 
 
 @triton.jit
-def _block_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT: tl.constexpr, C: tl.constexpr,
+def _chained_scores(acc, xE, yFT, G_ptr, t0, nrows, h, H, K, cols, rows, C: tl.constexpr, SB: tl.constexpr,
+                    OWN: tl.constexpr, PT: tl.constexpr, X: tl.constexpr):
+    """acc [C, C] fp32 plus the pairs of one key block that the sub-blocks' reference points split, as products.
+
+    For each sub-block j (last first), L holds the rows of the later sub-blocks (and of j itself if OWN)
+    against the reference point of the columns ``yFT`` of sub-block j, and meets them in one product; L then
+    reaches the next reference by ``exp2(R_m - R_(m-1)) <= 1``. xE, yFT: the rows and the transposed columns
+    scaled to their references (:func:`since_ref`, :func:`to_ref`; with OWN, the columns' reference is the row
+    before their sub-block). Products in dtype PT.
+    """
+    NB: tl.constexpr = C // SB
+    blk = rows // SB
+    L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+    R = ref_point(G_ptr, t0, nrows, h, H, K, cols, NB - 2, SB)
+    for jj in range(NB - 1 + OWN):
+        j = NB - 2 + OWN - jj
+        L += tl.where((blk == j + 1 - OWN)[:, None], xE, 0.0)
+        acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), PT, X)
+        L, R = carry_left(L, R, G_ptr, t0, nrows, h, H, K, cols, j - OWN, SB)
+    return acc
+
+
+@triton.jit
+def _block_scores(acc, x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT: tl.constexpr, C: tl.constexpr,
                   X: tl.constexpr):
-    """One key block's part of :func:`chunk_scores` for a chunk whose gates fall by at most 2^SPAN inside each
-    block of FAST_BLOCK rows (:func:`block_span`): [C, C] fp32, exact on the pairs s <= t, finite on the rest.
+    """acc plus one key block's part of :func:`chunk_scores` for a chunk whose gates fall by at most 2^SPAN inside
+    each block of FAST_BLOCK rows (:func:`block_span`): [C, C] fp32, exact on the pairs s <= t, finite on the rest.
 
     R_j, G at the row before block j, splits every decay at the start of the column's block:
     ``exp2(Gx_t - G_s) = exp2(Gx_t - R_j) exp2(R_j - G_s)``, the left factor <= 1 and the right one at most
-    2^SPAN. So the pairs inside a block enter the same product as those across blocks, and no pairwise
-    exponential is left. L holds the rows of blocks >= j against R_j, reaching R_(j-1) by
-    ``exp2(R_j - R_(j-1)) <= 1``. The products run in tf32 (IEEE fp32 for fp32 inputs): the right factors
-    exceed fp16's range.
+    2^SPAN. So the pairs inside a block enter the same products as those across blocks
+    (:func:`_chained_scores` with OWN), and no pairwise exponential is left. The products run in tf32 (IEEE
+    fp32 for fp32 inputs): the right factors exceed fp16's range.
     """
-    NB: tl.constexpr = C // FAST_BLOCK
-    blk = rows // FAST_BLOCK
-    valid = rows < nrows
     Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
     xE = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False) * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols,
                                                                              rows, FAST_BLOCK)
-    yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
-        valid[None, :], row_refs(G_ptr, t0, nrows, h, H, K, cols, rows, FAST_BLOCK, False, True)
-        - load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
-    acc = tl.full([C, C], 0.0, tl.float32)
-    L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
-    R = ref_point(G_ptr, t0, nrows, h, H, K, cols, NB - 2, FAST_BLOCK)
-    for jj in range(NB - 1):
-        j = NB - 1 - jj
-        L += tl.where((blk == j)[:, None], xE, 0.0)
-        acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), tl.float32, X)
-        L, R = carry_left(L, R, G_ptr, t0, nrows, h, H, K, cols, j - 1, FAST_BLOCK)
-    L += tl.where((blk == 0)[:, None], xE, 0.0)
-    return acc + mm(L, tl.where((blk == 0)[None, :], yFT, 0.0), tl.float32, X)
+    yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * to_ref(
+        load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True), G_ptr, t0, nrows, h, H, K, cols, rows, FAST_BLOCK,
+        True, True)
+    return _chained_scores(acc, xE, yFT, G_ptr, t0, nrows, h, H, K, cols, rows, C, FAST_BLOCK, 1, tl.float32, X)
 
 
 @triton.jit
@@ -458,7 +470,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         if block_span(G_ptr, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN:
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)
-                acc += _block_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT, C, X)
+                acc = _block_scores(acc, x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT, C, X)
             # the blocks' products also filled the pairs past the diagonal (finite), which the causal mask drops
             acc = tl.where(causal & valid[:, None], acc, 0.0)
         else:
@@ -469,19 +481,13 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                 cols = k0 + tl.arange(0, BK)
                 x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
                 Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
-                # s in an earlier sub-block j than t, through R_j: L holds x_t e^(Gx_t - R_j) for the rows
-                # after sub-block j, right is y_s e^(R_j - G_s) for s in sub-block j
+                # s in an earlier sub-block j than t, through R_j (G at the end of sub-block j): x_t e^(Gx_t - R_j)
+                # and y_s e^(R_j - G_s), both <= 1
                 xE = x * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols, rows, SB)
                 yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * to_ref(
                     load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True), G_ptr, t0, nrows, h, H, K, cols, rows,
-                    SB, True)
-                L = tl.full([C, BK], 0.0, tl.float32)
-                R_next = ref_point(G_ptr, t0, nrows, h, H, K, cols, C // SB - 2, SB)
-                for jj in range(C // SB - 1):
-                    j = C // SB - 2 - jj
-                    L += tl.where((blk == j + 1)[:, None], xE, 0.0)
-                    acc += mm(L, tl.where((blk == j)[None, :], yFT, 0.0), DT, X)
-                    L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
+                    SB, True, False)
+                acc = _chained_scores(acc, xE, yFT, G_ptr, t0, nrows, h, H, K, cols, rows, C, SB, 0, DT, X)
                 # s in the same sub-block as t: pairwise, one column offset at a time
                 for off in range(SB):
                     src = (rows // SB) * SB + off
@@ -526,7 +532,8 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
         valid = rows < nrows
         blk = rows // SB
         yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * to_ref(
-            load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False), G_ptr, t0, nrows, h, H, K, cols, rows, SB, False)
+            load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False), G_ptr, t0, nrows, h, H, K, cols, rows, SB, False,
+            False)
         # s in an earlier sub-block j than t, through R_j: M[t] sums over j < blk(t) the products
         # dS[t, sub-block j] (y e^(R_j - G))[sub-block j], each times e^(R_(blk(t)-1) - R_j), which M
         # gathers as the loop passes the later reference points; e^(Gx_t - R_(blk(t)-1)) comes last
@@ -587,7 +594,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
             L += tl.where((blk == j + 1)[:, None], xE, 0.0)
             Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
             L, R_next = carry_left(L, R_next, G_ptr, t0, nrows, h, H, K, cols, j, SB)
-        Z = Z * to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB, False)
+        Z = Z * to_ref(Gs, G_ptr, t0, nrows, h, H, K, cols, rows, SB, False, False)
         for off in range(SB):
             src = (rows // SB) * SB + off
             coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),

@@ -113,10 +113,11 @@ PAIR_SUB = 8
 #: block's two halves, enter through matrix products; pairs inside a half take one exponential each
 INTRA_ROWS = 16
 #: per-channel decays: the most a gate may fall (log2 units) inside one block of ``common.FAST_BLOCK`` rows (of
-#: ``INTRA_ROWS`` in ``intra_grads_kernel``) for a key block to take products instead of pairwise exponentials there:
-#: the decay from the block's start is then split off as a factor of at most 2^BLOCK_SPAN, finite in tf32 for
-#: any input below 2^64. A key block past it runs the pairwise loops (``PAIR_SUB``); a negative value sends every
-#: key block there
+#: ``INTRA_ROWS`` in ``intra_grads_kernel``) for the pairs inside the blocks to take products instead of pairwise
+#: exponentials: the decay from the row before the block is then split off as a factor of at most 2^BLOCK_SPAN,
+#: finite in tf32 for any input below 2^64. The forward's scores decide per chunk, ``intra_grads_kernel`` per
+#: program (its rows and key block); past the bound they run the pairwise loops (``PAIR_SUB``), and a negative
+#: value sends everything there
 BLOCK_SPAN = 64
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132

@@ -63,6 +63,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     uses; the sequential passes as ``launch.sequential_config`` sets them on a grid of one program per SM or more."""
     f32 = "*fp32"
     LAUNCH, PAIR_SUB, SPAN = launch_setting("LAUNCH"), launch_setting("PAIR_SUB"), launch_setting("BLOCK_SPAN")
+    CSPAN = launch_setting("CHUNK_SPAN")
     CAP = launch_setting("MAX_REGISTERS")
     cfg = lambda key: (*LAUNCH[key], CAP.get(key))  # noqa: E731  (warps, stages, maxnreg)
     SEQUENTIAL, WARPS = launch_setting("SEQUENTIAL"), launch_setting("SEQUENTIAL_WARPS")
@@ -75,7 +76,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
                                                        "Wt": dt, "U": f32, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN), cfg("prep")
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
+                cfg("prep")
         fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
@@ -85,7 +87,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                 BV=BV, SPAN=SPAN), cfg("output_vector" if decay == 2 else "output")  # launch.chunk_forward
+                 BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
+            cfg("output_vector" if decay == 2 else "output")  # launch.chunk_forward
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,
                                                        "cu_seqlens": "*i32"}, \
@@ -111,7 +114,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \
-                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK, SPAN=SPAN), \
+                dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK, SPAN=SPAN,
+                     CSPAN=CSPAN, KP=BKF), \
                 cfg("intra_grads")
         sides = [(1, "grads_query"), (2, "grads_key")] if decay == 0 else \
             [(0, "grads_vector" if decay == 2 else "grads_pipelined")]  # launch.chunk_backward
@@ -119,7 +123,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield grads, tag, bwd.grads_kernel, \
                 {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
                  "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, SIDE=side, C=64, BK=grads_BK, BV=BV), \
+                dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, SIDE=side, C=64, BK=grads_BK, BV=BV,
+                     CSPAN=CSPAN, KP=BKF), \
                 cfg(grads)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \

@@ -269,24 +269,38 @@ def test_sequential_grid_classes(sms, forward, backward, monkeypatch):
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
 def test_pairwise_sub_blocks(combo, sub, monkeypatch):
     """Per-channel decays: pairwise inside sub-blocks of any size, through reference points across them
-    (T = 70: a full chunk and a partial one that ends inside a sub-block). A negative BLOCK_SPAN sends every
-    chunk to these loops (the mild gates here would otherwise take the block products)."""
+    (T = 70: a full chunk and a partial one that ends inside a sub-block). Negative CHUNK_SPAN and BLOCK_SPAN
+    send every chunk to these loops (the mild gates here would otherwise take one reference per chunk)."""
     monkeypatch.setattr(launch, "PAIR_SUB", sub)
+    monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
     monkeypatch.setattr(launch, "BLOCK_SPAN", -1)
+    compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
+
+
+@pytest.mark.parametrize("combo", [c for c in COMBOS if c[0] == "vector"], ids=combo_id)
+def test_block_products(combo, monkeypatch):
+    """Per-channel decays through the reference points of blocks of 16 rows, with no pairwise exponential
+    (``common._block_scores``, the block path of ``intra_grads_kernel``): a negative CHUNK_SPAN sends every
+    chunk there (T = 70: a partial chunk that ends inside a block)."""
+    monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
 
 
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
                                    ("vector", "additive", False)], ids=combo_id)
-def test_block_products_and_pairwise_loops_in_one_call(combo):
-    """Per-channel decays choose their path per chunk (the forward's scores) or per block of rows and key
-    channels (intra_grads_kernel): gates falling by more than 2^-BLOCK_SPAN inside a block of 16 rows run the
-    pairwise loops, milder ones the block products. Here key channels 64-79 of the second chunk decay by e^-6
-    per token (2^-138 over 16 rows), the rest mildly: that chunk's scores run pairwise, and its
-    intra_grads_kernel programs at key channels 64-79 (K = 80: two key blocks of 64); everything else runs by
-    products."""
-    t = inputs(combo, B=1, T=150, H=1, K=80, V=16)
+def test_three_paths_in_one_call(combo):
+    """Per-channel decays choose their path per chunk (the forward's scores, and whether the backward's
+    intra-chunk gradients need intra_grads_kernel), then per block of rows and key channels (intra_grads_kernel):
+    - gates falling by at most 2^-CHUNK_SPAN over a chunk split at the chunk's start (one product);
+    - else by at most 2^-BLOCK_SPAN inside every block of 16 rows, at the blocks' starts (block products);
+    - else pairwise.
+    K = 80 (key blocks of 64 and 16). The first and last chunks have the mild default gates (one product). The
+    second one's key channels 64-79 decay by e^-6 per token (2^-138 over 16 rows): its scores run pairwise, and
+    its intra_grads_kernel programs pairwise at those channels, by block products at the others. The third
+    one's channels 0-15 decay by e^-1.5 per token (2^-139 over the chunk, 2^-35 over 16 rows): block products."""
+    t = inputs(combo, B=1, T=200, H=1, K=80, V=16)
     t["log_decay"][:, 64:128, :, 64:] = -6.0
+    t["log_decay"][:, 128:192, :, :16] = -1.5
     compare(t, FP32_TOL)
 
 

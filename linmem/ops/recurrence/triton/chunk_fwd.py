@@ -158,7 +158,8 @@ def _store_wy(out, outT, x_ptr, beta, G, T00, T10, T11, T20, T21, T22, T30, T31,
 @triton.jit
 def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
                       DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, CSPAN: tl.constexpr,
+                      KP: tl.constexpr):
     """Delta rule, per chunk: T = (I + diag(beta) strict(A_kk))^-1 [C, C], W = T (beta k e^G) [C, K],
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
@@ -175,7 +176,7 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
-    L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X, SPAN)
+    L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(Tt, L, t0, nrows, h, H, C, rows, rows)
     tl.debug_barrier()  # L is read back by blocks, by other threads
     T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
@@ -272,7 +273,8 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
 @triton.jit
 def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K, V,
                   DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr):
+                  C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr,
+                  CSPAN: tl.constexpr, KP: tl.constexpr):
     """Per chunk: A = scale A_qk (stored for the backward), o = scale (q e^Gq) h + A d (+ bonus).
 
     d: the writes [tokens, H, V] (v, or the delta rule's corrected writes); v: the values
@@ -285,7 +287,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
-    A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X, SPAN)
+    A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(A_out, A, t0, nrows, h, H, C, rows, rows)
     if DECAY == 1:
         eq = exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]

@@ -386,6 +386,16 @@ def bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK: tl.constexpr):
 
 
 @triton.jit
+def chunk_span(G_ptr, t0, nrows, h, H, K, KP: tl.constexpr):
+    """The most a per-channel gate falls over a whole chunk, from its start to its last valid row (log2 units;
+    G is 0 before the chunk and non-increasing along each channel): a scalar, 0 for an idle chunk. One load of
+    the last row's KP >= K channels."""
+    cols = tl.arange(0, KP)
+    last = tl.load(G_ptr + ((t0 + nrows - 1) * H + h) * K + cols, mask=cols < tl.where(nrows > 0, K, 0), other=0.0)
+    return largest(-last, 0)
+
+
+@triton.jit
 def block_span(G_ptr, t0, nrows, h, H, K, C: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
     """The most a per-channel gate falls inside one block of RB rows of a chunk, from the row before the block
     to its last valid row (log2 units; G non-increasing along each channel): a scalar, 0 for an idle chunk."""
@@ -447,14 +457,18 @@ def _block_scores(acc, x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIF
 @triton.jit
 def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
                  DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr,
-                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr, SPAN: tl.constexpr):
+                 C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, X: tl.constexpr, SPAN: tl.constexpr,
+                 CSPAN: tl.constexpr, KP: tl.constexpr):
     """Decayed scores of one chunk, ``A[t, s] = sum_k x_tk y_sk exp2(Gx_tk - G_sk)``: [C, C] fp32.
 
     Pairs s <= t (s < t if STRICT); 0 elsewhere. ``Gx`` is ``G`` of row t, or of row t - 1
     if SHIFT (the RWKV-6 read-out before the step's decay). DECAY: 0 none, 1 one gate per
     token ([tokens, H]), 2 one per key channel ([tokens, H, K]). x, y: [tokens, H, K].
-    Per-channel decays: a chunk whose gates fall by at most 2^-SPAN inside every block of FAST_BLOCK
-    rows (:func:`block_span`) takes :func:`_block_scores`; any other, the pairwise loop below.
+    Per-channel decays: a chunk whose gates fall by at most 2^-CSPAN over the whole chunk (:func:`chunk_span`)
+    splits every decay at the chunk's start, ``exp2(Gx_t) exp2(-G_s)``, the right factor at most 2^CSPAN: one
+    product per key block, in tf32 (IEEE fp32 for fp32 inputs), as a scalar decay's. Otherwise a chunk whose
+    gates fall by at most 2^-SPAN inside every block of FAST_BLOCK rows (:func:`block_span`) takes
+    :func:`_block_scores`; any other, the pairwise loop below.
     """
     DT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, C)
@@ -467,7 +481,17 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
     if DECAY == 2:
         # one path for the whole chunk, a loop each (a choice per key block inside one loop measured the same:
         # gla's output kernel 0.688 against 0.689 ms by products, before launch.MAX_REGISTERS capped the two paths)
-        if block_span(G_ptr, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN:
+        if chunk_span(G_ptr, t0, nrows, h, H, K, KP) <= CSPAN:
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                xE = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False) * exp2(
+                    load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False))
+                yFT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True) * masked_exp2(
+                    valid[None, :], -load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, True))
+                acc += mm(xE, yFT, tl.float32, X)
+            # the pairs past the diagonal are finite (factors up to 2^CSPAN); the causal mask drops them
+            acc = tl.where(causal & valid[:, None], acc, 0.0)
+        elif block_span(G_ptr, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN:
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)
                 acc = _block_scores(acc, x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIFT, C, X)

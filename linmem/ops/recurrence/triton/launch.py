@@ -119,6 +119,11 @@ INTRA_ROWS = 16
 #: program (its rows and key block); past the bound they run the pairwise loops (``PAIR_SUB``), and a negative
 #: value sends everything there
 BLOCK_SPAN = 64
+#: per-channel decays: the most a gate may fall (log2 units) over a whole chunk for every decay inside it to split
+#: at the chunk's start (``common.chunk_span``), as a scalar decay's do: one product per key block for the forward's
+#: scores and per side for the intra-chunk gradients, with right factors up to 2^CHUNK_SPAN. Chunks past it take
+#: the block products (``BLOCK_SPAN``) or the pairwise loops; a negative value sends every chunk there
+CHUNK_SPAN = 64
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132
 
@@ -353,7 +358,8 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
-                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN)
+                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
+                CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
                        k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
@@ -364,7 +370,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
             DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay),
-            BV=s.BV, SPAN=BLOCK_SPAN)
+            BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     return o, hN, (G, hs, A, d, Tt, Wt)
 
 
@@ -422,11 +428,12 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
         grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
-                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN)
+                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN,
+                CSPAN=CHUNK_SPAN, KP=s.BKF)
     args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
-                 BK=s.grads_BK(decay), BV=s.BV)
+                 BK=s.grads_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF)
     if decay == 0:  # the query side, then the key side (no gate gradient joins them)
         _launch("grads_query", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=1)
         _launch("grads_key", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=2)

@@ -263,7 +263,8 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
 @triton.jit
 def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N, K, V,
                     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                    C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    CSPAN: tl.constexpr, KP: tl.constexpr):
     """The delta rule's key gradients through its WY factors, for one chunk; ``grads_kernel`` adds the rest.
 
     W = T (beta k e^G) gives d(beta k e^G) = -Y h^T; L = I + diag(beta) strict(A_kk) gives, with
@@ -271,7 +272,9 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     dL^T (beta k) (e^-G side). Stores that part of dk to ``dk`` (input dtype), its gate gradient
     k (dk parts, e^-G parts negated) to ``dg`` (DECAY 2: [tokens, H, K]; DECAY 1: summed over the
     channels, [tokens, H]; before the reverse cumulative sum) and adds the key part of dbeta,
-    sum_k k (e^G (-Y h^T) + dL k), to ``dbeta``, which holds its value part. Grid (slots, H).
+    sum_k k (e^G (-Y h^T) + dL k), to ``dbeta``, which holds its value part. Per-channel decays take both
+    parts by one product each where the chunk's gates fall by at most 2^-CSPAN over it (:func:`chunk_span`,
+    KP: K padded to a power of 2), as ``grads_kernel`` does. Grid (slots, H).
     Split from ``grads_kernel``, whose registers it filled: together they took 0.755 ms for the delta
     rule at 8 x 2048, H = 16, K = V = 128 on an H200 (255 registers, one 8-warp program per SM); apart,
     0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
@@ -286,6 +289,9 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
     db = load_gate_rows(dbeta, t0, nrows, h, H, rows)
+    one_ref = False
+    if DECAY == 2:
+        one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
     if DECAY == 1:
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
         dGk = tl.full([C], 0.0, tl.float32)
@@ -305,10 +311,10 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
             dkW = dkW * exp2(Gr)[:, None]
         else:
             Gk = tl.full([C, BK], 0.0, tl.float32)
-        R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, C, SB, X)
+        R = intra_rows(dL_in, k, G, Gk, one_ref, t0, nrows, h, H, K, cols, LT, DECAY, 1, C, SB, X)
         db += total(kt * (dkW + R), 1)
         rowpart = b[:, None] * (dkW + R)
-        Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, 0, 1, C, SB, X)
+        Ccol = intra_cols(dL_in, k, beta, G, Gk, one_ref, t0, nrows, h, H, K, cols, LT, DECAY, 1, 0, 1, C, SB, X)
         store_rows(dk, rowpart + Ccol, t0, nrows, h, H, K, rows, cols)
         if DECAY == 2:
             store_rows(dg, kt * (rowpart - Ccol), t0, nrows, h, H, K, rows, cols)

@@ -362,9 +362,10 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     """Per-channel decays: the intra-chunk parts of dq and dk for one block of RB rows of a chunk and
     BK key channels, which ``grads_kernel`` completes; only in chunks whose gates fall by more than
     2^-CSPAN over the chunk (:func:`chunk_span`, KP: K padded to a power of 2): ``grads_kernel`` takes the
-    others' from two products of its own. Those chunks' programs stop after that check: 0.086 ms at 8 x 2048,
-    H = 16, K = 128 on an H200 with two loads of G per check, one program per chunk that loops over its blocks
-    0.024, but the loop took 240 registers against 124 and the other chunks' work 0.41 -> 0.60 ms.
+    others' from two products of its own. Those chunks' programs stop after that check, one load of the last
+    row's gates: 0.058 ms for gla at 8 x 2048, H = 16, K = 128 on an H200 (0.086 with two loads; one program
+    per chunk, looping over its blocks, took 0.024, but 240 registers against 124, and the other chunks' work
+    0.41 -> 0.60 ms).
 
     dqi[t] = sum_s dA[t, s] k_s e^(Gq_t - G_s),  dki[s] = sum_t dA[t, s] q_t e^(Gq_t - G_s)
     over the score pairs (s <= t; s < t and Gq_t = G_(t-1) with the bonus): [tokens, H, K] fp32.

@@ -20,7 +20,9 @@ sub-block j, and ``exp(G_t - R_(i-1))`` for t in sub-block i, carried to an earl
 factors ``exp(R_m - R_(m-1)) <= 1`` (per channel) as the loop over j walks past sub-block m. Pairs
 inside a sub-block take the same split at the row before it when no gate falls by more than
 ``2^-SPAN`` there (``launch.BLOCK_SPAN``; the right factor is then at most 2^SPAN, finite), and one
-exponential per pair and channel otherwise (the pairwise loops).
+exponential per pair and channel otherwise (the pairwise loops). Before either, a chunk whose gates fall by
+at most ``2^-CSPAN`` over the whole chunk (``launch.CHUNK_SPAN``, :func:`chunk_span`) needs no reference
+point but its start: ``exp(G_t - G_s) = exp(G_t) exp(-G_s)``, one product, as for a scalar decay.
 """
 
 from __future__ import annotations

@@ -532,13 +532,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             if DECAY != 0:
                 gH += total(hT.to(tl.float32) * dHT, 0)
         if DECAY == 1:
-            Gk = Gr
-            Gq = Gqr
             eq = exp2(Gqr)[:, None]
             ek = masked_exp2(valid, last - Gr)[:, None]
-        elif DECAY == 0:
-            Gk = tl.full([C, BK], 0.0, tl.float32)
-            Gq = Gk
         if DECAY != 2:  # dA carries the decays: dA k and dA^T q
             if QS:
                 dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False),

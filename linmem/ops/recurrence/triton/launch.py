@@ -115,9 +115,9 @@ INTRA_ROWS = 16
 #: per-channel decays: the most a gate may fall (log2 units) inside one block of ``common.FAST_BLOCK`` rows (of
 #: ``INTRA_ROWS`` in ``intra_grads_kernel``) for the pairs inside the blocks to take products instead of pairwise
 #: exponentials: the decay from the row before the block is then split off as a factor of at most 2^BLOCK_SPAN,
-#: finite in tf32 for any input below 2^64. The forward's scores decide per chunk, ``intra_grads_kernel`` per
-#: program (its rows and key block); past the bound they run the pairwise loops (``PAIR_SUB``), and a negative
-#: value sends everything there
+#: finite in tf32 for any input below 2^64. For chunks past ``CHUNK_SPAN``, the forward's scores decide per chunk,
+#: ``intra_grads_kernel`` per program (its rows and key block); past the bound they run the pairwise loops
+#: (``PAIR_SUB``), and a negative value sends everything there
 BLOCK_SPAN = 64
 #: per-channel decays: the most a gate may fall (log2 units) over a whole chunk for every decay inside it to split
 #: at the chunk's start (``common.chunk_span``), as a scalar decay's do: one product per key block for the forward's

@@ -43,6 +43,7 @@ FLA_PEERS = {
     "gla": "chunk_gla",
     "deltanet": "chunk_delta_rule",
     "gated_deltanet": "chunk_gated_delta_rule",
+    "kda": "chunk_kda",
 }
 DEFAULT_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))
 
@@ -132,7 +133,8 @@ def _fla_call(name: str, args: dict) -> Callable[[], torch.Tensor]:
     import importlib
 
     module = {"chunk_simple_gla": "fla.ops.simple_gla", "chunk_gla": "fla.ops.gla",
-              "chunk_delta_rule": "fla.ops.delta_rule", "chunk_gated_delta_rule": "fla.ops.gated_delta_rule"}[name]
+              "chunk_delta_rule": "fla.ops.delta_rule", "chunk_gated_delta_rule": "fla.ops.gated_delta_rule",
+              "chunk_kda": "fla.ops.kda"}[name]
     fn = getattr(importlib.import_module(module), name)
     q, k, v = args["q"], args["k"], args["v"]
     if name in ("chunk_simple_gla", "chunk_gla"):

@@ -73,9 +73,12 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         wy = f32 if delta else dt  # the delta rule's WY factors U, W and T are fp32 (launch.Precision)
         wt = f32 if delta and dt != "*bf16" else dt  # the writes: bf16 inputs' corrected writes are bf16
         sc = f32 if decay == 2 else dt  # the score gradient dA (launch.chunk_backward)
+        if decay and not bonus:
+            yield "cumsum", tag, fwd.chunk_cumsum_kernel, {"g": f32, "G": f32, "cu_seqlens": "*i32"}, \
+                dict(VECTOR=int(decay == 2), IS_VARLEN=varlen, C=64, BK=BK), cfg("cumsum")
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
-                                                       "Wt": dt, "U": f32, "cu_seqlens": "*i32"}, \
+                                                       "Wt": dt, "U": f32, "kg": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
                 cfg("prep")
         fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
@@ -85,8 +88,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, C=64, BKF=BKF,
                  KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
-                                                 "A_out": dt, "o": dt, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
+                                                 "A_out": dt, "o": dt, "qg": dt, "cu_seqlens": "*i32"}, \
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, STORE_QG=int(decay == 2 and delta), C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                  BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
             cfg("output_vector" if decay == 2 else "output")  # launch.chunk_forward
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
@@ -161,7 +164,7 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int, max
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="kernel names, comma-separated (prep, state_fwd, output, "
+    parser.add_argument("--only", help="kernel names, comma-separated (cumsum, prep, state_fwd, output, "
                                        "state_bwd, dv, score_grads, wy_grads, intra_grads, grads_query, "
                                        "grads_key, grads_pipelined, grads_vector, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

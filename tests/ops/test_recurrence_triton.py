@@ -405,7 +405,8 @@ def test_custom_op_traces_without_graph_breaks(combo):
     assert torch.equal(o_c, o_e) and torch.equal(S_c, S_e)
 
 
-@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True)], ids=combo_id)
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True), ("vector", "delta", False)],
+                         ids=combo_id)
 def test_fake_outputs_match_the_kernels(combo):
     """The custom ops' fake implementations (what torch.compile traces with) give every output, the
     saved bf16/fp32 intermediates included, the shape and dtype the kernels give it."""

@@ -38,29 +38,24 @@ from .common import (bonus_scores, chunk_span, end_decay, exp2, first_state_tile
 
 
 @triton.jit
-def _writes_grad_part(k, G, dS, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, SD: tl.constexpr,
-                      X: tl.constexpr):
+def _writes_grad_part(k, dS, t0, nrows, h, H, K, rows, kb, SD: tl.constexpr, X: tl.constexpr):
     """(k e^(Gamma - G))[:, kb] dS: the part of the delta rule's dd that key rows kb carry, [C, BV] fp32.
-    A scalar decay's e^(Gamma - G) is left out: the caller puts it on the rows of the parts' sum."""
-    kt = load_rows(k, t0, nrows, h, H, K, rows, kb, False)
-    valid = rows < nrows
-    if DECAY == 2:
-        kt = kt * masked_exp2(valid[:, None], end_decay(G, t0, nrows, h, H, K, kb, DECAY)[None, :]
-                              - load_rows(G, t0, nrows, h, H, K, rows, kb, False))
-    return mm(kt, dS, SD, X)
+    A scalar decay's e^(Gamma - G) is left out: the caller puts it on the rows of the parts' sum; a
+    per-channel decay's k arrives with it (kg of ``delta_prep_kernel``)."""
+    return mm(load_rows(k, t0, nrows, h, H, K, rows, kb, False), dS, SD, X)
 
 
 @triton.jit
-def _writes_grad_parts(dd, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB: tl.constexpr,
-                       DECAY: tl.constexpr, SD: tl.constexpr, X: tl.constexpr):
+def _writes_grad_parts(dd, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB: tl.constexpr,
+                       SD: tl.constexpr, X: tl.constexpr):
     """dd plus :func:`_writes_grad_part` of each of the NKB state tiles (of len(kb0) key rows each)."""
     KB: tl.constexpr = kb0.shape[0]
-    dd += _writes_grad_part(k, G, dS0, t0, nrows, h, H, K, rows, kb0, DECAY, SD, X)
+    dd += _writes_grad_part(k, dS0, t0, nrows, h, H, K, rows, kb0, SD, X)
     if NKB > 1:
-        dd += _writes_grad_part(k, G, dS1, t0, nrows, h, H, K, rows, kb0 + KB, DECAY, SD, X)
+        dd += _writes_grad_part(k, dS1, t0, nrows, h, H, K, rows, kb0 + KB, SD, X)
     if NKB > 2:
-        dd += _writes_grad_part(k, G, dS2, t0, nrows, h, H, K, rows, kb0 + 2 * KB, DECAY, SD, X)
-        dd += _writes_grad_part(k, G, dS3, t0, nrows, h, H, K, rows, kb0 + 3 * KB, DECAY, SD, X)
+        dd += _writes_grad_part(k, dS2, t0, nrows, h, H, K, rows, kb0 + 2 * KB, SD, X)
+        dd += _writes_grad_part(k, dS3, t0, nrows, h, H, K, rows, kb0 + 3 * KB, SD, X)
     return dd
 
 
@@ -69,7 +64,8 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
                      X: tl.constexpr):
     """Key rows kb of the gradient of the chunk's start state: e^Gamma dS + scale (q e^Gq)^T dO (- W^T dd).
-    With a scalar decay the delta rule's dO arrives as e^Gq dO (the decay on its rows), with eg = e^Gamma."""
+    With a scalar decay the delta rule's dO arrives as e^Gq dO (the decay on its rows), with eg = e^Gamma;
+    with a per-channel decay the delta rule's q arrives decayed (qg of ``output_kernel``)."""
     qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
     if DECAY == 1:
         if not DELTA:  # on q^T: on the additive rule's bf16 dO rows it broke the bf16 bound of dlog_decay
@@ -77,7 +73,8 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
             eg = exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))
         dS = dS * eg
     elif DECAY == 2:
-        qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
+        if not DELTA:
+            qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
         dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
     dS += scale * mm(qT, dO, q.dtype.element_ty, X)
     if DELTA:
@@ -95,7 +92,9 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     Per chunk, last to first: dHs[slot] = dH; dH = e^Gamma dH + scale (q e^Gq)^T dO. The delta rule's
     dH also takes - W^T dd, with dd = A^T dO + (k e^(Gamma-G)) dH (stored to dd_out, in d's dtype). The
     additive rule's dd, its dv, is off this path: ``dv_kernel`` computes it chunk by chunk in parallel
-    (k, A and dd_out are then unused). A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H,
+    (k, A and dd_out are then unused). With a per-channel decay the delta rule's q and k arrive decayed
+    (q e^G and k e^(Gamma - G): qg of ``output_kernel``, kg of ``delta_prep_kernel``), and this pass loads
+    only the chunk-end gates. A: [tokens, H, C] (scaled scores of the forward); Wt: [slots, H,
     K, C] (the delta rule's W, transposed per chunk); dHs: [slots, H, K, V]; dhN, dh0: [N, H, K, V]
     fp32. Grid (V blocks, N * H).
     The state is held as BKF // KB tiles (1, 2 or 4) of KB key rows, each with its own loads: at
@@ -135,12 +134,11 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
             dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
             if DECAY == 1:  # the key tiles' products first, their rows decayed once
                 kdS = tl.full([C, BV], 0.0, tl.float32)  # (tl.zeros is a jit helper: see common.total)
-                kdS = _writes_grad_parts(kdS, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, DECAY, SD,
-                                         X)
+                kdS = _writes_grad_parts(kdS, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
                 dd += kdS * ek[:, None]
                 dO = dO * eq[:, None]
             else:
-                dd = _writes_grad_parts(dd, k, G, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, DECAY, SD, X)
+                dd = _writes_grad_parts(dd, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
             store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
         dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
                                BONUS, C, X)

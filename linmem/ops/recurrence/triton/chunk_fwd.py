@@ -115,14 +115,20 @@ def _store_t_block(Tt, x, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i:
 
 
 @triton.jit
-def _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, j: tl.constexpr, cols, DECAY: tl.constexpr, SB: tl.constexpr):
-    """Row block j [SB, BD] of beta x e^G (DECAY 0: beta x) for x [tokens, H, D], fp32."""
+def _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, j: tl.constexpr, cols, DECAY: tl.constexpr, SB: tl.constexpr,
+                 kg, last, STORE_KG: tl.constexpr):
+    """Row block j [SB, BD] of beta x e^G (DECAY 0: beta x) for x [tokens, H, D], fp32. STORE_KG (per-channel
+    decays): also store the block's x e^(Gamma - G) -> kg, Gamma = ``last`` (G at the chunk's last row)."""
     r = j * SB + tl.arange(0, SB)
-    x = load_rows(x_ptr, t0, nrows, h, H, D, r, cols, False) * load_gate_rows(beta, t0, nrows, h, H, r)[:, None]
+    xr = load_rows(x_ptr, t0, nrows, h, H, D, r, cols, False)
+    x = xr * load_gate_rows(beta, t0, nrows, h, H, r)[:, None]
     if DECAY == 1:
         x = x * exp2(load_gate_rows(G, t0, nrows, h, H, r))[:, None]
     elif DECAY == 2:
-        x = x * exp2(load_rows(G, t0, nrows, h, H, D, r, cols, False))
+        Gr = load_rows(G, t0, nrows, h, H, D, r, cols, False)
+        if STORE_KG:
+            store_rows(kg, xr * masked_exp2((r < nrows)[:, None], last[None, :] - Gr), t0, nrows, h, H, D, r, cols)
+        x = x * exp2(Gr)
     return x
 
 
@@ -140,23 +146,24 @@ def _store_wy_rows(out, outT, y, i: tl.constexpr, slot, t0, nrows, h, H, D, cols
 @triton.jit
 def _store_wy(out, outT, x_ptr, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, D,
               cols, DECAY: tl.constexpr, IT: tl.constexpr, X: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
-              TRANSPOSED: tl.constexpr):
-    """T (beta x e^G) by row blocks, from T's ten nonzero blocks (see :func:`_store_wy_rows`)."""
-    x0 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 0, cols, DECAY, SB)
+              TRANSPOSED: tl.constexpr, kg, last, STORE_KG: tl.constexpr):
+    """T (beta x e^G) by row blocks, from T's ten nonzero blocks (see :func:`_store_wy_rows`; STORE_KG: see
+    :func:`_scaled_rows`)."""
+    x0 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 0, cols, DECAY, SB, kg, last, STORE_KG)
     _store_wy_rows(out, outT, mm(T00, x0, IT, X), 0, slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
-    x1 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 1, cols, DECAY, SB)
+    x1 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 1, cols, DECAY, SB, kg, last, STORE_KG)
     _store_wy_rows(out, outT, mm(T10, x0, IT, X) + mm(T11, x1, IT, X), 1, slot, t0, nrows, h, H, D, cols, C, SB,
                    TRANSPOSED)
-    x2 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 2, cols, DECAY, SB)
+    x2 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 2, cols, DECAY, SB, kg, last, STORE_KG)
     _store_wy_rows(out, outT, mm(T20, x0, IT, X) + mm(T21, x1, IT, X) + mm(T22, x2, IT, X), 2, slot, t0, nrows,
                    h, H, D, cols, C, SB, TRANSPOSED)
-    x3 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 3, cols, DECAY, SB)
+    x3 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 3, cols, DECAY, SB, kg, last, STORE_KG)
     _store_wy_rows(out, outT, mm(T30, x0, IT, X) + mm(T31, x1, IT, X) + mm(T32, x2, IT, X) + mm(T33, x3, IT, X), 3,
                    slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
 
 
 @triton.jit
-def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
+def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V,
                       DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, CSPAN: tl.constexpr,
                       KP: tl.constexpr):
@@ -168,7 +175,9 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
     Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
     U: [tokens, H, V]. The backward reads T and W only transposed, and fp32 operands of
     tensor-core products must not be transposed on the way in: they would go through shared
-    memory one element at a time. Grid (slots, H).
+    memory one element at a time. A per-channel decay (DECAY 2) also stores the keys decayed to the
+    chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the sequential passes read
+    instead of k and G. Grid (slots, H).
     """
     IT: tl.constexpr = W.dtype.element_ty
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -195,18 +204,23 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, cu_seqlens, T, H, N, K, V,
     _store_t_block(Tt, T32, t0, nrows, h, H, C, SB, 3, 2)
     _store_t_block(Tt, T33, t0, nrows, h, H, C, SB, 3, 3)
     for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        last = cols  # per-channel decays: G at the chunk's last row, for kg (unused otherwise)
+        if DECAY == 2:
+            last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + cols, mask=cols < K, other=0.0)
         _store_wy(W, Wt, k, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, K,
-                  k0 + tl.arange(0, BK), DECAY, IT, X, C, SB, True)
+                  cols, DECAY, IT, X, C, SB, True, kg, last, DECAY == 2)
     for v0 in range(0, V, BV):
         _store_wy(U, U, v, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, V,
-                  v0 + tl.arange(0, BV), 0, IT, X, C, SB, False)
+                  v0 + tl.arange(0, BV), 0, IT, X, C, SB, False, kg, v0, False)
 
 
 @triton.jit
 def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, DELTA: tl.constexpr,
                 PT: tl.constexpr, X: tl.constexpr):
     """Key rows kb of the next chunk's start state: e^Gamma S + (k e^(Gamma - G))^T d. With a scalar decay the
-    delta rule's d arrives decayed (e^(Gamma - G) on its rows, a [C, BV] tile before its tf32 product)."""
+    delta rule's d arrives decayed (e^(Gamma - G) on its rows, a [C, BV] tile before its tf32 product); with a
+    per-channel decay its k (kg)."""
     kT = load_rows(k, t0, nrows, h, H, K, rows, kb, True)
     valid = rows < nrows
     if DECAY == 1:
@@ -215,9 +229,12 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
             kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
         S = S * exp2(last)
     elif DECAY == 2:
-        GT = load_rows(G, t0, nrows, h, H, K, rows, kb, True)
-        last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
-        kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
+        if DELTA:  # k arrives decayed (kg of delta_prep_kernel)
+            last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
+        else:
+            GT = load_rows(G, t0, nrows, h, H, K, rows, kb, True)
+            last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
+            kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
         S = S * exp2(last)[:, None]
     return S + mm(kT, d, PT, X)
 
@@ -231,7 +248,8 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
 
     Per chunk: hs[slot] = h; d = U - W h (DELTA, stored to d_out) or d = v;
     h = e^Gamma h + (k e^(Gamma - G))^T d, computed as k^T (e^(Gamma - G) d) for the delta rule
-    with a scalar decay. vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
+    with a scalar decay. k: the keys (for the delta rule with a per-channel decay, decayed to the chunk's
+    end: kg of ``delta_prep_kernel``); vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
     The delta rule's k^T d runs in the WY factors' dtype (tf32 for bf16 inputs) whatever d_out's: with
@@ -271,15 +289,42 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
 
 
 @triton.jit
-def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K, V,
-                  DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+def _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, vr, scale,
+                  DECAY: tl.constexpr, BONUS: tl.constexpr, STORE_QG: tl.constexpr, BK: tl.constexpr,
+                  HT: tl.constexpr, AT: tl.constexpr, X: tl.constexpr):
+    """One V block of the output: scale (q e^Gq) h[:, vr] + A d[:, vr] (+ the bonus) -> o. STORE_QG: also store
+    the per-channel decayed q e^G -> qg, which the caller asks of its first V block alone. Measured on an H200
+    (KDA, 8 x 2048, H = 16, K = V = 128): the output kernel 0.285 ms without the store, 0.338 with it in that
+    block, 0.371 with it inside the V loop behind a runtime test."""
+    acc = tl.full([rows.shape[0], vr.shape[0]], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
+        if DECAY == 2:
+            qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
+            if STORE_QG:
+                store_rows(qg, qt, t0, nrows, h, H, K, rows, cols)
+        acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
+    if DECAY == 1:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
+        acc = acc * eq
+    out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
+    if BONUS:
+        out += scale * qku[:, None] * load_rows(v, t0, nrows, h, H, V, rows, vr, False)
+    store_rows(o, out, t0, nrows, h, H, V, rows, vr)
+
+
+@triton.jit
+def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N, K, V,
+                  DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr,
                   C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr,
                   CSPAN: tl.constexpr, KP: tl.constexpr):
     """Per chunk: A = scale A_qk (stored for the backward), o = scale (q e^Gq) h + A d (+ bonus).
 
     d: the writes [tokens, H, V] (v, or the delta rule's corrected writes); v: the values
     (read only for the bonus); u: [H, K]; hs: chunk-start states [slots, H, K, V];
-    A_out: [tokens, H, C]; o: [tokens, H, V]. Grid (slots, H).
+    A_out: [tokens, H, C]; o: [tokens, H, V]. STORE_QG (the delta rule with a per-channel decay): also
+    store the decayed queries of the inter-chunk product, qg = q e^G ([tokens, H, K], q's dtype), which
+    ``state_bwd_kernel`` reads instead of q and G. Grid (slots, H).
     """
     HT: tl.constexpr = hs.dtype.element_ty
     AT: tl.constexpr = A_out.dtype.element_ty
@@ -289,22 +334,17 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, cu_seqlens, scale, T, H, N, K,
     rows = tl.arange(0, C)
     A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(A_out, A, t0, nrows, h, H, C, rows, rows)
+    eq = rows  # a scalar decay's e^Gq on the rows (unused otherwise)
     if DECAY == 1:
         eq = exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
+    qku = rows  # the bonus's scores (unused without it)
     if BONUS:
         qku = bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK)
-    for v0 in range(0, V, BV):
-        vr = v0 + tl.arange(0, BV)
-        acc = tl.full([C, BV], 0.0, tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-            if DECAY == 2:
-                qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
-            acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
-        if DECAY == 1:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
-            acc = acc * eq
-        out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
-        if BONUS:
-            out += scale * qku[:, None] * load_rows(v, t0, nrows, h, H, V, rows, vr, False)
-        store_rows(o, out, t0, nrows, h, H, V, rows, vr)
+    v_first = 0  # the first V block of the loop below
+    if STORE_QG:  # the first V block on its own, which stores qg
+        _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, tl.arange(0, BV), scale,
+                      DECAY, BONUS, True, BK, HT, AT, X)
+        v_first = BV
+    for v0 in range(v_first, V, BV):
+        _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, v0 + tl.arange(0, BV),
+                      scale, DECAY, BONUS, False, BK, HT, AT, X)

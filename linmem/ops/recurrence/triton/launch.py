@@ -78,19 +78,22 @@ RECURRENT_BV = 32
 #: Backward: deltanet 0.307 -> 0.209, gated delta 0.260 (V block 64: 0.401), kda 0.599 -> 0.451, gla 0.173 ->
 #: 0.105, mamba2 0.107 -> 0.071. Linear attention takes Mamba-2's, RWKV-6 GLA's (their decay kinds). Session 11,
 #: with the gated delta rule's decay on rows in state_bwd: 3 stages (0.281 -> 0.236 ms; main's 2 stages: 0.247).
+#: Session 17, with KDA's passes reading q and k decayed (``saved_buffers``' Qg and Kg) instead of q, k and the
+#: fp32 gates: forward (64, 2) -> (64, 3) (kda 0.305 -> 0.231 ms; 0.282 at (32, 3)), backward (64, 2) -> (32, 3)
+#: (0.409 -> 0.251; 0.313 at (32, 2), 0.269 at (64, 2)), where the old kernel did not fit (32, 3) in shared memory.
 SEQUENTIAL = {
     ("state_fwd", False, 0): (64, 3),
     ("state_fwd", False, 1): (64, 3),
     ("state_fwd", False, 2): (64, 2),
     ("state_fwd", True, 0): (64, 3),
     ("state_fwd", True, 1): (64, 3),
-    ("state_fwd", True, 2): (64, 2),
+    ("state_fwd", True, 2): (64, 3),
     ("state_bwd", False, 0): (64, 3),
     ("state_bwd", False, 1): (64, 3),
     ("state_bwd", False, 2): (64, 2),
     ("state_bwd", True, 0): (32, 3),
     ("state_bwd", True, 1): (32, 3),
-    ("state_bwd", True, 2): (64, 2),
+    ("state_bwd", True, 2): (32, 3),
 }
 #: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
@@ -320,18 +323,23 @@ def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *a
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
                   cu_seqlens: Optional[torch.Tensor]) -> tuple:
-    """Empty buffers of what the forward saves for the backward, ``(G, hs, A, d, Tt, Wt)``, in the dtypes of
-    :func:`precision_for`: ``G`` [g's shape] fp32 only with a decay (g given), ``d``, ``Tt`` and ``Wt`` only
-    for the delta rule (else None). The forward fills them; ``ops`` takes its fake outputs from here too."""
+    """Empty buffers of what the forward saves for the backward, ``(G, hs, A, d, Tt, Wt, Qg, Kg)``, in the dtypes
+    of :func:`precision_for`: ``G`` [g's shape] fp32 only with a decay (g given), ``d``, ``Tt`` and ``Wt`` only
+    for the delta rule, ``Qg`` and ``Kg`` (q e^G and k e^(Gamma - G) in q's dtype, which the sequential passes
+    read instead of q, k and G) only for the delta rule with a per-channel decay (else None). The forward fills
+    them; ``ops`` takes its fake outputs from here too."""
     s = shapes_of(q, v, cu_seqlens)
     P = precision_for(q.dtype)
     G = q.new_empty(g.shape, dtype=torch.float32) if g is not None else None
     hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
     A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
+    Qg = Kg = None
+    if delta and g is not None and g.dim() == 4:
+        Qg, Kg = torch.empty_like(q), torch.empty_like(q)
     if not delta:
-        return G, hs, A, None, None, None
+        return G, hs, A, None, None, None, Qg, Kg
     return (G, hs, A, v.new_empty(v.shape, dtype=P.writes), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
-            q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state))
+            q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
 
 
 def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
@@ -339,15 +347,16 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
 
     q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or
     [B, T, H, K] fp32; beta: [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or
-    None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tt, Wt)`` for the backward
+    None. Returns ``(o, hN, saved)`` with ``saved = (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward
     (``d``, ``Tt``, ``Wt`` only for the delta rule, else None; ``Tt``: T transposed per chunk
-    [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states' dtype).
+    [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states' dtype; ``Qg``, ``Kg``:
+    the delta rule's queries and keys decayed by a per-channel decay, see :func:`saved_buffers`).
     """
     s = shapes_of(q, v, cu_seqlens)
     dev, P = q.device, precision_for(q.dtype)
     cu = cu_seqlens if cu_seqlens is not None else q
     delta, bonus = beta is not None, u is not None
-    G, hs, A, d, Tt, Wt = saved_buffers(q, v, g, delta, cu_seqlens)
+    G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
     if decay:
         nkb = triton.cdiv(s.K, s.BK) if decay == 2 else 1
         _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
@@ -357,21 +366,23 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     if delta:
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
-                k, v, beta, Gp, Tt, W, Wt, U, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen),
+                k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
+                IS_VARLEN=int(s.varlen),
                 C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
                 CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
-                       k, U if delta else v, W if delta else k, Gp, hs, d if delta else v, h0 if h0 is not None else hs,
+                       Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
+                       h0 if h0 is not None else hs,
                        hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
                        IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
                        BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
-            q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, cu, scale, s.T, s.H, s.N, s.K, s.V,
-            DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay),
-            BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
-    return o, hN, (G, hs, A, d, Tt, Wt)
+            q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,
+            s.H, s.N, s.K, s.V, DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), STORE_QG=int(Qg is not None),
+            C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay), BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
+    return o, hN, (G, hs, A, d, Tt, Wt, Qg, Kg)
 
 
 def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
@@ -380,7 +391,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     do: [B, T, H, V]; dhN: [N, H, K, V] or None. dg is fp32 shaped like g, dbeta fp32
     [B, T, H], du fp32 [H, K], dh0 fp32; entries for absent inputs are None.
     """
-    G, hs, A, d, Tt, Wt = saved
+    G, hs, A, d, Tt, Wt, Qg, Kg = saved
     s = shapes_of(q, v, cu_seqlens)
     dev = q.device
     cu = cu_seqlens if cu_seqlens is not None else q
@@ -392,7 +403,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
     _launch_sequential("state_bwd", chunk_bwd.state_bwd_kernel, s, delta, decay,
-                       q, k, Wt if delta else q, Gp, A, do, dd if delta else q, dHs, dhN if dhN is not None else dHs,
+                       Qg if Qg is not None else q, Kg if Kg is not None else k, Wt if delta else q, Gp, A, do,
+                       dd if delta else q, dHs, dhN if dhN is not None else dHs,
                        dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                        DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), HAS_DFINAL=int(dhN is not None),
                        STORE_DINIT=int(dh0 is not None), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))

@@ -32,38 +32,44 @@ def _or_none(x: Tensor) -> Optional[Tensor]:
     return x if x.numel() else None
 
 
+def _saved_or_empty(saved: tuple, like: Tensor) -> tuple:
+    """The forward's saved tensors ``(G, hs, A, d, Tt, Wt, Qg, Kg)`` with absent ones empty (a custom op returns
+    tensors only)."""
+    return tuple(_or_empty(x, like) for x in saved)
+
+
 @torch.library.custom_op("linmem::recurrence_chunk_fwd", mutates_args=())
 def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
                  bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  decay: int, output_final: bool
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (o, final state, and for the backward: G, hs, A, d, Tt, Wt); absent ones are empty."""
-    o, hN, (G, hs, A, d, Tt, Wt) = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay,
-                                                        output_final)
-    return o, _or_empty(hN, q), _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tt, q), _or_empty(Wt, q)
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (o, final state, and for the backward: G, hs, A, d, Tt, Wt, Qg, Kg); absent ones are empty."""
+    o, hN, saved = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
+    return (o, _or_empty(hN, q), *_saved_or_empty(saved, q))
 
 
 @chunk_fwd_op.register_fake
 def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
     s = launch.shapes_of(q, v, cu_seqlens)
     hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=torch.float32) if output_final else q.new_empty(0)
-    G, hs, A, d, Tt, Wt = launch.saved_buffers(q, v, g, beta is not None, cu_seqlens)
-    return torch.empty_like(v), hN, _or_empty(G, q), hs, A, _or_empty(d, q), _or_empty(Tt, q), _or_empty(Wt, q)
+    saved = launch.saved_buffers(q, v, g, beta is not None, cu_seqlens)
+    return (torch.empty_like(v), hN, *_saved_or_empty(saved, q))
 
 
 @torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())
 def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
                  bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], G: Tensor,
-                 hs: Tensor, A: Tensor, d: Tensor, Tt: Tensor, Wt: Tensor, do: Tensor, dhN: Optional[Tensor],
-                 scale: float, decay: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 hs: Tensor, A: Tensor, d: Tensor, Tt: Tensor, Wt: Tensor, Qg: Tensor, Kg: Tensor, do: Tensor,
+                 dhN: Optional[Tensor], scale: float, decay: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
-    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tt), _or_none(Wt))
+    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tt), _or_none(Wt), _or_none(Qg), _or_none(Kg))
     grads = launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
     return tuple(_or_empty(x, q) for x in grads)
 
 
 @chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, do, dhN, scale, decay):
+def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
     f32 = torch.float32
     empty = q.new_empty(0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -75,23 +81,23 @@ def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, do, dhN, sca
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, _ = inputs
-    _, _, G, hs, A, d, Tt, Wt = output
-    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt)
+    saved = output[2:]
+    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved)
     ctx.scale, ctx.decay = scale, decay
-    ctx.mark_non_differentiable(G, hs, A, d, Tt, Wt)
+    ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
 
 
 def _gradients(ctx, do, dhN, chunk_bwd) -> tuple:
     """The inputs' gradients from the saved tensors (absent ones None or empty, as ``chunk_bwd`` takes
     them) and the outputs' gradients, through ``chunk_bwd`` (the custom op or the launcher)."""
-    q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt = ctx.saved_tensors
+    q, k, v, g, beta, bonus, h0, cu_seqlens, *saved = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if dhN is not None and dhN.numel() == 0:  # the final state was not returned
         dhN = None
-    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt,
-                                               do, dhN, ctx.scale, ctx.decay)
+    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved, do, dhN, ctx.scale,
+                                               ctx.decay)
     cast = lambda grad, x: None if x is None else grad.to(x.dtype)  # noqa: E731
     return dq, dk, dv, cast(dg, g), cast(dbeta, beta), cast(du, bonus), cast(dh0, h0), None, None, None, None
 
@@ -103,9 +109,9 @@ def _backward(ctx, do, dhN, *_):
 chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _launch_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, do, dhN, scale, decay):
-    return launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt), do, dhN, scale,
-                                 decay)
+def _launch_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
+    return launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt, Qg, Kg), do, dhN,
+                                 scale, decay)
 
 
 class ChunkRecurrence(torch.autograd.Function):

@@ -79,8 +79,9 @@ RECURRENT_BV = 32
 #: 0.105, mamba2 0.107 -> 0.071. Linear attention takes Mamba-2's, RWKV-6 GLA's (their decay kinds). Session 11,
 #: with the gated delta rule's decay on rows in state_bwd: 3 stages (0.281 -> 0.236 ms; main's 2 stages: 0.247).
 #: Session 17, with KDA's passes reading q and k decayed (``saved_buffers``' Qg and Kg) instead of q, k and the
-#: fp32 gates: forward (64, 2) -> (64, 3) (kda 0.305 -> 0.231 ms; 0.282 at (32, 3)), backward (64, 2) -> (32, 3)
-#: (0.409 -> 0.251; 0.313 at (32, 2), 0.269 at (64, 2)), where the old kernel did not fit (32, 3) in shared memory.
+#: fp32 gates: forward (64, 2) -> (64, 3) (kda 0.302 -> 0.232 ms; the new kernel took 0.242 at (64, 2), 0.282 at
+#: (32, 3)), backward (64, 2) -> (32, 3) (0.403 -> 0.253; 0.269 at (64, 2), 0.314 at (32, 2)); the old backward
+#: kernel did not fit (32, 3) in shared memory.
 SEQUENTIAL = {
     ("state_fwd", False, 0): (64, 3),
     ("state_fwd", False, 1): (64, 3),
@@ -333,11 +334,11 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
     G = q.new_empty(g.shape, dtype=torch.float32) if g is not None else None
     hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
     A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
-    Qg = Kg = None
-    if delta and g is not None and g.dim() == 4:
-        Qg, Kg = torch.empty_like(q), torch.empty_like(q)
     if not delta:
-        return G, hs, A, None, None, None, Qg, Kg
+        return G, hs, A, None, None, None, None, None
+    Qg = Kg = None
+    if g is not None and g.dim() == 4:
+        Qg, Kg = torch.empty_like(q), torch.empty_like(q)
     return (G, hs, A, v.new_empty(v.shape, dtype=P.writes), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
             q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
 
@@ -367,16 +368,13 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
         _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                IS_VARLEN=int(s.varlen),
-                C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
-                CSPAN=CHUNK_SPAN, KP=s.BKF)
+                IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
-                       h0 if h0 is not None else hs,
-                       hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta),
-                       IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None), STORE_FINAL=int(output_final), C=CHUNK,
-                       BKF=s.BKF, KB=s.state_KB(delta))
+                       h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
+                       DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),
+                       STORE_FINAL=int(output_final), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,

@@ -89,8 +89,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                  KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "qg": dt, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, STORE_QG=int(decay == 2 and delta), C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                 BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
+            dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, STORE_QG=int(decay == 2 and delta), C=64, SB=PAIR_SUB,
+                 BK=min(BK, 32) if decay == 2 else BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
             cfg("output_vector" if decay == 2 else "output")  # launch.chunk_forward
         yield "state_bwd", tag, bwd.state_bwd_kernel, {"q": dt, "k": dt, "Wt": dt, "G": f32, "A": dt, "do": dt,
                                                        "dd_out": wt, "dHs": dt, "dhN": f32, "dh0": f32,

@@ -290,20 +290,25 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
 
 @triton.jit
 def _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, vr, scale,
-                  DECAY: tl.constexpr, BONUS: tl.constexpr, STORE_QG: tl.constexpr, BK: tl.constexpr,
+                  DECAY: tl.constexpr, BONUS: tl.constexpr, QG: tl.constexpr, BK: tl.constexpr,
                   HT: tl.constexpr, AT: tl.constexpr, X: tl.constexpr):
-    """One V block of the output: scale (q e^Gq) h[:, vr] + A d[:, vr] (+ the bonus) -> o. STORE_QG: also store
-    the per-channel decayed q e^G -> qg, which the caller asks of its first V block alone. Measured on an H200
-    (KDA, 8 x 2048, H = 16, K = V = 128): the output kernel 0.285 ms without the store, 0.338 with it in that
-    block, 0.371 with it inside the V loop behind a runtime test."""
+    """One V block of the output: scale (q e^Gq) h[:, vr] + A d[:, vr] (+ the bonus) -> o. QG (per-channel
+    decays): 1 also stores q e^G -> qg, which the caller asks of its first V block alone; 2 reads it back from
+    qg (rounded to qg's dtype, as the product rounds it to hs's, the same). Measured on an H200 (KDA,
+    8 x 2048, H = 16, K = V = 128): the output kernel 0.285 ms without the store, 0.371 with it inside the V
+    loop behind a runtime test, 0.338 with it in the first block alone, 0.321 with the later blocks reading
+    it back."""
     acc = tl.full([rows.shape[0], vr.shape[0]], 0.0, tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-        if DECAY == 2:
-            qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
-            if STORE_QG:
-                store_rows(qg, qt, t0, nrows, h, H, K, rows, cols)
+        if QG == 2:
+            qt = load_rows(qg, t0, nrows, h, H, K, rows, cols, False)
+        else:
+            qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
+            if DECAY == 2:
+                qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
+                if QG == 1:
+                    store_rows(qg, qt, t0, nrows, h, H, K, rows, cols)
         acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
     if DECAY == 1:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
         acc = acc * eq
@@ -341,10 +346,11 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N
     if BONUS:
         qku = bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK)
     v_first = 0  # the first V block of the loop below
-    if STORE_QG:  # the first V block on its own, which stores qg
+    if STORE_QG:  # the first V block on its own, which stores qg; the others read it back
         _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, tl.arange(0, BV), scale,
-                      DECAY, BONUS, True, BK, HT, AT, X)
+                      DECAY, BONUS, 1, BK, HT, AT, X)
         v_first = BV
+        tl.debug_barrier()  # qg, stored by other threads, is read below
     for v0 in range(v_first, V, BV):
         _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, v0 + tl.arange(0, BV),
-                      scale, DECAY, BONUS, False, BK, HT, AT, X)
+                      scale, DECAY, BONUS, 2 * STORE_QG, BK, HT, AT, X)

@@ -110,6 +110,14 @@ def test_odd_lengths(combo, T):
     compare(inputs(combo, B=1, T=T, H=2, K=16, V=16), FP32_TOL)
 
 
+def test_per_channel_delta_rule_over_several_value_blocks():
+    """V = 96, two V blocks of 64 (the last 32 columns masked): with a per-channel decay, the delta rule's
+    output kernel stores q e^G (qg) from its first V block and the second reads it back; state_bwd reads it
+    for every V block."""
+    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).BV == 64
+    compare(inputs(("vector", "delta", False), B=1, T=70, H=1, K=16, V=96), FP32_TOL)
+
+
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True),
                                    ("scalar", "additive", False), ("scalar", "delta", False)], ids=combo_id)
 def test_several_key_blocks_and_odd_head_dims(combo):

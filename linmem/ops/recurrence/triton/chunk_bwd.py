@@ -202,12 +202,13 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     ``grads_kernel``.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (fp32 for
-    DECAY 2, whose pairwise loops read it unrounded). Delta rule, with Tt = T^T stored by the prep kernel:
-    Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] = -Y_s . d_r on the strict pairs (times
-    e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y. Y_out and dL_out take the dtypes
-    of hs and dA_out, which the products of ``wy_grads_kernel`` run in (the additive rule's dv is
-    ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t ([tokens, H] fp32). Grid (slots, H).
+    [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (DECAY 2's products run in
+    tf32, on dA widened; fp16 inputs store it in fp32: see ``launch.chunk_backward``). Delta rule, with
+    Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] =
+    -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y.
+    Y_out takes the dtype of hs, dL_out that of dA_out (fp32 for DECAY 2), which the products of
+    ``wy_grads_kernel`` run in (the additive rule's dv is ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t
+    ([tokens, H] fp32). Grid (slots, H).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
@@ -383,7 +384,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     takes 0.73 beside it).
     Grid (K blocks, slots * C / RB, H).
     """
-    MT: tl.constexpr = dA_in.dtype.element_ty
+    MT: tl.constexpr = tl.float32  # tf32 products (IEEE fp32 for fp32 inputs), also from a bf16 dA (as grads_kernel)
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NB: tl.constexpr = C // RB
     HB: tl.constexpr = RB // 2

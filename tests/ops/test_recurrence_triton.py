@@ -152,8 +152,8 @@ def test_varlen_equals_reference(combo):
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True), ("none", "delta", False),
                                    ("scalar", "delta", False)], ids=combo_id)
 def test_bf16_against_fp32_reference(combo):
-    """bf16 inputs, so the intermediates stored in bf16 (dA; the delta rule's d, dd, Y, W^T, and dL
-    without per-channel decays) and their bf16 products run."""
+    """bf16 inputs, so the intermediates stored in bf16 (dA; the delta rule's d, dd, Y, W^T and dL) and the
+    products that read them run (in bf16, or in tf32 on the score gradients of per-channel decays)."""
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 

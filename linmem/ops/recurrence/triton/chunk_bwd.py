@@ -279,8 +279,9 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
     """
     YT: tl.constexpr = Y.dtype.element_ty  # Y, and the product that reads it
-    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
-    # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
+    # the products that read dL: in its dtype, but in tf32 (IEEE fp32 for fp32 inputs) for per-channel decays,
+    # whose bf16 dL is widened after the load (see launch.chunk_backward)
+    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)

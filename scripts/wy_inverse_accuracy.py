@@ -8,6 +8,8 @@ and result rounded as the GPU would round them. Printed: the relative error ``|T
 - ``series``: the diagonal blocks from ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` in fp32 (until session 14);
 - ``doubling``: the diagonal blocks by doubling, ``D - D Lo D``, in fp32 (the kernel's way);
 - ``doubling tf32``: the same with every product's operands rounded to tf32;
+- ``doubling tf32x3``: the same with each product as three tf32 products, ``a_hi b_hi + a_hi b_lo +
+  a_lo b_hi`` with ``a = a_hi + a_lo`` (Triton's ``input_precision="tf32x3"``, on the tensor cores);
 - ``exact -> bf16``: the exact inverse rounded to bf16 (fla stores its inverse in the input dtype).
 
 Keys near a few directions and beta near 2 (the delta rule with negative eigenvalues) make the powers
@@ -31,43 +33,48 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def product(a: torch.Tensor, b: torch.Tensor, use_tf32: bool) -> torch.Tensor:
-    """a @ b with fp32 operands (tf32 if asked) and an fp32 result."""
-    if use_tf32:
+def product(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """a @ b with fp32 operands and an fp32 result; precision "ieee", "tf32" or "tf32x3"."""
+    if precision == "tf32":
         a, b = tf32(a), tf32(b)
+    elif precision == "tf32x3":
+        a_hi, b_hi = tf32(a), tf32(b)
+        a_lo, b_lo = tf32(a.float() - a_hi), tf32(b.float() - b_hi)
+        small = (a_hi.double() @ b_lo.double()).float() + (a_lo.double() @ b_hi.double()).float()
+        return (a_hi.double() @ b_hi.double()).float() + small
     return (a.double() @ b.double()).float()
 
 
-def diagonal_blocks(L: torch.Tensor, method: str, use_tf32: bool) -> torch.Tensor:
+def diagonal_blocks(L: torch.Tensor, method: str, precision: str) -> torch.Tensor:
     """(I + L_bb)^-1 of the four diagonal blocks, [4, SB, SB] fp32."""
     Ld = torch.stack([L[b * SB:(b + 1) * SB, b * SB:(b + 1) * SB] for b in range(C // SB)])
     eye = torch.eye(SB).expand(C // SB, SB, SB)
     if method == "series":
         D, P = eye - Ld, Ld
         for _ in range(3):
-            P = product(P, P, use_tf32)
-            D = D + product(D, P, use_tf32)
+            P = product(P, P, precision)
+            D = D + product(D, P, precision)
         return D
     a = torch.arange(SB)
     D = eye.clone()
     s = 1
     while s < SB:
         off = (a[:, None] // (2 * s) == a[None, :] // (2 * s)) & ((a[:, None] // s) % 2 == 1) & ((a[None, :] // s) % 2 == 0)
-        D = D - product(product(D, torch.where(off, Ld, 0.0), use_tf32), D, use_tf32)
+        D = D - product(product(D, torch.where(off, Ld, 0.0), precision), D, precision)
         s *= 2
     return D
 
 
-def inverse(L: torch.Tensor, method: str, use_tf32: bool = False) -> torch.Tensor:
+def inverse(L: torch.Tensor, method: str, precision: str = "ieee") -> torch.Tensor:
     """T = (I + L)^-1 [C, C] by blocks: diagonal blocks by ``method``, then T_ij = -D_i sum_m L_im T_mj."""
-    D = diagonal_blocks(L.float(), method, use_tf32)
+    D = diagonal_blocks(L.float(), method, precision)
     blk = lambda x, i, j: x[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB]  # noqa: E731
     T = torch.zeros(C, C)
     for i in range(C // SB):
         blk(T, i, i)[:] = D[i]
         for j in range(i - 1, -1, -1):
-            acc = sum(product(blk(L.float(), i, m), blk(T, m, j), use_tf32) for m in range(j, i))
-            blk(T, i, j)[:] = -product(D[i], acc, use_tf32)
+            acc = sum(product(blk(L.float(), i, m), blk(T, m, j), precision) for m in range(j, i))
+            blk(T, i, j)[:] = -product(D[i], acc, precision)
     return T
 
 
@@ -78,7 +85,8 @@ def errors(k: torch.Tensor, beta: torch.Tensor, gen: torch.Generator) -> dict:
     ref = exact @ x
     err = lambda T: ((T.double() @ x - ref).norm() / ref.norm()).item()  # noqa: E731
     return {"series": err(inverse(L, "series")), "doubling": err(inverse(L, "doubling")),
-            "doubling tf32": err(inverse(L, "doubling", use_tf32=True)),
+            "doubling tf32": err(inverse(L, "doubling", "tf32")),
+            "doubling tf32x3": err(inverse(L, "doubling", "tf32x3")),
             "exact -> bf16": err(exact.to(torch.bfloat16))}
 
 
@@ -92,10 +100,10 @@ def main() -> None:
         for beta in (1.0, 2.0):
             cases.append((f"rank-{rank} keys + 5% noise, beta {beta:g}", keys, torch.full((C,), beta, dtype=torch.float64)))
     names = list(errors(cases[0][1], cases[0][2], gen))
-    print(f"{'keys, beta':36s}" + "".join(f"{n:>15s}" for n in names))
+    print(f"{'keys, beta':36s}" + "".join(f"{n:>17s}" for n in names))
     for label, keys, beta in cases:
         e = errors(keys, beta, gen)
-        print(f"{label:36s}" + "".join(f"{e[n]:15.1e}" for n in names))
+        print(f"{label:36s}" + "".join(f"{e[n]:17.1e}" for n in names))
 
 
 if __name__ == "__main__":

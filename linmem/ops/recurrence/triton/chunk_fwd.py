@@ -228,7 +228,7 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
         if not DELTA:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
             kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
         S = S * exp2(last)
-    elif DECAY == 2:
+    elif DECAY == 2:  # last in each branch: one line above both reorders the additive rule's loads (new sm_90 code)
         if DELTA:  # k arrives decayed (kg of delta_prep_kernel)
             last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         else:

@@ -73,7 +73,6 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         wy = f32 if delta else dt  # the delta rule's WY factors U, W and T are fp32 (launch.Precision)
         wt = f32 if delta and dt != "*bf16" else dt  # the writes: bf16 inputs' corrected writes are bf16
         sc = f32 if decay == 2 and dt == "*fp16" else dt  # the score gradients dA and dL (launch.chunk_backward)
-        dl = f32 if decay == 2 else sc  # but a per-channel decay's dL
         if decay and not bonus:
             yield "cumsum", tag, fwd.chunk_cumsum_kernel, {"g": f32, "G": f32, "cu_seqlens": "*i32"}, \
                 dict(VECTOR=int(decay == 2), IS_VARLEN=varlen, C=64, BK=BK), cfg("cumsum")
@@ -104,14 +103,14 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
                      BV=min(triton.next_power_of_2(K), 128) if decay else BV), cfg("dv")  # launch.Shapes.dv_BV
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wy,
-                                                           "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": dl,
+                                                           "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), cfg("score_grads")
         grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
-                {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": dl, "dk": dt, "dbeta": f32, "dg": f32,
+                {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
                      BV=BV, CSPAN=CSPAN, KP=BKF), cfg("wy_grads")  # launch.Shapes.wy_BK

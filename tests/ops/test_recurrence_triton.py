@@ -153,8 +153,8 @@ def test_varlen_equals_reference(combo):
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
 def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypatch):
     """bf16 inputs through the per-channel paths of chunks whose gates fall past CHUNK_SPAN (block products,
-    or pairwise loops with BLOCK_SPAN negative), whose products read the bf16 dA widened. (With KDA's dL in bf16
-    too, the pairwise loops of wy_grads_kernel multiplied bf16 by bf16 and its dk came out NaN here.)"""
+    or pairwise loops with BLOCK_SPAN negative), whose products and pairwise loops read the bf16 dA and dL widened.
+    (With dL's pairwise coefficients left bf16, the interpreter multiplied bf16 bit patterns: dk NaN here.)"""
     monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
     monkeypatch.setattr(launch, "BLOCK_SPAN", block_span)
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
@@ -163,8 +163,8 @@ def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypat
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True), ("none", "delta", False),
                                    ("scalar", "delta", False)], ids=combo_id)
 def test_bf16_against_fp32_reference(combo):
-    """bf16 inputs, so the intermediates stored in bf16 (dA; the delta rule's d, dd, Y, W^T, and dL without
-    per-channel decays) and the products that read them run (in bf16, or in tf32 on a per-channel decay's dA)."""
+    """bf16 inputs, so the intermediates stored in bf16 (dA; the delta rule's d, dd, Y, W^T and dL) and the
+    products that read them run (in bf16, or in tf32 on a per-channel decay's dA and dL)."""
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 

@@ -206,8 +206,8 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     tf32, on dA widened; fp16 inputs store it in fp32: see ``launch.chunk_backward``). Delta rule, with
     Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] =
     -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y.
-    Y_out takes the dtype of hs, dL_out that of dA_out (fp32 for DECAY 2), which the products of
-    ``wy_grads_kernel`` run in (the additive rule's dv is ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t
+    Y_out takes the dtype of hs, dL_out that of dA_out; the products of ``wy_grads_kernel`` run in them (in tf32
+    on dL for DECAY 2; the additive rule's dv is ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t
     ([tokens, H] fp32). Grid (slots, H).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
@@ -279,7 +279,8 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
     """
     YT: tl.constexpr = Y.dtype.element_ty  # Y, and the product that reads it
-    LT: tl.constexpr = dL_in.dtype.element_ty  # dL, and the products that read it
+    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
+    # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)

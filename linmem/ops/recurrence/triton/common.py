@@ -580,7 +580,9 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, one_ref, t0, nrows, h, H, K, cols, MT: tl.c
         # s in the same sub-block as t: pairwise, one column offset at a time
         for off in range(SB):
             src = (rows // SB) * SB + off
-            coef = tl.load(dS + (t0 * H + h) * C + rows * (H * C) + src, mask=valid, other=0.0)  # dS[t, src]
+            # dS[t, src], widened: a bf16 dS times bf16 keys would round each pair's product to bf16 (and the
+            # interpreter multiplies bf16 bit patterns as integers)
+            coef = tl.load(dS + (t0 * H + h) * C + rows * (H * C) + src, mask=valid, other=0.0).to(tl.float32)
             ysel = load_rows(y_ptr, t0, nrows, h, H, K, src, cols, False)
             Gsel = load_rows(G_ptr, t0, nrows, h, H, K, src, cols, False)
             if STRICT:
@@ -632,7 +634,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, one_ref, t0, nrows, h, H, K, cols, M
         for off in range(SB):
             src = (rows // SB) * SB + off
             coef = tl.load(dS + (t0 * H + h) * C + src * (H * C) + rows, mask=valid & (src < nrows),
-                           other=0.0)  # dS[src, s]
+                           other=0.0).to(tl.float32)  # dS[src, s], widened as in intra_rows
             if WEIGHTED:
                 coef = coef * load_gate_rows(w_ptr, t0, nrows, h, H, src)
             xsel = load_rows(x_ptr, t0, nrows, h, H, K, src, cols, False)

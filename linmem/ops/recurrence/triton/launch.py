@@ -413,15 +413,14 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
                 q, k, Gp, u if bonus else q, A, do, dHs, dv, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=bv)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
-    # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it. Per-channel
-    # decays: dA feeds tf32 products (in bf16 ones the gate gradient q dq - k dk broke its bound), and is fp32 for
-    # fp16 inputs (the products' right factors, up to 2^CHUNK_SPAN, exceed fp16's range); dL stays fp32 (in bf16:
-    # docs/kernels.md, "Precision")
+    # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it. A
+    # per-channel decay's dA and dL feed tf32 products instead (in bf16 ones the gate gradient q dq - k dk broke
+    # its bound; and Triton 3.6 miscompiles wy_grads_kernel's on Hopper), and stay fp32 for fp16 inputs (the
+    # products' right factors, up to 2^CHUNK_SPAN, exceed fp16's range): docs/kernels.md, "Precision"
     state_dtype = precision_for(q.dtype).state
     score_dtype = torch.float32 if decay == 2 and state_dtype == torch.float16 else state_dtype
     dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype)
-    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=torch.float32 if decay == 2 else score_dtype) \
-        if delta else None
+    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),

@@ -80,7 +80,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
                                                        "Wt": dt, "U": f32, "kg": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
-                cfg("prep")
+                cfg("prep_vector" if decay == 2 else "prep")
         fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
@@ -106,14 +106,15 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), cfg("score_grads")
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), \
+            cfg("score_grads_delta" if delta else "score_grads")  # launch.chunk_backward
         grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
         if delta:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                     BV=BV, CSPAN=CSPAN, KP=BKF), cfg("wy_grads")  # launch.Shapes.wy_BK
+                     BV=BV, CSPAN=CSPAN, KP=BKF), cfg("wy_grads_vector" if decay == 2 else "wy_grads")  # launch.Shapes.wy_BK
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \

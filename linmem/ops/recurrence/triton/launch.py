@@ -48,26 +48,43 @@ DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
 #: SM: deltanet 0.262 -> 0.240 ms, linear attention 0.239 -> 0.212 (at key blocks of 64: 0.264). Session 13: the output
 #: kernel of the rules without a per-channel decay at 4 warps ("output"; per-channel decays keep 8, "output_vector"):
 #: linear attention 0.155 -> 0.128 ms at 8 x 2048 and 1 x 16384; deltanet fwd+bwd 1.496 -> 1.466 and 1.810 -> 1.776.
+#: Session 19, at 4 x 4096 and 1 x 16384: the per-channel output kernel at 4 warps, 3 stages, 168 registers (three
+#: programs per SM; MAX_REGISTERS): gla 0.285 -> 0.213 ms, kda 0.318 -> 0.233 (4 warps at 128 registers: 0.235 and
+#: 0.243; uncapped: 0.252 and 0.274; 2 or 4 stages lost); the delta rule's score_grads at 2 stages
+#: ("score_grads_delta"): deltanet 0.239 -> 0.222 ms, gated delta 0.255 -> 0.238, kda 0.240 -> 0.222 (3 stages the
+#: same). The additive rules' score_grads stay at 1 stage: at 2 or 3 Triton 3.6 miscompiles rwkv6's on Hopper (dq
+#: 9.3e-3 and 1.6e-3 off the 1-stage kernel's), and the others gained under 6 us. Capped at 168 registers (three
+#: 4-warp programs per SM, MAX_REGISTERS), at 4 x 4096: the other rules' output kernel, gated delta and mamba2 0.161
+#: -> 0.137 ms (deltanet's and linear attention's take 168 uncapped); deltanet's prep 0.314 -> 0.301 and wy_grads
+#: 0.172 -> 0.157 (gated delta's the same within 2 us). KDA's prep and wy_grads lost capped (0.485 -> 0.551, 0.467
+#: -> 0.720; their own entries, "prep_vector" and "wy_grads_vector"), as did the delta rule's score_grads (0.224 ->
+#: 0.273), the scalar decays' grads at 128 (gated 0.352 -> 0.576, mamba2 0.324 -> 0.548) and the per-channel
+#: decays' at 128 (kda 0.833 -> 1.016).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
+    "prep_vector": (4, 3),
     "output": (4, 3),
-    "output_vector": (8, 3),
+    "output_vector": (4, 3),
     "dv": (4, 1),
     "score_grads": (4, 1),
+    "score_grads_delta": (4, 2),
     "grads_pipelined": (8, 2),
     "grads_vector": (8, 3),
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),
+    "wy_grads_vector": (4, 1),
     "grads_query": (8, 2),
     "grads_key": (8, 1),
     "recurrent": (4, 2),
 }
-#: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than two programs of its
-#: warps per SM allow. The per-channel output kernel holds two paths for the intra-chunk scores (block products
-#: and pairwise loops, ``common.chunk_scores``); each alone compiles to 118 and 128 registers at 8 warps, both
-#: together to 170 (Triton 3.6, sm_90), one program per SM. Capped at 128 they take no spill
-MAX_REGISTERS = {"output_vector": 128}
+#: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
+#: SM that the kernel runs best at allow: 168 lets three 4-warp programs share an SM (see LAUNCH). The per-channel
+#: output kernel holds two paths for the intra-chunk scores (block products and pairwise loops,
+#: ``common.chunk_scores``): at 4 warps they compile to 237-255 registers (Triton 3.6, sm_90), two programs per SM;
+#: capped, they spill 16 bytes (64 with the bonus). The scalar decays' output kernel takes 173 uncapped, no spill
+#: capped; the delta rule's prep and wy_grads 255, and spill 160-424 bytes capped, which still won for deltanet
+MAX_REGISTERS = {"output_vector": 168, "output": 168, "prep": 168, "wy_grads": 168}
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
 RECURRENT_BV = 32
 #: (V block, pipeline stages) of the sequential passes per (pass, delta rule, decay kind) on a grid of at least
@@ -366,7 +383,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     W = U = None
     if delta:
         W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
-        _launch("prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
+        _launch("prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
@@ -423,7 +440,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
-    _launch("score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
+    _launch("score_grads_delta" if delta else "score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
             q, v, beta if delta else q, Gp, Tt if delta else q, d if delta else v, do, dd if delta else dA, dA,
             dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu, scale,
             s.T, s.H, s.N, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
@@ -432,7 +449,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     if delta:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
-        _launch("wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
+        _launch("wy_grads_vector" if decay == 2 else "wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
                 k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN,
                 KP=s.BKF)

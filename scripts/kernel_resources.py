@@ -114,7 +114,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                     BV=BV, CSPAN=CSPAN, KP=BKF), cfg("wy_grads_vector" if decay == 2 else "wy_grads")  # launch.Shapes.wy_BK
+                     BV=BV, CSPAN=CSPAN, KP=BKF), \
+                cfg("wy_grads_vector" if decay == 2 else "wy_grads")  # launch.Shapes.wy_BK
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \

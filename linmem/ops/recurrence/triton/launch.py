@@ -85,7 +85,7 @@ LAUNCH = {
 #: output kernel holds two paths for the intra-chunk scores (block products and pairwise loops,
 #: ``common.chunk_scores``): at 4 warps they compile to 237-255 registers (Triton 3.6, sm_90), two programs per SM;
 #: capped, they spill 16 bytes (64 with the bonus). The scalar decays' output kernel takes 173 uncapped, no spill
-#: capped; the delta rule's prep and wy_grads 255, and spill 160-424 bytes capped, which still won for deltanet
+#: capped; the delta rule's prep and wy_grads 255, and spill 80-272 bytes capped, which still won for deltanet
 MAX_REGISTERS = {"output_vector": 168, "output": 168, "prep": 168, "wy_grads": 168}
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
 RECURRENT_BV = 32

@@ -173,7 +173,14 @@ def precision_for(dtype: torch.dtype) -> Precision:
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    """The smallest power of two >= n, at least 16 (plain integer arithmetic: ``triton.next_power_of_2`` is a
+    constexpr function whose wrapper costs microseconds a call, and a forward+backward asks dozens of these)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b), plain integers (as ``_pow2``, not ``triton.cdiv``)."""
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ class Shapes:
     def slots(self) -> int:
         if self.varlen:
             return self.TT // CHUNK + self.N + 1
-        return self.N * triton.cdiv(self.T, CHUNK)
+        return self.N * _cdiv(self.T, CHUNK)
 
     @property
     def BKF(self) -> int:  # the whole key dimension as one tile
@@ -251,7 +258,7 @@ def sequential_config(kernel: str, s: Shapes, delta: bool, decay: int, device: t
     bv, stages = SEQUENTIAL[(kernel, delta, decay)]
     bv = min(bv, _pow2(s.V))
     sms = sm_count(device)
-    programs = lambda b: triton.cdiv(s.V, b) * s.N * s.H  # noqa: E731
+    programs = lambda b: _cdiv(s.V, b) * s.N * s.H  # noqa: E731
     if programs(bv) >= sms:
         return bv, stages
     while bv > 16 and 2 * programs(bv) < sms:
@@ -335,7 +342,7 @@ def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *a
     2026-11-22), which fits two stages at V blocks of 16."""
     tries = _sequential_fallbacks(*sequential_config(name, s, delta, decay, args[0].device))
     _launch_fitting(name, tries,
-                    lambda c: kernel[(triton.cdiv(s.V, c[0]), s.N * s.H)](*args, **constexprs, BV=c[0],
+                    lambda c: kernel[(_cdiv(s.V, c[0]), s.N * s.H)](*args, **constexprs, BV=c[0],
                                                                            num_warps=SEQUENTIAL_WARPS,
                                                                            num_stages=c[1]),
                     lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
@@ -378,7 +385,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     delta, bonus = beta is not None, u is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
     if decay:
-        nkb = triton.cdiv(s.K, s.BK) if decay == 2 else 1
+        nkb = _cdiv(s.K, s.BK) if decay == 2 else 1
         _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
     Gp = G if G is not None else q
@@ -428,7 +435,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dv = torch.empty_like(v)
     if not delta:
         bv = s.dv_BV(decay)
-        _launch("dv", chunk_bwd.dv_kernel, (triton.cdiv(s.V, bv), s.slots, s.H),
+        _launch("dv", chunk_bwd.dv_kernel, (_cdiv(s.V, bv), s.slots, s.H),
                 q, k, Gp, u if bonus else q, A, do, dHs, dv, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=bv)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
@@ -458,7 +465,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk, in blocks of INTRA_ROWS rows
     if decay == 2:
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
-        grid = (triton.cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
+        grid = (_cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
         _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN,
                 CSPAN=CHUNK_SPAN, KP=s.BKF)
@@ -486,7 +493,7 @@ def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torc
     o = torch.empty_like(v)
     BK = _pow2(K)
     BV = min(_pow2(V), RECURRENT_BV)
-    _launch("recurrent", recurrent.recurrent_kernel, (triton.cdiv(V, BV), N * H),
+    _launch("recurrent", recurrent.recurrent_kernel, (_cdiv(V, BV), N * H),
             q, k, v, g if decay else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
             T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)
     return o

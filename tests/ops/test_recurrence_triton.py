@@ -179,6 +179,18 @@ def test_four_state_tiles(combo, monkeypatch):
     compare(t, FP32_TOL)
 
 
+def test_host_size_helpers_equal_tritons():
+    """launch._pow2 and launch._cdiv (plain integers, for host time) give what triton.next_power_of_2 and
+    triton.cdiv give, on every size a launch may ask of them."""
+    import triton
+
+    for n in range(0, 1100):
+        assert launch._pow2(n) == max(16, triton.next_power_of_2(n)), n
+    for a in range(0, 5000, 7):
+        for b in (1, 16, 32, 64, 128, 256):
+            assert launch._cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
 def test_both_state_blocks(sms, monkeypatch):

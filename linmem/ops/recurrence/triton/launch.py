@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 import triton.runtime.errors
 
 from . import chunk_bwd, chunk_fwd, recurrent

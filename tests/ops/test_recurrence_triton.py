@@ -456,6 +456,32 @@ gpu = pytest.mark.gpu
 
 
 @gpu
+def test_gpu_cached_launch_takes_the_dispatchers_kernel():
+    """The launcher's cache of compiled kernels (``launch._run``) launches, for each variant of the arguments that
+    Triton specializes on (a misaligned tensor, an integer that is 1 or not divisible by 16), the kernel Triton's
+    dispatcher compiles for it, and gives its results bit for bit."""
+    from linmem.ops.recurrence.triton import chunk_fwd
+
+    kernel = chunk_fwd.chunk_cumsum_kernel
+    base = torch.randn(4096 + 1, generator=seeded("cached-launch")).cuda()
+    constexprs = dict(VECTOR=0, IS_VARLEN=0, C=common.CHUNK, BK=64)
+    seen = set()
+    for T, H, offset in [(128, 16, 0), (128, 16, 1), (1, 16, 0), (100, 3, 0), (100, 3, 1)]:
+        g = base[offset:offset + 2 * T * H].view(2, T, H)
+        args_of = lambda G: (g, G, g, T, H, 2, 128)  # noqa: E731
+        grid = (2 * launch._cdiv(T, common.CHUNK), H, 1)
+        cached, direct = torch.empty_like(g), torch.empty_like(g)
+        for _ in range(2):  # the first launch fills the cache, the second takes it
+            launch._run(kernel, grid, args_of(cached), constexprs, 4, 2)
+        compiled = kernel[grid](*args_of(direct), **constexprs, num_warps=4, num_stages=2)
+        entry = launch._COMPILED[launch._cache_key(kernel, args_of(cached), constexprs, 4, 2, None)]
+        assert entry is not None and entry[0] is compiled.run and entry[1] == compiled.function, (T, H, offset)
+        assert torch.equal(cached, direct)
+        seen.add(id(compiled))
+    assert len(seen) == 5  # each variant took a kernel of its own
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_real_shapes(combo, dtype):

@@ -67,13 +67,14 @@ def run(backend, tensors, do, dS, **kwargs):
 def compare(tensors, tol, **kwargs):
     """The triton backend on ``tensors`` against the fp32 (fp64 for fp32 inputs) reference."""
     gen = seeded("cotangents", sorted(tensors))
+    device = tensors["q"].device
     o_shape = (*tensors["v"].shape[:-1], tensors["v"].shape[-1])
-    do = torch.randn(o_shape, generator=gen).to(tensors["q"].dtype).to(DEVICE)
+    do = torch.randn(o_shape, generator=gen).to(tensors["q"].dtype).to(device)
     N = tensors["initial_state"].shape[0] if "initial_state" in tensors else o_shape[0]
     if "cu_seqlens" in kwargs:
         N = kwargs["cu_seqlens"].shape[0] - 1
     K, V = tensors["q"].shape[-1], tensors["v"].shape[-1]
-    dS = torch.randn(N, o_shape[2], K, V, generator=gen).to(DEVICE)
+    dS = torch.randn(N, o_shape[2], K, V, generator=gen).to(device)
     ref_dtype = torch.float64 if tensors["q"].dtype == torch.float32 else torch.float32
     ref = {n: x.to(ref_dtype) for n, x in tensors.items()}
     o_ref, S_ref, g_ref = run("reference", ref, do.to(ref_dtype), dS.to(ref_dtype), **kwargs)
@@ -565,6 +566,23 @@ def test_gpu_decode_step_updates_the_state_in_place(combo):
         o, S = linear_recurrence_step(step.pop("q"), step.pop("k"), step.pop("v"), state, **step)
     assert S is state
     assert rel_err(o, expected_o[:, 0]) < LOW_TOL and rel_err(S, expected_S) < FP32_TOL
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True)], ids=combo_id)
+def test_gpu_inputs_on_a_device_that_is_not_current(combo):
+    """A layer on cuda:1 called while cuda:0 is current (a model split over GPUs in one process): the chunk
+    kernels, forward and backward, and the decode kernel run on the inputs' device and equal the reference."""
+    long = {n: x.to("cuda:1") for n, x in inputs(combo, B=2, T=100, H=2, K=32, V=32).items()}
+    short = {n: x.to("cuda:1") for n, x in inputs(combo, B=2, T=5, H=2, K=32, V=32).items()}
+    with torch.cuda.device(0):
+        compare(long, FP32_TOL)
+        with torch.no_grad():  # a few tokens without autograd: the fused recurrent kernel
+            o, S = linear_recurrence(**short, output_final_state=True, backend="triton")
+        o_ref, S_ref = linear_recurrence(**short, output_final_state=True, backend="reference")
+        assert torch.cuda.current_device() == 0
+    assert o.device == short["q"].device and rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
 
 
 @gpu

@@ -414,6 +414,21 @@ def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *a
                     lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
 
 
+def _on_inputs_device(launcher):
+    """The launcher run with its first argument's CUDA device current. Triton launches on the current device and
+    its current stream, and a model split over GPUs in one process (``device_map="auto"``) calls layers whose
+    tensors live on another device than the current one."""
+
+    @functools.wraps(launcher)
+    def run(q: torch.Tensor, *args, **kwargs):
+        if q.is_cuda and q.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                return launcher(q, *args, **kwargs)
+        return launcher(q, *args, **kwargs)
+
+    return run
+
+
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
                   cu_seqlens: Optional[torch.Tensor]) -> tuple:
     """Empty buffers of what the forward saves for the backward, ``(G, hs, A, d, Tt, Wt, Qg, Kg)``, in the dtypes
@@ -435,6 +450,7 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
             q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
 
 
+@_on_inputs_device
 def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
     """Forward of the chunked recurrence.
 
@@ -475,6 +491,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     return o, hN, (G, hs, A, d, Tt, Wt, Qg, Kg)
 
 
+@_on_inputs_device
 def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
     """Backward of :func:`chunk_forward`: returns ``(dq, dk, dv, dg, dbeta, du, dh0)``.
 
@@ -548,6 +565,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 
+@_on_inputs_device
 def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
     """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
 

@@ -270,8 +270,9 @@ def _back_to_back_ms(fn: Callable[[], object], steps: int = 100, rounds: int = 5
     """Time per call of fn called ``steps`` times in a row with one synchronisation at the end (the median of
     ``rounds``): what a decoding loop gets, the larger of its host work and its GPU work per step. ``do_bench``
     empties the L2 cache before each call, and that GPU work hides up to its own length of host work (a 256 MB
-    memset: about 60 us on an H200), so it understates a step that the host bounds."""
-    fn()
+    memset: about 60 us on an H200), so it understates a step that the host bounds. One untimed round first."""
+    for _ in range(steps):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):

@@ -70,18 +70,20 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
-        wy = f32 if delta else dt  # the delta rule's WY factors U, W and T are fp32 (launch.Precision)
-        wt = f32 if delta and dt != "*bf16" else dt  # the writes: bf16 inputs' corrected writes are bf16
+        narrow = dt if dt == "*bf16" else f32  # bf16 inputs' W, U and corrected writes are bf16 (launch.Precision)
+        wy = narrow if delta else dt  # the delta rule's W and U (T is fp32)
+        wt = narrow if delta else dt  # the writes
         sc = f32 if decay == 2 and dt == "*fp16" else dt  # the score gradients dA and dL (launch.chunk_backward)
         if decay and not bonus:
             yield "cumsum", tag, fwd.chunk_cumsum_kernel, {"g": f32, "G": f32, "cu_seqlens": "*i32"}, \
                 dict(VECTOR=int(decay == 2), IS_VARLEN=varlen, C=64, BK=BK), cfg("cumsum")
         if delta:
-            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": f32,
-                                                       "Wt": dt, "U": f32, "kg": dt, "cu_seqlens": "*i32"}, \
+            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": wy,
+                                                       "Wt": dt, "U": wy, "kg": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
                 cfg("prep_vector" if decay == 2 else "prep")
-        fbv, fstages = SEQUENTIAL[("state_fwd", bool(delta), decay)]
+        # bf16 inputs' delta rule: the wide grid's pass with bf16 W and U (launch.factors_dtype)
+        fbv, fstages = SEQUENTIAL[("state_fwd_bf16" if delta and dt == "*bf16" else "state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
@@ -102,7 +104,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                              "dv": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
                      BV=min(triton.next_power_of_2(K), 128) if decay else BV), cfg("dv")  # launch.Shapes.dv_BV
-        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": wy,
+        yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
                                                            "cu_seqlens": "*i32"}, \

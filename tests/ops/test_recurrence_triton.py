@@ -206,6 +206,22 @@ def test_both_state_blocks(sms, monkeypatch):
     compare(t, FP32_TOL)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+@pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
+def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
+    """bf16 inputs on a grid of at least one program per SM: the delta rule's W and U are bf16 and the forward pass
+    splits its products (``launch.factors_dtype``, ``common.mm_split``); two V blocks, the second partly masked."""
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+    t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
+    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
+    assert launch.factors_dtype(s, torch.float16, launch.DECAY_CODES[kind], dev) == torch.float32
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1000)
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+    compare(t, LOW_TOL)
+
+
 def test_kernels_call_no_jit_helper_of_triton_language():
     """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
     fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),
@@ -512,11 +528,26 @@ def test_gpu_varlen(combo):
 @pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
                          ids=combo_id)
 def test_gpu_wide_grid(combo):
-    """B * H above the SM count: the sequential passes' V blocks and stages of ``launch.SEQUENTIAL``."""
+    """B * H above the SM count: the sequential passes' V blocks and stages of ``launch.SEQUENTIAL``; the delta
+    rule's forward pass with bf16 W and U ("state_fwd_bf16")."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
     s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
-    for kernel in ("state_fwd", "state_bwd"):
+    if delta:
+        assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+    for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
         assert launch.sequential_config(kernel, s, delta, decay, dev) == launch.SEQUENTIAL[(kernel, delta, decay)]
+    compare(t, LOW_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
+def test_gpu_delta_rule_bf16_factors_at_head_dim_256(kind):
+    """K = V = 256 on a wide grid: bf16 W and U with the state in four key tiles, at the configured (V block,
+    stages) or the first fallback that fits in shared memory."""
+    H = launch.sm_count(torch.device(DEVICE)) // 4 + 1  # 4 V blocks of 64: more programs than SMs
+    t = inputs((kind, "delta", False), B=1, T=130, H=H, K=256, V=256, dtype=torch.bfloat16)
+    s = launch.shapes_of(t["q"], t["v"], None)
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL)
 
 

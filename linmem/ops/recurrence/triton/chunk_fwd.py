@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .common import (_INTERP, LOG2E, bonus_scores, chunk_scores, end_decay, exp2, first_state_tiles, load_gate_rows,
-                     load_rows, load_state, locate_chunk, masked_exp2, mm, running_total, sequence_state, store_rows,
-                     store_rows_t, store_state, store_state_tiles, total)
+                     load_rows, load_state, locate_chunk, masked_exp2, mm, mm_split, running_total, sequence_state,
+                     store_rows, store_rows_t, store_state, store_state_tiles, total)
 
 
 @triton.jit
@@ -179,7 +179,7 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the sequential passes read
     instead of k and G. Grid (slots, H).
     """
-    IT: tl.constexpr = W.dtype.element_ty
+    IT: tl.constexpr = Tt.dtype.element_ty  # the products T x run in T's dtype (tf32 or IEEE fp32), whatever W's
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
@@ -217,7 +217,7 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
 
 @triton.jit
 def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, DELTA: tl.constexpr,
-                PT: tl.constexpr, X: tl.constexpr):
+                PT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
     """Key rows kb of the next chunk's start state: e^Gamma S + (k e^(Gamma - G))^T d. With a scalar decay the
     delta rule's d arrives decayed (e^(Gamma - G) on its rows, a [C, BV] tile before its tf32 product); with a
     per-channel decay its k (kg)."""
@@ -236,7 +236,19 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
             last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
             kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
         S = S * exp2(last)[:, None]
+    if SPLIT:
+        return S + mm_split(kT, d)
     return S + mm(kT, d, PT, X)
+
+
+@triton.jit
+def _wy_state(W, S, t0, nrows, h, H, K, rows, kb, IT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
+    """W[:, kb] S for one state tile S [KB, BV] (fp32): in IT (tf32 or IEEE fp32), or with bf16 W (SPLIT) as two
+    bf16 products (``mm_split``), which read W as stored."""
+    Wt = load_rows(W, t0, nrows, h, H, K, rows, kb, False)
+    if SPLIT:
+        return mm_split(Wt, S)
+    return mm(Wt, S, IT, X)
 
 
 @triton.jit
@@ -252,11 +264,15 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     end: kg of ``delta_prep_kernel``); vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
-    The delta rule's k^T d runs in the WY factors' dtype (tf32 for bf16 inputs) whatever d_out's: with
-    d stored in bf16 and the same bf16 tile fed to the product, Triton 3.6 miscompiles this kernel on
-    Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22).
+    The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (IEEE fp32 for fp32 inputs)
+    whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
+    miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
+    bf16 W and U (``launch.factors_dtype``: wide grids, at V blocks of 64 unless K = 256 does not fit)
+    both run as two bf16 products on h and d split in two bf16 parts (SPLIT, ``common.mm_split``).
     """
-    IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors: the dtype of both products
+    IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors
+    PT: tl.constexpr = tl.float32 if DELTA else IT  # the dtype of k^T d
+    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (common.mm_split)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NKB: tl.constexpr = BKF // KB
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
@@ -268,22 +284,22 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
         store_state_tiles(hs, S0, S1, S2, S3, s0 + c, h, H, K, V, kb0, vr, NKB)
         d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         if DELTA:
-            d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb0, False), S0, IT, X)
+            d -= _wy_state(W, S0, t0, nrows, h, H, K, rows, kb0, IT, SPLIT, X)
             if NKB > 1:
-                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb1, False), S1, IT, X)
+                d -= _wy_state(W, S1, t0, nrows, h, H, K, rows, kb1, IT, SPLIT, X)
             if NKB > 2:
-                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb2, False), S2, IT, X)
-                d -= mm(load_rows(W, t0, nrows, h, H, K, rows, kb3, False), S3, IT, X)
+                d -= _wy_state(W, S2, t0, nrows, h, H, K, rows, kb2, IT, SPLIT, X)
+                d -= _wy_state(W, S3, t0, nrows, h, H, K, rows, kb3, IT, SPLIT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
             if DECAY == 1:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)
                                     - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
-        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, IT, X)
+        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, PT, SPLIT, X)
         if NKB > 1:
-            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, IT, X)
+            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, PT, SPLIT, X)
         if NKB > 2:
-            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, IT, X)
-            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, IT, X)
+            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, PT, SPLIT, X)
+            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, PT, SPLIT, X)
     if STORE_FINAL:
         store_state_tiles(hN, S0, S1, S2, S3, n, h, H, K, V, kb0, vr, NKB)
 

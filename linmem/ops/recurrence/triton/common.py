@@ -115,6 +115,20 @@ def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
 
 
 @triton.jit
+def mm_split(a, b):
+    """a @ b for a bf16 ``a`` and an fp32 ``b``, as two bf16 products: ``b = hi + lo`` with ``hi`` = b rounded to
+    bf16 and ``lo`` = the rest rounded to bf16, which keeps about 16 of b's mantissa bits (tf32 keeps 10) without
+    an fp32 copy of ``a``. fp32 accumulation."""
+    hi = rounded(b, tl.bfloat16)
+    lo = rounded(b - hi.to(tl.float32), tl.bfloat16)
+    if _INTERP:
+        a = a.to(tl.float32)
+        hi = hi.to(tl.float32)
+        lo = lo.to(tl.float32)
+    return tl.dot(a, lo, tl.dot(a, hi))
+
+
+@triton.jit
 def sequence_bounds(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
     """First and one-past-last token of sequence n (int64)."""
     if IS_VARLEN:

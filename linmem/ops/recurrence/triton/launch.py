@@ -119,6 +119,18 @@ SEQUENTIAL = {
     ("state_bwd", True, 0): (32, 3),
     ("state_bwd", True, 1): (32, 3),
     ("state_bwd", True, 2): (32, 3),
+    # the delta rule's forward pass with bf16 inputs on a grid of at least one program per SM at this V block, its W
+    # and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``: W h and k^T d as two
+    # bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (96 KB of shared
+    # memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
+    # 128), kernel ms against fp32 factors at (64, 3): 8 x 2048 (256 programs): deltanet 0.160 -> 0.135, gated
+    # delta 0.169 -> 0.136, kda 0.234 -> 0.150 (with W h alone split: 0.134, 0.155, 0.165). On grids of one
+    # program per SM or fewer, bf16 factors lost at every V block and stage count tried (deltanet at 4 x 4096,
+    # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.373): there
+    # the factors stay fp32
+    ("state_fwd_bf16", True, 0): (64, 2),
+    ("state_fwd_bf16", True, 1): (64, 2),
+    ("state_fwd_bf16", True, 2): (64, 2),
 }
 #: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
@@ -163,16 +175,17 @@ class Precision:
 
     state: torch.dtype  # chunk-start states hs and chunk-end state gradients dHs
     scores: torch.dtype  # the scaled intra-chunk scores A
-    wy: torch.dtype  # delta rule: T, W, U (W's transposed copy, read only by the backward's product W^T dd,
-    # takes the states' dtype)
+    wy: torch.dtype  # delta rule: T, W, U (W and U bf16 where ``factors_dtype`` says so; W's transposed copy,
+    # read only by the backward's product W^T dd, takes the states' dtype)
     writes: torch.dtype  # delta rule: the corrected writes d = U - W h and their gradient dd
 
 
 def precision_for(dtype: torch.dtype) -> Precision:
     """The intermediates of fp16/bf16 inputs: the delta rule's WY factors stay fp32 (their products
-    cancel: d = U - W h), states and scores take the input dtype. The corrected writes d and their
-    gradient dd are rounded after that cancellation: bf16 for bf16 inputs, else fp32 (dd sums the state
-    gradients of every later chunk, which fp16's narrow range is not trusted to hold)."""
+    cancel: d = U - W h; ``factors_dtype`` names where W and U are bf16), states and scores take the input
+    dtype. The corrected writes d and their gradient dd are rounded after that cancellation: bf16 for bf16
+    inputs, else fp32 (dd sums the state gradients of every later chunk, which fp16's narrow range is not
+    trusted to hold)."""
     writes = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return Precision(state=dtype, scores=dtype, wy=torch.float32, writes=writes)
 
@@ -269,6 +282,15 @@ def sequential_config(kernel: str, s: Shapes, delta: bool, decay: int, device: t
     while bv > 16 and 2 * programs(bv) < sms:
         bv //= 2
     return bv, max(stages, NARROW_STAGES)
+
+
+def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.device) -> torch.dtype:
+    """dtype of the delta rule's W and U: bf16 for bf16 inputs where the grid of ``SEQUENTIAL``'s "state_fwd_bf16"
+    holds at least one program per SM, else fp32 (``precision_for``)."""
+    if dtype != torch.bfloat16:
+        return torch.float32
+    bv = min(SEQUENTIAL[("state_fwd_bf16", True, decay)][0], _pow2(s.V))
+    return torch.bfloat16 if _cdiv(s.V, bv) * s.N * s.H >= sm_count(device) else torch.float32
 
 
 def sm_count(device: torch.device) -> int:
@@ -472,13 +494,17 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
     Gp = G if G is not None else q
     W = U = None
+    forward_pass = "state_fwd"
     if delta:
-        W, U = torch.empty_like(k, dtype=P.wy), torch.empty_like(v, dtype=P.wy)
+        factors = factors_dtype(s, q.dtype, decay, dev)
+        if factors == torch.bfloat16:
+            forward_pass = "state_fwd_bf16"
+        W, U = torch.empty_like(k, dtype=factors), torch.empty_like(v, dtype=factors)
         _launch("prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
-    _launch_sequential("state_fwd", chunk_fwd.state_fwd_kernel, s, delta, decay,
+    _launch_sequential(forward_pass, chunk_fwd.state_fwd_kernel, s, delta, decay,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
                        h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
                        DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),

@@ -27,8 +27,11 @@ from .common import CHUNK, SUB
 
 logger = logging.getLogger("linmem.ops")
 
-#: decay kinds of the kernels (``constant`` is expanded to ``scalar`` before launch)
+#: decay kinds of the kernels (``constant`` is expanded to ``scalar`` before the chunk kernels' launch)
 DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
+#: the recurrent kernel's code for a constant decay, read as given ([H]): expanded per token and copied, it cost
+#: each decoding step a copy kernel and its host time
+CONSTANT_DECAY = 3
 
 #: (num_warps, num_stages) per kernel but the sequential passes (``SEQUENTIAL``; ``linmem bench ops --launch``
 #: tries others). Measured on an H200 at B x T = 8 x 2048, H = 16, K = V = 128: prep at 4 warps (deltanet
@@ -595,7 +598,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
 def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
     """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
 
-    g: None, [N, T, H] (decay 1) or [N, T, H, K] (decay 2); beta: [N, T, H] or None;
+    g: None, [N, T, H] (decay 1), [N, T, H, K] (decay 2) or [H] (``CONSTANT_DECAY``); beta: [N, T, H] or None;
     u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
     """
     N, T, H, K = q.shape

@@ -160,21 +160,30 @@ def _per_token_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
     return g.float().contiguous(), launch.DECAY_CODES["vector" if inputs.decay_kind == "vector" else "scalar"]
 
 
+def _step_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
+    """The recurrent kernel's gate and its code: a constant [H] as given (``launch.CONSTANT_DECAY``), else as
+    :func:`_per_token_decay`."""
+    if inputs.decay_kind == "constant":
+        return inputs.log_decay.float().contiguous(), launch.CONSTANT_DECAY
+    return _per_token_decay(inputs)
+
+
 def _contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.contiguous()
 
 
 def triton_recurrence(inputs: RecurrenceInputs) -> tuple[Tensor, Optional[Tensor]]:
     """The "triton" backend of ``linear_recurrence`` for inputs its refusal accepted."""
-    g, decay = _per_token_decay(inputs)
     q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
     h0 = None if inputs.initial_state is None else inputs.initial_state.float().contiguous()
     T = q.shape[1]
     if inputs.cu_seqlens is None and T <= RECURRENT_MAX_T and not inputs.records_grad:
         B, _, H, K = q.shape
         state = h0.clone() if h0 is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
+        g, decay = _step_decay(inputs)
         o = _recurrent_step(q, k, v, g, beta, bonus, state, inputs.scale, decay)
         return o, (state if inputs.output_final_state else None)
+    g, decay = _per_token_decay(inputs)
     args = (q, k, v, g, beta, bonus, h0, _contiguous(inputs.cu_seqlens), inputs.scale, decay, inputs.output_final_state)
     o, hN = chunk_fwd_op(*args)[:2] if torch.compiler.is_compiling() else ChunkRecurrence.apply(*args)
     return o, (hN if inputs.output_final_state else None)
@@ -182,6 +191,6 @@ def triton_recurrence(inputs: RecurrenceInputs) -> tuple[Tensor, Optional[Tensor
 
 def triton_step(inputs: RecurrenceInputs, state: Tensor) -> Tensor:
     """One decoding step (inputs with a time axis of 1) against ``state``, updated in place: -> o [B, H, V]."""
-    g, decay = _per_token_decay(inputs)
+    g, decay = _step_decay(inputs)
     q, k, v, beta, bonus = map(_contiguous, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus))
     return _recurrent_step(q, k, v, g, beta, bonus, state, inputs.scale, decay)[:, 0]

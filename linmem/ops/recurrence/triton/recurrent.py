@@ -19,8 +19,9 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
                      BK: tl.constexpr, BV: tl.constexpr):
     """T tokens of one (sequence, head) against S[n, h, :, V block], token by token.
 
-    q, k: [N, T, H, K]; v, o: [N, T, H, V]; g: None, [N, T, H] (DECAY 1) or [N, T, H, K]
-    (DECAY 2); beta: [N, T, H]; u: [H, K]; S: [N, H, K, V] fp32, read once and written back.
+    q, k: [N, T, H, K]; v, o: [N, T, H, V]; g: None, [N, T, H] (DECAY 1), [N, T, H, K]
+    (DECAY 2) or [H] (DECAY 3: a constant per head, as given: read once, not expanded per token);
+    beta: [N, T, H]; u: [H, K]; S: [N, H, K, V] fp32, read once and written back.
     Per token: (bonus: o = scale (q S + (q . u k) v)); S = e^g S; S += k^T (beta (v - k S))
     (DELTA) or k^T v; o = scale q S. Grid (V blocks, N * H).
     """
@@ -33,6 +34,8 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
     St = tl.load(s_ptr, mask=mk[:, None] & mv[None, :], other=0.0)
     if BONUS:
         uu = tl.load(u + h * K + kr, mask=mk, other=0.0).to(tl.float32)
+    if DECAY == 3:
+        eg = exp(tl.load(g + h).to(tl.float32))
     for t in range(T):
         tok = (n.to(tl.int64) * T + t) * H + h
         qt = tl.load(q + tok * K + kr, mask=mk, other=0.0).to(tl.float32)
@@ -44,6 +47,8 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
             St = St * exp(tl.load(g + tok).to(tl.float32))
         elif DECAY == 2:
             St = St * exp(tl.load(g + tok * K + kr, mask=mk, other=0.0).to(tl.float32))[:, None]
+        elif DECAY == 3:
+            St = St * eg
         if DELTA:
             vt = tl.load(beta + tok).to(tl.float32) * (vt - total(kt[:, None] * St, 0))
         St += kt[:, None] * vt[None, :]

@@ -124,12 +124,12 @@ SEQUENTIAL = {
     ("state_bwd", True, 2): (32, 3),
     # the delta rule's forward pass with bf16 inputs on a grid of at least one program per SM at this V block, its W
     # and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``: W h and k^T d as two
-    # bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (96 KB of shared
+    # bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (98 KB of shared
     # memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
     # 128), kernel ms against fp32 factors at (64, 3): 8 x 2048 (256 programs): deltanet 0.160 -> 0.135, gated
     # delta 0.169 -> 0.136, kda 0.234 -> 0.150 (with W h alone split: 0.134, 0.155, 0.165). On grids of one
     # program per SM or fewer, bf16 factors lost at every V block and stage count tried (deltanet at 4 x 4096,
-    # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.373): there
+    # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.355): there
     # the factors stay fp32
     ("state_fwd_bf16", True, 0): (64, 2),
     ("state_fwd_bf16", True, 1): (64, 2),
@@ -430,8 +430,9 @@ def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *a
     """A sequential pass, grid (V blocks, N * H), at the (V block, stages) of :func:`sequential_config`. A config
     whose pipelining does not fit the device's shared memory (K = 256, fp32) takes the next of
     :func:`_sequential_fallbacks` that fits: narrower V blocks come before a single stage, since at one stage
-    Triton 3.6 miscompiles the gated delta rule's backward pass at K = 256 on Hopper (illegal addresses; H200,
-    2026-11-22), which fits two stages at V blocks of 16."""
+    Triton 3.6 miscompiles the gated delta rule's backward pass on Hopper: at K = 256 illegal addresses (H200,
+    2026-11-22), at K = 128 wrong gradients (dk, dv, dg, dbeta off by 0.86 at V blocks of 16 and 32; session 21).
+    Both fit two stages at V blocks of 16."""
     tries = _sequential_fallbacks(*sequential_config(name, s, delta, decay, args[0].device))
     _launch_fitting(name, tries,
                     lambda c: _run(kernel, (_cdiv(s.V, c[0]), s.N * s.H), args, {**constexprs, "BV": c[0]},

@@ -222,6 +222,20 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
     compare(t, LOW_TOL)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+def test_delta_rule_bf16_factors_varlen(monkeypatch):
+    """The same on packed sequences (lengths 5, 0, 70, 1, 33): bf16 factors with empty and partial chunks."""
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+    lengths = [5, 0, 70, 1, 33]
+    t = inputs(("scalar", "delta", False), B=1, T=sum(lengths), H=2, K=16, V=16, dtype=torch.bfloat16,
+               initial_state=False)
+    t["initial_state"] = torch.randn(len(lengths), 2, 16, 16, generator=seeded("h0")).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    s = launch.shapes_of(t["q"], t["v"], cu)
+    assert launch.factors_dtype(s, torch.bfloat16, 1, t["q"].device) == torch.bfloat16
+    compare(t, LOW_TOL, cu_seqlens=cu)
+
+
 def test_kernels_call_no_jit_helper_of_triton_language():
     """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
     fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),

@@ -554,6 +554,21 @@ def test_gpu_wide_grid(combo):
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
+def test_gpu_delta_rule_bf16_factors_varlen(kind):
+    """Packed sequences on a wide grid (6 sequences x 24 heads x 2 V blocks): bf16 factors with empty, one-token
+    and partial chunks."""
+    lengths = [100, 0, 64, 1, 150, 37]
+    t = inputs((kind, "delta", False), B=1, T=sum(lengths), H=24, K=128, V=128, dtype=torch.bfloat16,
+               initial_state=False)
+    t["initial_state"] = torch.randn(len(lengths), 24, 128, 128, generator=seeded("h0")).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    s = launch.shapes_of(t["q"], t["v"], cu)
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
+    compare(t, LOW_TOL, cu_seqlens=cu)
+
+
+@gpu
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_gpu_delta_rule_bf16_factors_at_head_dim_256(kind):
     """K = V = 256 on a wide grid: bf16 W and U with the state in four key tiles, at the configured (V block,

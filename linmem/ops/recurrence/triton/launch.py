@@ -69,7 +69,9 @@ CONSTANT_DECAY = 3
 #: 0.273), the scalar decays' grads at 128 (gated 0.352 -> 0.576, mamba2 0.324 -> 0.548) and the per-channel
 #: decays' at 128 (kda 0.833 -> 1.016). The decay-free grads' two launches one stage deeper (grads_query 2 -> 3,
 #: grads_key 1 -> 2): deltanet 0.240 -> 0.224 ms at 4 x 4096 and 8 x 2048 (linear attention's query side 0.211
-#: -> 0.206 alone, its key side 0.211 -> 0.213 alone).
+#: -> 0.206 alone, its key side 0.211 -> 0.213 alone). Session 21, the decoding kernel (B = 64, one step in a CUDA
+#: graph, us; V block 32): 4 -> 2 warps, deltanet 43.0 -> 41.3, kda 45.0 -> 42.9, gla 41.4 -> 41.5, mamba2 40.2 -> 40.0
+#: (V blocks of 16 or 64, 1 or 8 warps, 1 stage: none faster over the four).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -86,7 +88,7 @@ LAUNCH = {
     "wy_grads_vector": (4, 1),
     "grads_query": (8, 3),
     "grads_key": (8, 2),
-    "recurrent": (4, 2),
+    "recurrent": (2, 2),
 }
 #: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
 #: SM that the kernel runs best at allow: 168 lets three 4-warp programs share an SM (see LAUNCH). The per-channel

@@ -209,13 +209,16 @@ def test_both_state_blocks(sms, monkeypatch):
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
-    """bf16 inputs on a grid of at least one program per SM: the delta rule's W and U are bf16 and the forward pass
-    splits its products (``launch.factors_dtype``, ``common.mm_split``); two V blocks, the second partly masked."""
+    """bf16 inputs on a grid of at least one program per SM, K <= 128: the delta rule's W and U are bf16 and the
+    forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``); two V blocks, the second
+    partly masked."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
     s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
     assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
     assert launch.factors_dtype(s, torch.float16, launch.DECAY_CODES[kind], dev) == torch.float32
+    wide_256 = launch.Shapes(T=100, TT=200, N=2, H=2, K=256, V=80, varlen=False)  # four state tiles: fp32
+    assert launch.factors_dtype(wide_256, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1000)
     assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
@@ -570,13 +573,12 @@ def test_gpu_delta_rule_bf16_factors_varlen(kind):
 
 @gpu
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
-def test_gpu_delta_rule_bf16_factors_at_head_dim_256(kind):
-    """K = V = 256 on a wide grid: bf16 W and U with the state in four key tiles, at the configured (V block,
-    stages) or the first fallback that fits in shared memory."""
+def test_gpu_delta_rule_wide_grid_at_head_dim_256(kind):
+    """K = V = 256 on a wide grid: fp32 W and U (``launch.BF16_FACTORS_MAX_K``) with the state in four key tiles."""
     H = launch.sm_count(torch.device(DEVICE)) // 4 + 1  # 4 V blocks of 64: more programs than SMs
     t = inputs((kind, "delta", False), B=1, T=130, H=H, K=256, V=256, dtype=torch.bfloat16)
     s = launch.shapes_of(t["q"], t["v"], None)
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.float32
     compare(t, LOW_TOL)
 
 

@@ -173,7 +173,8 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tt: [tokens, H, C] (fp32,
     T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
     Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
-    U: [tokens, H, V]. The backward reads T and W only transposed, and fp32 operands of
+    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so; the products T x run
+    in T's dtype either way). The backward reads T and W only transposed, and fp32 operands of
     tensor-core products must not be transposed on the way in: they would go through shared
     memory one element at a time. A per-channel decay (DECAY 2) also stores the keys decayed to the
     chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the sequential passes read

@@ -124,7 +124,8 @@ SEQUENTIAL = {
     ("state_bwd", True, 0): (32, 3),
     ("state_bwd", True, 1): (32, 3),
     ("state_bwd", True, 2): (32, 3),
-    # the delta rule's forward pass with bf16 inputs on a grid of at least one program per SM at this V block, its W
+    # the delta rule's forward pass with bf16 inputs, K <= BF16_FACTORS_MAX_K, on a grid of at least one program per
+    # SM at this V block, its W
     # and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``: W h and k^T d as two
     # bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (98 KB of shared
     # memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
@@ -137,6 +138,11 @@ SEQUENTIAL = {
     ("state_fwd_bf16", True, 1): (64, 2),
     ("state_fwd_bf16", True, 2): (64, 2),
 }
+#: the largest K whose delta rule takes bf16 W and U on a wide grid (``factors_dtype``). Measured on an H200 at 8 x 2048
+#: (bf16, state_fwd kernel ms, fp32 factors -> bf16): H = 32, K = V = 64: deltanet 0.117 -> 0.106, gated delta 0.119 ->
+#: 0.108, kda 0.150 -> 0.116; H = 8, K = V = 256 (four state tiles per program): deltanet 0.409 -> 0.685, gated delta
+#: 0.607 -> 0.716
+BF16_FACTORS_MAX_K = 128
 #: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
 SEQUENTIAL_WARPS = 4
@@ -290,9 +296,9 @@ def sequential_config(kernel: str, s: Shapes, delta: bool, decay: int, device: t
 
 
 def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.device) -> torch.dtype:
-    """dtype of the delta rule's W and U: bf16 for bf16 inputs where the grid of ``SEQUENTIAL``'s "state_fwd_bf16"
-    holds at least one program per SM, else fp32 (``precision_for``)."""
-    if dtype != torch.bfloat16:
+    """dtype of the delta rule's W and U: bf16 for bf16 inputs with K <= ``BF16_FACTORS_MAX_K`` where the grid of
+    ``SEQUENTIAL``'s "state_fwd_bf16" holds at least one program per SM, else fp32 (``precision_for``)."""
+    if dtype != torch.bfloat16 or s.K > BF16_FACTORS_MAX_K:
         return torch.float32
     bv = min(SEQUENTIAL[("state_fwd_bf16", True, decay)][0], _pow2(s.V))
     return torch.bfloat16 if _cdiv(s.V, bv) * s.N * s.H >= sm_count(device) else torch.float32

@@ -70,9 +70,10 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
     BKF, BK, BV = max(16, 1 << (K - 1).bit_length()), min(64, max(16, 1 << (K - 1).bit_length())), 64
     for decay, delta, bonus in [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]:
         tag = f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
-        narrow = dt if dt == "*bf16" else f32  # bf16 inputs' W, U and corrected writes are bf16 (launch.Precision)
-        wy = narrow if delta else dt  # the delta rule's W and U (T is fp32)
-        wt = narrow if delta else dt  # the writes
+        bf16 = dt == "*bf16"  # bf16 inputs: the delta rule's corrected writes are bf16 (launch.Precision), and so are
+        factors = bf16 and K <= launch_setting("BF16_FACTORS_MAX_K")  # its W and U (launch.factors_dtype)
+        wy = (dt if factors else f32) if delta else dt  # the delta rule's W and U (T is fp32)
+        wt = (dt if bf16 else f32) if delta else dt  # the writes
         sc = f32 if decay == 2 and dt == "*fp16" else dt  # the score gradients dA and dL (launch.chunk_backward)
         if decay and not bonus:
             yield "cumsum", tag, fwd.chunk_cumsum_kernel, {"g": f32, "G": f32, "cu_seqlens": "*i32"}, \
@@ -83,7 +84,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
                 cfg("prep_vector" if decay == 2 else "prep")
         # bf16 inputs' delta rule: the wide grid's pass with bf16 W and U (launch.factors_dtype)
-        fbv, fstages = SEQUENTIAL[("state_fwd_bf16" if delta and dt == "*bf16" else "state_fwd", bool(delta), decay)]
+        fbv, fstages = SEQUENTIAL[("state_fwd_bf16" if delta and factors else "state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \

@@ -268,12 +268,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (IEEE fp32 for fp32 inputs)
     whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
     miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
-    bf16 W and U (``launch.factors_dtype``: wide grids, at V blocks of 64 unless K = 256 does not fit)
+    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128, grids of at least one program per SM)
     both run as two bf16 products on h and d split in two bf16 parts (SPLIT, ``common.mm_split``).
     """
     IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors
     PT: tl.constexpr = tl.float32 if DELTA else IT  # the dtype of k^T d
-    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (common.mm_split)
+    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h and k^T d as two bf16 products each (common.mm_split)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NKB: tl.constexpr = BKF // KB
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)

@@ -125,10 +125,9 @@ SEQUENTIAL = {
     ("state_bwd", True, 1): (32, 3),
     ("state_bwd", True, 2): (32, 3),
     # the delta rule's forward pass with bf16 inputs, K <= BF16_FACTORS_MAX_K, on a grid of at least one program per
-    # SM at this V block, its W
-    # and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``: W h and k^T d as two
-    # bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (98 KB of shared
-    # memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
+    # SM at this V block, its W and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``:
+    # W h and k^T d as two bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (98 KB
+    # of shared memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
     # 128), kernel ms against fp32 factors at (64, 3): 8 x 2048 (256 programs): deltanet 0.160 -> 0.135, gated
     # delta 0.169 -> 0.136, kda 0.234 -> 0.150 (with W h alone split: 0.134, 0.155, 0.165). On grids of one
     # program per SM or fewer, bf16 factors lost at every V block and stage count tried (deltanet at 4 x 4096,

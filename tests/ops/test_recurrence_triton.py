@@ -96,6 +96,15 @@ def inputs(combo, B, T, H, K, V, dtype=torch.float32, initial_state=True):
     return {n: x.to(DEVICE) for n, x in t.items()}
 
 
+def packed(combo, lengths, H, K, V, dtype=torch.float32):
+    """Inputs of sequences of these lengths packed along T (B = 1), each with an initial state, and their
+    ``cu_seqlens``."""
+    t = inputs(combo, B=1, T=sum(lengths), H=H, K=K, V=V, dtype=dtype, initial_state=False)
+    t["initial_state"] = torch.randn(len(lengths), H, K, V, generator=seeded("h0")).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return t, cu
+
+
 # ---------------------------------------------------------------- CPU (interpreter) and GPU, small shapes
 
 
@@ -143,10 +152,7 @@ def test_value_blocks_past_64(combo):
 def test_varlen_equals_reference(combo):
     """Packed sequences of lengths 5, 0, 70, 1, 33: an empty one, partial chunks, idle slots (and, with
     the bonus and per-channel decays, the shifted reads of intra_grads_kernel and dv_kernel)."""
-    lengths = [5, 0, 70, 1, 33]
-    t = inputs(combo, B=1, T=sum(lengths), H=1, K=16, V=16, initial_state=False)
-    t["initial_state"] = torch.randn(len(lengths), 1, 16, 16, generator=seeded("h0")).to(DEVICE)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    t, cu = packed(combo, [5, 0, 70, 1, 33], H=1, K=16, V=16)
     compare(t, FP32_TOL, cu_seqlens=cu)
 
 
@@ -229,11 +235,7 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
 def test_delta_rule_bf16_factors_varlen(monkeypatch):
     """The same on packed sequences (lengths 5, 0, 70, 1, 33): bf16 factors with empty and partial chunks."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
-    lengths = [5, 0, 70, 1, 33]
-    t = inputs(("scalar", "delta", False), B=1, T=sum(lengths), H=2, K=16, V=16, dtype=torch.bfloat16,
-               initial_state=False)
-    t["initial_state"] = torch.randn(len(lengths), 2, 16, 16, generator=seeded("h0")).to(DEVICE)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    t, cu = packed(("scalar", "delta", False), [5, 0, 70, 1, 33], H=2, K=16, V=16, dtype=torch.bfloat16)
     s = launch.shapes_of(t["q"], t["v"], cu)
     assert launch.factors_dtype(s, torch.bfloat16, 1, t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)
@@ -534,10 +536,7 @@ def test_gpu_head_dims(combo, KV):
 @gpu
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c[0] in ("scalar", "vector")], ids=combo_id)
 def test_gpu_varlen(combo):
-    lengths = [1000, 0, 1, 64, 200, 511]
-    t = inputs(combo, B=1, T=sum(lengths), H=4, K=128, V=64, dtype=torch.bfloat16, initial_state=False)
-    t["initial_state"] = torch.randn(len(lengths), 4, 128, 64, generator=seeded("h0")).to(DEVICE)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    t, cu = packed(combo, [1000, 0, 1, 64, 200, 511], H=4, K=128, V=64, dtype=torch.bfloat16)
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
@@ -561,11 +560,7 @@ def test_gpu_wide_grid(combo):
 def test_gpu_delta_rule_bf16_factors_varlen(kind):
     """Packed sequences on a wide grid (6 sequences x 24 heads x 2 V blocks): bf16 factors with empty, one-token
     and partial chunks."""
-    lengths = [100, 0, 64, 1, 150, 37]
-    t = inputs((kind, "delta", False), B=1, T=sum(lengths), H=24, K=128, V=128, dtype=torch.bfloat16,
-               initial_state=False)
-    t["initial_state"] = torch.randn(len(lengths), 24, 128, 128, generator=seeded("h0")).to(DEVICE)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    t, cu = packed((kind, "delta", False), [100, 0, 64, 1, 150, 37], H=24, K=128, V=128, dtype=torch.bfloat16)
     s = launch.shapes_of(t["q"], t["v"], cu)
     assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)

@@ -237,19 +237,16 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
             last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
             kT = kT * masked_exp2(valid[None, :], last[:, None] - GT)
         S = S * exp2(last)[:, None]
-    if SPLIT:
-        return S + mm_split(kT, d)
-    return S + mm(kT, d, PT, X)
+    return S + _pass_mm(kT, d, PT, SPLIT, X)
 
 
 @triton.jit
-def _wy_state(W, S, t0, nrows, h, H, K, rows, kb, IT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
-    """W[:, kb] S for one state tile S [KB, BV] (fp32): in IT (tf32 or IEEE fp32), or with bf16 W (SPLIT) as two
-    bf16 products (``mm_split``), which read W as stored."""
-    Wt = load_rows(W, t0, nrows, h, H, K, rows, kb, False)
+def _pass_mm(a, b, DT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
+    """A product of the forward pass with an fp32 right factor (the state, or the delta rule's d): in DT, or with
+    a bf16 left factor (SPLIT: the delta rule's bf16 W and U) as two bf16 products (``mm_split``)."""
     if SPLIT:
-        return mm_split(Wt, S)
-    return mm(Wt, S, IT, X)
+        return mm_split(a, b)
+    return mm(a, b, DT, X)
 
 
 @triton.jit
@@ -285,12 +282,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
         store_state_tiles(hs, S0, S1, S2, S3, s0 + c, h, H, K, V, kb0, vr, NKB)
         d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         if DELTA:
-            d -= _wy_state(W, S0, t0, nrows, h, H, K, rows, kb0, IT, SPLIT, X)
+            d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb0, False), S0, IT, SPLIT, X)
             if NKB > 1:
-                d -= _wy_state(W, S1, t0, nrows, h, H, K, rows, kb1, IT, SPLIT, X)
+                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb1, False), S1, IT, SPLIT, X)
             if NKB > 2:
-                d -= _wy_state(W, S2, t0, nrows, h, H, K, rows, kb2, IT, SPLIT, X)
-                d -= _wy_state(W, S3, t0, nrows, h, H, K, rows, kb3, IT, SPLIT, X)
+                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb2, False), S2, IT, SPLIT, X)
+                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb3, False), S3, IT, SPLIT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
             if DECAY == 1:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)

@@ -286,12 +286,16 @@ def sequential_config(kernel: str, s: Shapes, delta: bool, decay: int, device: t
     bv, stages = SEQUENTIAL[(kernel, delta, decay)]
     bv = min(bv, _pow2(s.V))
     sms = sm_count(device)
-    programs = lambda b: _cdiv(s.V, b) * s.N * s.H  # noqa: E731
-    if programs(bv) >= sms:
+    if _sequential_programs(s, bv) >= sms:
         return bv, stages
-    while bv > 16 and 2 * programs(bv) < sms:
+    while bv > 16 and 2 * _sequential_programs(s, bv) < sms:
         bv //= 2
     return bv, max(stages, NARROW_STAGES)
+
+
+def _sequential_programs(s: Shapes, bv: int) -> int:
+    """Programs of a sequential pass at V block bv: V blocks x N * H."""
+    return _cdiv(s.V, bv) * s.N * s.H
 
 
 def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.device) -> torch.dtype:
@@ -300,7 +304,7 @@ def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.devic
     if dtype != torch.bfloat16 or s.K > BF16_FACTORS_MAX_K:
         return torch.float32
     bv = min(SEQUENTIAL[("state_fwd_bf16", True, decay)][0], _pow2(s.V))
-    return torch.bfloat16 if _cdiv(s.V, bv) * s.N * s.H >= sm_count(device) else torch.float32
+    return torch.bfloat16 if _sequential_programs(s, bv) >= sm_count(device) else torch.float32
 
 
 def sm_count(device: torch.device) -> int:

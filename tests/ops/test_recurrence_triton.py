@@ -167,12 +167,14 @@ def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypat
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True), ("none", "delta", False),
                                    ("scalar", "delta", False)], ids=combo_id)
-def test_bf16_against_fp32_reference(combo):
-    """bf16 inputs, so the intermediates stored in bf16 (dA; the delta rule's d, dd, Y, W^T and dL) and the
-    products that read them run (in bf16, or in tf32 on a per-channel decay's dA and dL)."""
-    compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
+def test_half_against_fp32_reference(combo, dtype):
+    """bf16 and fp16 inputs, so the intermediates stored in their dtype (dA; the delta rule's d, dd, Y, W^T and dL)
+    and the products that read them run (in bf16 or fp16, or in tf32 on a per-channel decay's dA and dL); the delta
+    rule's W and U as split bf16 products, on fp16 keys and values split in two bf16 parts."""
+    compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=dtype), LOW_TOL)
 
 
 @pytest.mark.parametrize("combo", [("none", "delta", False), ("scalar", "delta", False), ("vector", "delta", False)],
@@ -518,7 +520,7 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_real_shapes(combo, dtype):
     tol = LOW_TOL if dtype != torch.float32 else FP32_TOL

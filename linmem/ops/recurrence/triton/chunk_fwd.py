@@ -115,51 +115,20 @@ def _store_t_block(Tt, x, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i:
 
 
 @triton.jit
-def _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, j: tl.constexpr, cols, DECAY: tl.constexpr, SB: tl.constexpr,
-                 kg, last, STORE_KG: tl.constexpr):
-    """Row block j [SB, BD] of beta x e^G (DECAY 0: beta x) for x [tokens, H, D], fp32. STORE_KG (per-channel
-    decays): also store the block's x e^(Gamma - G) -> kg, Gamma = ``last`` (G at the chunk's last row)."""
-    r = j * SB + tl.arange(0, SB)
-    xr = load_rows(x_ptr, t0, nrows, h, H, D, r, cols, False)
-    x = xr * load_gate_rows(beta, t0, nrows, h, H, r)[:, None]
-    if DECAY == 1:
-        x = x * exp2(load_gate_rows(G, t0, nrows, h, H, r))[:, None]
-    elif DECAY == 2:
-        Gr = load_rows(G, t0, nrows, h, H, D, r, cols, False)
-        if STORE_KG:
-            store_rows(kg, xr * masked_exp2((r < nrows)[:, None], last[None, :] - Gr), t0, nrows, h, H, D, r, cols)
-        x = x * exp2(Gr)
-    return x
-
-
-@triton.jit
-def _store_wy_rows(out, outT, y, i: tl.constexpr, slot, t0, nrows, h, H, D, cols, C: tl.constexpr, SB: tl.constexpr,
-                   TRANSPOSED: tl.constexpr):
-    """Row block i of T x -> out[t0 + r, h, cols]; with TRANSPOSED also -> outT[slot, h, cols, r], the
-    [slots, H, D, C] layout whose [D, C] tiles load untransposed."""
-    r = i * SB + tl.arange(0, SB)
-    store_rows(out, y, t0, nrows, h, H, D, r, cols)
-    if TRANSPOSED:  # every row of the slot is written: rows past the chunk's end are 0 (x is 0 there)
-        store_state(outT, y, slot, h, H, D, C, cols, r, True)
-
-
-@triton.jit
-def _store_wy(out, outT, x_ptr, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, D,
-              cols, DECAY: tl.constexpr, IT: tl.constexpr, X: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
-              TRANSPOSED: tl.constexpr, kg, last, STORE_KG: tl.constexpr):
-    """T (beta x e^G) by row blocks, from T's ten nonzero blocks (see :func:`_store_wy_rows`; STORE_KG: see
-    :func:`_scaled_rows`)."""
-    x0 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 0, cols, DECAY, SB, kg, last, STORE_KG)
-    _store_wy_rows(out, outT, mm(T00, x0, IT, X), 0, slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
-    x1 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 1, cols, DECAY, SB, kg, last, STORE_KG)
-    _store_wy_rows(out, outT, mm(T10, x0, IT, X) + mm(T11, x1, IT, X), 1, slot, t0, nrows, h, H, D, cols, C, SB,
-                   TRANSPOSED)
-    x2 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 2, cols, DECAY, SB, kg, last, STORE_KG)
-    _store_wy_rows(out, outT, mm(T20, x0, IT, X) + mm(T21, x1, IT, X) + mm(T22, x2, IT, X), 2, slot, t0, nrows,
-                   h, H, D, cols, C, SB, TRANSPOSED)
-    x3 = _scaled_rows(x_ptr, beta, G, t0, nrows, h, H, D, 3, cols, DECAY, SB, kg, last, STORE_KG)
-    _store_wy_rows(out, outT, mm(T30, x0, IT, X) + mm(T31, x1, IT, X) + mm(T32, x2, IT, X) + mm(T33, x3, IT, X), 3,
-                   slot, t0, nrows, h, H, D, cols, C, SB, TRANSPOSED)
+def _factor_product(Tp, x, X: tl.constexpr):
+    """Tp @ x for the delta rule's W and U: Tp [C, C] fp32 (T with its columns scaled), x [C, BD] (the keys or
+    values, or KDA's decayed keys in fp32). bf16 and fp16 inputs: bf16 products on Tp and x split in two bf16 parts
+    where they are not bf16 already (``common.mm_split``: about 16 mantissa bits, where a tf32 product keeps 10;
+    an fp16 value is exactly the sum of its two parts). fp32 inputs (X): three tf32 products (``tf32x3``, about
+    fp32's accuracy; one [C, C] product in IEEE fp32 compiled to 7 KB of spills on sm_90, Triton 3.6), IEEE fp32
+    on the interpreter."""
+    if X:
+        if _INTERP:
+            return tl.dot(Tp, x, input_precision="ieee")
+        return tl.dot(Tp, x, input_precision="tf32x3")
+    if x.dtype != tl.bfloat16:
+        x = x.to(tl.float32)
+    return mm_split(Tp, x)
 
 
 @triton.jit
@@ -173,18 +142,20 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tt: [tokens, H, C] (fp32,
     T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
     Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
-    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so; the products T x run
-    in T's dtype either way). The backward reads T and W only transposed, and fp32 operands of
-    tensor-core products must not be transposed on the way in: they would go through shared
-    memory one element at a time. A per-channel decay (DECAY 2) also stores the keys decayed to the
-    chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the sequential passes read
-    instead of k and G. Grid (slots, H).
+    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so). The backward reads
+    T and W only transposed, and fp32 operands of tensor-core products must not be transposed on the way
+    in: they would go through shared memory one element at a time. A per-channel decay (DECAY 2) also
+    stores the keys decayed to the chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the
+    sequential passes read instead of k and G. Grid (slots, H).
+
+    W and U are one [C, C] product per column block, on T read back whole (a strided load of Tt) with its
+    columns scaled by beta (and e^G), so that the keys and values enter as they are (:func:`_factor_product`).
     """
-    IT: tl.constexpr = Tt.dtype.element_ty  # the products T x run in T's dtype (tf32 or IEEE fp32), whatever W's
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
+    valid = rows < nrows
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
     L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(Tt, L, t0, nrows, h, H, C, rows, rows)
@@ -204,16 +175,28 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     _store_t_block(Tt, T31, t0, nrows, h, H, C, SB, 3, 1)
     _store_t_block(Tt, T32, t0, nrows, h, H, C, SB, 3, 2)
     _store_t_block(Tt, T33, t0, nrows, h, H, C, SB, 3, 3)
+    tl.debug_barrier()  # T's blocks are stored before T is read back whole
+    # T [C, C] (columns past the chunk's end 0), its columns scaled by beta (U) and beta e^G (W): the products then
+    # take the keys and values as they are, which bf16 inputs keep exact
+    TU = load_rows(Tt, t0, nrows, h, H, C, rows, rows, True) * b[None, :]
+    TW = TU
+    if DECAY == 1:
+        TW = TU * exp2(load_gate_rows(G, t0, nrows, h, H, rows))[None, :]
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        last = cols  # per-channel decays: G at the chunk's last row, for kg (unused otherwise)
-        if DECAY == 2:
+        x = load_rows(k, t0, nrows, h, H, K, rows, cols, False)
+        if DECAY == 2:  # the per-channel decay on the keys, and kg, the keys decayed to the chunk's end
+            Gr = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + cols, mask=cols < K, other=0.0)
-        _store_wy(W, Wt, k, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, K,
-                  cols, DECAY, IT, X, C, SB, True, kg, last, DECAY == 2)
+            store_rows(kg, x * masked_exp2(valid[:, None], last[None, :] - Gr), t0, nrows, h, H, K, rows, cols)
+            x = x * exp2(Gr)
+        y = _factor_product(TW, x, X)
+        store_rows(W, y, t0, nrows, h, H, K, rows, cols)
+        store_state(Wt, y, slot, h, H, K, C, cols, rows, True)  # every row of the slot: 0 past the chunk's end
     for v0 in range(0, V, BV):
-        _store_wy(U, U, v, beta, G, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, slot, t0, nrows, h, H, V,
-                  v0 + tl.arange(0, BV), 0, IT, X, C, SB, False, kg, v0, False)
+        cols = v0 + tl.arange(0, BV)
+        store_rows(U, _factor_product(TU, load_rows(v, t0, nrows, h, H, V, rows, cols, False), X), t0, nrows, h,
+                   H, V, rows, cols)
 
 
 @triton.jit

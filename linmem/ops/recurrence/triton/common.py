@@ -116,16 +116,29 @@ def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
 
 @triton.jit
 def mm_split(a, b):
-    """a @ b for a bf16 ``a`` and an fp32 ``b``, as two bf16 products: ``b = hi + lo`` with ``hi`` = b rounded to
-    bf16 and ``lo`` = the rest rounded to bf16, which keeps about 16 of b's mantissa bits (tf32 keeps 10) without
-    an fp32 copy of ``a``. fp32 accumulation."""
-    hi = rounded(b, tl.bfloat16)
-    lo = rounded(b - hi.to(tl.float32), tl.bfloat16)
+    """a @ b as bf16 products, for bf16 or fp32 operands: an fp32 operand is split into ``hi`` (rounded to bf16)
+    and ``lo`` (the rest, rounded to bf16), which keeps about 16 of its mantissa bits (tf32 keeps 10) without an
+    fp32 copy of the other operand. ``hi a @ hi b``, then ``hi a @ lo b`` and ``lo a @ hi b`` where those exist
+    (the product of two remainders is left out). fp32 accumulation."""
+    ah = rounded(a, tl.bfloat16)
+    bh = rounded(b, tl.bfloat16)
+    if a.dtype != tl.bfloat16:
+        al = rounded(a - ah.to(tl.float32), tl.bfloat16)
+    if b.dtype != tl.bfloat16:
+        bl = rounded(b - bh.to(tl.float32), tl.bfloat16)
     if _INTERP:
-        a = a.to(tl.float32)
-        hi = hi.to(tl.float32)
-        lo = lo.to(tl.float32)
-    return tl.dot(a, lo, tl.dot(a, hi))
+        ah = ah.to(tl.float32)
+        bh = bh.to(tl.float32)
+        if a.dtype != tl.bfloat16:
+            al = al.to(tl.float32)
+        if b.dtype != tl.bfloat16:
+            bl = bl.to(tl.float32)
+    acc = tl.dot(ah, bh)
+    if b.dtype != tl.bfloat16:
+        acc = tl.dot(ah, bl, acc)
+    if a.dtype != tl.bfloat16:
+        acc = tl.dot(al, bh, acc)
+    return acc
 
 
 @triton.jit

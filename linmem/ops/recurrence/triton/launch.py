@@ -95,8 +95,10 @@ LAUNCH = {
 #: output kernel holds two paths for the intra-chunk scores (block products and pairwise loops,
 #: ``common.chunk_scores``): at 4 warps they compile to 237-255 registers (Triton 3.6, sm_90), two programs per SM;
 #: capped, they spill 16 bytes (64 with the bonus). The scalar decays' output kernel takes 173 uncapped, no spill
-#: capped; the delta rule's prep and wy_grads 255, and spill 80-272 bytes capped, which still won for deltanet
-MAX_REGISTERS = {"output_vector": 168, "output": 168, "prep": 168, "wy_grads": 168}
+#: capped; the delta rule's wy_grads 255, and spills capped, which still won for deltanet. Its prep was capped too
+#: until its W and U became whole-chunk products (session 22): then uncapped won (deltanet 0.276 -> 0.263 ms at
+#: 8 x 2048, 0.307 -> 0.290 at 4 x 4096; capped it spilled 360 bytes)
+MAX_REGISTERS = {"output_vector": 168, "output": 168, "wy_grads": 168}
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
 RECURRENT_BV = 32
 #: (V block, pipeline stages) of the sequential passes per (pass, delta rule, decay kind) on a grid of at least
@@ -499,7 +501,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     the delta rule's queries and keys decayed by a per-channel decay, see :func:`saved_buffers`).
     """
     s = shapes_of(q, v, cu_seqlens)
-    dev, P = q.device, precision_for(q.dtype)
+    dev = q.device
     cu = cu_seqlens if cu_seqlens is not None else q
     delta, bonus = beta is not None, u is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)

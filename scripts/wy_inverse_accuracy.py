@@ -10,6 +10,9 @@ and result rounded as the GPU would round them. Printed: the relative error ``|T
 - ``doubling tf32``: the same with every product's operands rounded to tf32;
 - ``doubling tf32x3``: the same with each product as three tf32 products, ``a_hi b_hi + a_hi b_lo +
   a_lo b_hi`` with ``a = a_hi + a_lo`` (Triton's ``input_precision="tf32x3"``, on the tensor cores);
+- ``doubling bf16x3``: the same with three bf16 products on operands split into bf16 parts
+  (``common.mm_split`` with both operands fp32);
+- ``merges tf32``: the diagonal blocks by doubling in fp32, the blocks below the diagonal in tf32;
 - ``exact -> bf16``: the exact inverse rounded to bf16 (fla stores its inverse in the input dtype).
 
 Keys near a few directions and beta near 2 (the delta rule with negative eigenvalues) make the powers
@@ -33,13 +36,19 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (round to nearest even), as fp32."""
+    return x.float().to(torch.bfloat16).float()
+
+
 def product(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
-    """a @ b with fp32 operands and an fp32 result; precision "ieee", "tf32" or "tf32x3"."""
+    """a @ b with fp32 operands and an fp32 result; precision "ieee", "tf32", "tf32x3" or "bf16x3"."""
     if precision == "tf32":
         a, b = tf32(a), tf32(b)
-    elif precision == "tf32x3":
-        a_hi, b_hi = tf32(a), tf32(b)
-        a_lo, b_lo = tf32(a.float() - a_hi), tf32(b.float() - b_hi)
+    elif precision in ("tf32x3", "bf16x3"):
+        part = tf32 if precision == "tf32x3" else bf16
+        a_hi, b_hi = part(a), part(b)
+        a_lo, b_lo = part(a.float() - a_hi), part(b.float() - b_hi)
         small = (a_hi.double() @ b_lo.double()).float() + (a_lo.double() @ b_hi.double()).float()
         return (a_hi.double() @ b_hi.double()).float() + small
     return (a.double() @ b.double()).float()
@@ -65,9 +74,11 @@ def diagonal_blocks(L: torch.Tensor, method: str, precision: str) -> torch.Tenso
     return D
 
 
-def inverse(L: torch.Tensor, method: str, precision: str = "ieee") -> torch.Tensor:
-    """T = (I + L)^-1 [C, C] by blocks: diagonal blocks by ``method``, then T_ij = -D_i sum_m L_im T_mj."""
+def inverse(L: torch.Tensor, method: str, precision: str = "ieee", merges: str = "") -> torch.Tensor:
+    """T = (I + L)^-1 [C, C] by blocks: diagonal blocks by ``method``, then T_ij = -D_i sum_m L_im T_mj (in
+    ``merges`` precision, ``precision`` if not given)."""
     D = diagonal_blocks(L.float(), method, precision)
+    precision = merges or precision
     blk = lambda x, i, j: x[i * SB:(i + 1) * SB, j * SB:(j + 1) * SB]  # noqa: E731
     T = torch.zeros(C, C)
     for i in range(C // SB):
@@ -87,6 +98,8 @@ def errors(k: torch.Tensor, beta: torch.Tensor, gen: torch.Generator) -> dict:
     return {"series": err(inverse(L, "series")), "doubling": err(inverse(L, "doubling")),
             "doubling tf32": err(inverse(L, "doubling", "tf32")),
             "doubling tf32x3": err(inverse(L, "doubling", "tf32x3")),
+            "doubling bf16x3": err(inverse(L, "doubling", "bf16x3")),
+            "merges tf32": err(inverse(L, "doubling", "ieee", "tf32")),
             "exact -> bf16": err(exact.to(torch.bfloat16))}
 
 

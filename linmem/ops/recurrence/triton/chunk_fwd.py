@@ -120,11 +120,8 @@ def _factor_product(Tp, x, X: tl.constexpr):
     values, or KDA's decayed keys in fp32). bf16 and fp16 inputs: bf16 products on Tp and x split in two bf16 parts
     where they are not bf16 already (``common.mm_split``: about 16 mantissa bits, where a tf32 product keeps 10;
     an fp16 value is exactly the sum of its two parts). fp32 inputs (X): three tf32 products (``tf32x3``, about
-    fp32's accuracy; one [C, C] product in IEEE fp32 compiled to 7 KB of spills on sm_90, Triton 3.6), IEEE fp32
-    on the interpreter."""
+    fp32's accuracy; one [C, C] product in IEEE fp32 compiled to 7 KB of spills on sm_90, Triton 3.6)."""
     if X:
-        if _INTERP:
-            return tl.dot(Tp, x, input_precision="ieee")
         return tl.dot(Tp, x, input_precision="tf32x3")
     if x.dtype != tl.bfloat16:
         x = x.to(tl.float32)

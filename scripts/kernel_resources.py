@@ -125,8 +125,10 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                 dict(BONUS=bonus, IS_VARLEN=varlen, C=64, RB=launch_setting("INTRA_ROWS"), BK=BK, SPAN=SPAN,
                      CSPAN=CSPAN, KP=BKF), \
                 cfg("intra_grads")
-        sides = [(1, "grads_query"), (2, "grads_key")] if decay == 0 else \
-            [(0, "grads_vector" if decay == 2 else "grads_pipelined")]  # launch.chunk_backward
+        if decay == 0 or (decay == 1 and dt == f32):  # launch.chunk_backward
+            sides = [(1, f"grads{'_scalar' if decay else ''}_query"), (2, f"grads{'_scalar' if decay else ''}_key")]
+        else:
+            sides = [(0, "grads_vector" if decay == 2 else "grads_pipelined")]
         for side, grads in sides:
             yield grads, tag, bwd.grads_kernel, \
                 {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
@@ -171,7 +173,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="kernel names, comma-separated (cumsum, prep, state_fwd, output, "
                                        "state_bwd, dv, score_grads, wy_grads, intra_grads, grads_query, "
-                                       "grads_key, grads_pipelined, grads_vector, recurrent)")
+                                       "grads_key, grads_scalar_query, grads_scalar_key, grads_pipelined, "
+                                       "grads_vector, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

@@ -470,11 +470,16 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
 
-    SIDE 0 computes both sides of the chunk. Without a decay no gate gradient joins the sides (they
-    share only their reads of q, k and dA), and they run as two launches of about half the registers
-    each: SIDE 1 the query side (dq: dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du).
+    SIDE 0 computes both sides of the chunk. But for a per-channel decay they can run as two launches
+    of about half the registers each (they share only their reads of q, k and dA): SIDE 1 the query side
+    (dq: dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient
+    joins them through dg: the query side stores its row sums q dq there (on the delta rule's part), the
+    key side loads them, subtracts its own (k dk) and takes the reverse cumulative sum; it also loads the
+    chunk-start states for the chunk-end term sum(h dH). The launcher splits the rules without a decay,
+    and the scalar decays with fp32 inputs (``launch.LAUNCH``).
     """
-    tl.static_assert(SIDE == 0 or DECAY == 0)
+    tl.static_assert(SIDE == 0 or DECAY != 2)
+    tl.static_assert(DELTA == 0 or BONUS == 0)  # dg holds the query side's sums alone where a bonus needs them
     QS: tl.constexpr = SIDE != 2  # the query side: dq
     KS: tl.constexpr = SIDE != 1  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
@@ -491,8 +496,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
         Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
         last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
-        dGs = tl.full([C], 0.0, tl.float32)  # both sides' channel sums
-        if DELTA:
+        dGs = tl.full([C], 0.0, tl.float32)  # both sides' channel sums (a side's own in its launch)
+        if DELTA and QS:
             dGs += load_gate_rows(dg, t0, nrows, h, H, rows)
         if BONUS:
             dGq = tl.full([C], 0.0, tl.float32)
@@ -501,8 +506,9 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-        kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
+        if DECAY != 1 or SIDE == 0:  # a scalar decay's sides load them after the V loop (held: +60 registers)
+            qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
+            kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if DECAY == 2:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200)
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
@@ -521,7 +527,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         gH = tl.full([BK], 0.0, tl.float32)  # sum_v h dH
         for v0 in range(0, V, BV):
             vr = v0 + tl.arange(0, BV)
-            if QS:
+            if QS or DECAY != 0:
                 hT = load_state(hs, slot, h, H, K, V, cols, vr, Klive, True)
             if KS:
                 dHT = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, True)
@@ -529,7 +535,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY != 0:
+            if DECAY != 0 and KS:
                 gH += total(hT.to(tl.float32) * dHT, 0)
         if DECAY == 1:
             eq = exp2(Gqr)[:, None]
@@ -541,14 +547,19 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             if KS:
                 qc = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
                 dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qc, ST, X)
+            if DECAY == 1 and SIDE != 0:
+                qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
+                kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if DECAY == 0:
             if QS:
                 dqt += scale * dqh
             if KS:
                 dkt += dkh
         else:
-            dqt += scale * dqh * eq
-            kend = dkh * ek
+            if QS:
+                dqt += scale * dqh * eq
+            if KS:
+                kend = dkh * ek
             if DECAY == 2:
                 dkt += kend
                 gq = qt * dqt
@@ -557,12 +568,19 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 if DELTA:
                     gk += load_rows(dg, t0, nrows, h, H, K, rows, cols, False)
             else:  # two row sums: q dq - k dk before the chunk-end part, and that part (k kend), which gam sums
-                kendr = total(kt * kend, 1)
-                dGs += total(qt * dqt - kt * dkt, 1) - kendr
-                if BONUS:
+                if KS:
+                    kendr = total(kt * kend, 1)
+                if SIDE == 0:
+                    dGs += total(qt * dqt - kt * dkt, 1) - kendr
+                elif SIDE == 1:
+                    dGs += total(qt * dqt, 1)
+                else:
+                    dGs -= total(kt * dkt, 1) + kendr
+                if BONUS and SIDE == 0:
                     dGq += total(qt * dqt, 1)
-                gam += exp2(last) * total(gH, 0) + total(kendr, 0)
-                dkt += kend
+                if KS:
+                    gam += exp2(last) * total(gH, 0) + total(kendr, 0)
+                    dkt += kend
         if DELTA and KS:
             dkt += load_rows(dk, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if BONUS:
@@ -587,8 +605,14 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             else:
                 rev += gs
             store_rows(dg, rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
-    if DECAY == 1:  # one reverse cumulative sum of both sides' channel sums, as one reverse scan
-        rev = remaining_total(dGs, 0)
-        if BONUS:
-            rev -= dGq
-        tl.store(dg + (t0 * H + h) + rows * H, rev + gam, mask=valid)
+    if DECAY == 1:
+        if SIDE == 1:  # for the key side
+            tl.store(dg + (t0 * H + h) + rows * H, dGs, mask=valid)
+        else:  # one reverse cumulative sum of both sides' channel sums, as one reverse scan
+            if SIDE == 2:  # the query side's (no bonus with the delta rule: without its part)
+                dGq = load_gate_rows(dg, t0, nrows, h, H, rows)
+                dGs += dGq
+            rev = remaining_total(dGs, 0)
+            if BONUS:
+                rev -= dGq
+            tl.store(dg + (t0 * H + h) + rows * H, rev + gam, mask=valid)

@@ -71,7 +71,12 @@ CONSTANT_DECAY = 3
 #: grads_key 1 -> 2): deltanet 0.240 -> 0.224 ms at 4 x 4096 and 8 x 2048 (linear attention's query side 0.211
 #: -> 0.206 alone, its key side 0.211 -> 0.213 alone). Session 21, the decoding kernel (B = 64, one step in a CUDA
 #: graph, us; V block 32): 4 -> 2 warps, deltanet 43.0 -> 41.3, kda 45.0 -> 42.9, gla 41.4 -> 41.5, mamba2 40.2 -> 40.0
-#: (V blocks of 16 or 64, 1 or 8 warps, 1 stage: none faster over the four).
+#: (V blocks of 16 or 64, 1 or 8 warps, 1 stage: none faster over the four). Session 23, a scalar decay's grads as
+#: two launches too ("grads_scalar_query", "grads_scalar_key"; the gate gradient's row sums joined through dg): with
+#: fp32 inputs at 4 x 4096, gated delta grads 4.37 -> 2.30 ms, mamba2 4.25 -> 2.28 (the one kernel spilled); with
+#: bf16 they lost at 8 x 2048, gated delta 0.353 -> 0.527, mamba2 0.322 -> 0.503 (136 and 243 registers, one
+#: 8-warp program per SM each; best of key blocks of 64, 4 warps, 1 to 3 stages and a 128-register cap: 0.436 and
+#: 0.396), so bf16 and fp16 inputs keep the one kernel.
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -88,6 +93,8 @@ LAUNCH = {
     "wy_grads_vector": (4, 1),
     "grads_query": (8, 3),
     "grads_key": (8, 2),
+    "grads_scalar_query": (8, 2),  # fp32 inputs only (see chunk_backward)
+    "grads_scalar_key": (8, 2),
     "recurrent": (2, 2),
 }
 #: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
@@ -599,9 +606,10 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
                  BK=s.grads_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF)
-    if decay == 0:  # the query side, then the key side (no gate gradient joins them)
-        _launch("grads_query", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=1)
-        _launch("grads_key", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=2)
+    if decay == 0 or (decay == 1 and q.dtype == torch.float32):  # the query side, then the key side (LAUNCH)
+        tag = "_scalar" if decay else ""
+        _launch("grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=1)
+        _launch("grads" + tag + "_key", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=2)
     else:
         _launch("grads_vector" if decay == 2 else "grads_pipelined", chunk_bwd.grads_kernel, (s.slots, s.H), *args,
                 **flags, SIDE=0)

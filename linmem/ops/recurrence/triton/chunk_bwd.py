@@ -385,7 +385,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     takes 0.73 beside it).
     Grid (K blocks, slots * C / RB, H).
     """
-    MT: tl.constexpr = tl.float32  # tf32 products (IEEE fp32 for fp32 inputs), also from a bf16 dA (as grads_kernel)
+    MT: tl.constexpr = tl.float32  # tf32 products (tf32x3 for fp32 inputs), also from a bf16 dA (as grads_kernel)
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NB: tl.constexpr = C // RB
     HB: tl.constexpr = RB // 2

@@ -242,7 +242,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     end: kg of ``delta_prep_kernel``); vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
-    The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (IEEE fp32 for fp32 inputs)
+    The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs)
     whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
     miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
     bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128, grids of at least one program per SM)

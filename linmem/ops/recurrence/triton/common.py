@@ -98,9 +98,11 @@ def rounded(x, DT: tl.constexpr):
 def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
     """a @ b with both operands rounded to the dot dtype DT, fp32 accumulation.
 
-    X: the kernel's inputs are fp32, so products keep fp32 accuracy (IEEE fp32, no tensor-core
-    rounding); fp32 intermediates of bf16/fp16 inputs use tf32 products. The interpreter
-    multiplies bf16 bit patterns as integers, so there the rounded operands are widened to fp32.
+    X: the kernel's inputs are fp32, so products keep about fp32's accuracy: three tf32 tensor-core
+    products (``tf32x3``; the IEEE fp32 products before session 23 ran 1.5 to 13 times slower, their
+    kernels compiled to up to 10 KB of spills). fp32 intermediates of bf16/fp16 inputs use tf32
+    products. The interpreter multiplies bf16 bit patterns as integers, so there the rounded operands
+    are widened to fp32.
     """
     a = rounded(a, DT)
     b = rounded(b, DT)
@@ -108,7 +110,7 @@ def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if X and DT == tl.float32:
-        acc = tl.dot(a, b, input_precision="ieee")
+        acc = tl.dot(a, b, input_precision="tf32x3")
     else:
         acc = tl.dot(a, b)
     return acc
@@ -471,8 +473,8 @@ def _block_scores(acc, x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K, cols, rows, SHIF
     R_j, G at the row before block j, splits every decay at the start of the column's block:
     ``exp2(Gx_t - G_s) = exp2(Gx_t - R_j) exp2(R_j - G_s)``, the left factor <= 1 and the right one at most
     2^SPAN. So the pairs inside a block enter the same products as those across blocks
-    (:func:`_chained_scores` with OWN), and no pairwise exponential is left. The products run in tf32 (IEEE
-    fp32 for fp32 inputs): the right factors exceed fp16's range.
+    (:func:`_chained_scores` with OWN), and no pairwise exponential is left. The products run in tf32 (tf32x3
+    for fp32 inputs): the right factors exceed fp16's range.
     """
     Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
     xE = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False) * since_ref(Gx, G_ptr, t0, nrows, h, H, K, cols,
@@ -495,7 +497,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
     token ([tokens, H]), 2 one per key channel ([tokens, H, K]). x, y: [tokens, H, K].
     Per-channel decays: a chunk whose gates fall by at most 2^-CSPAN over the whole chunk (:func:`chunk_span`)
     splits every decay at the chunk's start, ``exp2(Gx_t) exp2(-G_s)``, the right factor at most 2^CSPAN: one
-    product per key block, in tf32 (IEEE fp32 for fp32 inputs), as a scalar decay's. Otherwise a chunk whose
+    product per key block, in tf32 (tf32x3 for fp32 inputs), as a scalar decay's. Otherwise a chunk whose
     gates fall by at most 2^-SPAN inside every block of FAST_BLOCK rows (:func:`block_span`) takes
     :func:`_block_scores`; any other, the pairwise loop below.
     """

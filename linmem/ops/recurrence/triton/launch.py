@@ -190,7 +190,7 @@ INTERPRETER_SMS = 132
 @dataclass(frozen=True)
 class Precision:
     """Dtypes of the saved intermediates; a product involving one runs in its dtype (fp32 ones in
-    tf32 for bf16/fp16 inputs, in IEEE fp32 for fp32 inputs)."""
+    tf32 for bf16/fp16 inputs, in tf32x3 for fp32 inputs)."""
 
     state: torch.dtype  # chunk-start states hs and chunk-end state gradients dHs
     scores: torch.dtype  # the scaled intra-chunk scores A

@@ -119,10 +119,9 @@ def _factor_product(Tp, x, X: tl.constexpr):
     """Tp @ x for the delta rule's W and U: Tp [C, C] fp32 (T with its columns scaled), x [C, BD] (the keys or
     values, or KDA's decayed keys in fp32). bf16 and fp16 inputs: bf16 products on Tp and x split in two bf16 parts
     where they are not bf16 already (``common.mm_split``: about 16 mantissa bits, where a tf32 product keeps 10;
-    an fp16 value is exactly the sum of its two parts). fp32 inputs (X): three tf32 products (``tf32x3``, about
-    fp32's accuracy; one [C, C] product in IEEE fp32 compiled to 7 KB of spills on sm_90, Triton 3.6)."""
+    an fp16 value is exactly the sum of its two parts). fp32 inputs (X): ``mm``'s fp32-accurate product."""
     if X:
-        return tl.dot(Tp, x, input_precision="tf32x3")
+        return mm(Tp, x, tl.float32, X)
     if x.dtype != tl.bfloat16:
         x = x.to(tl.float32)
     return mm_split(Tp, x)

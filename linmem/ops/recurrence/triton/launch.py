@@ -73,7 +73,8 @@ CONSTANT_DECAY = 3
 #: graph, us; V block 32): 4 -> 2 warps, deltanet 43.0 -> 41.3, kda 45.0 -> 42.9, gla 41.4 -> 41.5, mamba2 40.2 -> 40.0
 #: (V blocks of 16 or 64, 1 or 8 warps, 1 stage: none faster over the four). Session 23, a scalar decay's grads as
 #: two launches too ("grads_scalar_query", "grads_scalar_key"; the gate gradient's row sums joined through dg): with
-#: fp32 inputs at 4 x 4096, gated delta grads 4.37 -> 2.30 ms, mamba2 4.25 -> 2.28 (the one kernel spilled); with
+#: fp32 inputs at 4 x 4096, gated delta grads 4.28 -> 2.27 ms, mamba2 4.16 -> 2.26 with IEEE products (the one
+#: kernel spilled 1.4 KB), 2.78 -> 2.24 and 2.75 -> 2.20 with tf32x3 products (``common.mm``); with
 #: bf16 they lost at 8 x 2048, gated delta 0.353 -> 0.527, mamba2 0.322 -> 0.503 (136 and 243 registers, one
 #: 8-warp program per SM each; best of key blocks of 64, 4 warps, 1 to 3 stages and a 128-register cap: 0.436 and
 #: 0.396), so bf16 and fp16 inputs keep the one kernel.

@@ -217,7 +217,7 @@ def test_both_state_blocks(sms, monkeypatch):
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
-    """bf16 inputs on a grid of at least one program per SM, K <= 128: the delta rule's W and U are bf16 and the
+    """bf16 inputs on a grid that fills at least half the SMs, K <= 128: the delta rule's W and U are bf16 and the
     forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``); two V blocks, the second
     partly masked."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
@@ -227,7 +227,10 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
     assert launch.factors_dtype(s, torch.float16, launch.DECAY_CODES[kind], dev) == torch.float32
     wide_256 = launch.Shapes(T=100, TT=200, N=2, H=2, K=256, V=80, varlen=False)  # four state tiles: fp32
     assert launch.factors_dtype(wide_256, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1000)
+    programs = 2 * 2 * 2  # V blocks of 64 x sequences x heads
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs)  # half the SMs filled: still bf16
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs + 1)
     assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
     compare(t, LOW_TOL)
@@ -554,6 +557,19 @@ def test_gpu_wide_grid(combo):
         assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
         assert launch.sequential_config(kernel, s, delta, decay, dev) == launch.SEQUENTIAL[(kernel, delta, decay)]
+    compare(t, LOW_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
+def test_gpu_delta_rule_bf16_factors_on_a_half_filled_grid(kind):
+    """Between half the SM count and the SM count (2 V blocks x 1 sequence x 3/8 SMs heads): bf16 W and U, the
+    forward pass at V block 64 and ``launch.NARROW_STAGES`` (one program per SM), as at 4 x 4096 on an H200."""
+    H = 3 * launch.sm_count(torch.device(DEVICE)) // 8
+    t = inputs((kind, "delta", False), B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
+    s, dev, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, launch.DECAY_CODES[kind]
+    assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+    assert launch.sequential_config("state_fwd_bf16", s, True, decay, dev) == (64, launch.NARROW_STAGES)
     compare(t, LOW_TOL)
 
 

@@ -244,7 +244,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs)
     whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
     miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
-    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128, grids of at least one program per SM)
+    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128, grids that fill at least half the SMs)
     both run as two bf16 products on h and d split in two bf16 parts (SPLIT, ``common.mm_split``).
     """
     IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors

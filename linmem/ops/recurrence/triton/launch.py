@@ -134,15 +134,16 @@ SEQUENTIAL = {
     ("state_bwd", True, 0): (32, 3),
     ("state_bwd", True, 1): (32, 3),
     ("state_bwd", True, 2): (32, 3),
-    # the delta rule's forward pass with bf16 inputs, K <= BF16_FACTORS_MAX_K, on a grid of at least one program per
-    # SM at this V block, its W and U stored in bf16 (``factors_dtype``) and its products split (``common.mm_split``:
+    # the delta rule's forward pass with bf16 inputs, K <= BF16_FACTORS_MAX_K, on a grid that fills at least half the
+    # SMs at this V block (``factors_dtype``): its W and U stored in bf16 and its products split (``common.mm_split``:
     # W h and k^T d as two bf16 products each, on h and d in two bf16 parts), so that two programs share an SM (98 KB
     # of shared memory at 2 stages, where fp32 W and U took 205 KB at 3). Measured on an H200 (session 21, H = 16, K = V =
     # 128), kernel ms against fp32 factors at (64, 3): 8 x 2048 (256 programs): deltanet 0.160 -> 0.135, gated
     # delta 0.169 -> 0.136, kda 0.234 -> 0.150 (with W h alone split: 0.134, 0.155, 0.165). On grids of one
-    # program per SM or fewer, bf16 factors lost at every V block and stage count tried (deltanet at 4 x 4096,
-    # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.355): there
-    # the factors stay fp32
+    # program per SM or fewer, the pass alone lost at every V block and stage count tried (deltanet at 4 x 4096,
+    # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.355), but from
+    # session 22 the prep kernel gains more where the grid fills half the SMs (``factors_dtype``); there the pass
+    # runs at ``NARROW_STAGES``
     ("state_fwd_bf16", True, 0): (64, 2),
     ("state_fwd_bf16", True, 1): (64, 2),
     ("state_fwd_bf16", True, 2): (64, 2),
@@ -310,11 +311,19 @@ def _sequential_programs(s: Shapes, bv: int) -> int:
 
 def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.device) -> torch.dtype:
     """dtype of the delta rule's W and U: bf16 for bf16 inputs with K <= ``BF16_FACTORS_MAX_K`` where the grid of
-    ``SEQUENTIAL``'s "state_fwd_bf16" holds at least one program per SM, else fp32 (``precision_for``)."""
+    ``SEQUENTIAL``'s "state_fwd_bf16" fills at least half the SMs (at its V block: the grids that
+    :func:`sequential_config` does not narrow), else fp32 (``precision_for``).
+
+    Measured on an H200 (H = 16, K = V = 128, bf16, session 24): at 4 x 4096 (128 programs on 132 SMs, one per SM)
+    bf16 factors took the prep kernel 0.293 -> 0.265 ms (deltanet), 0.312 -> 0.283 (gated delta), 0.450 -> 0.420
+    (kda) and the forward pass 0.159 -> 0.170, 0.167 -> 0.188, 0.231 -> 0.197: fwd+bwd 1.378 -> 1.361, 1.644 ->
+    1.635, 2.802 -> 2.734. On the narrowed grid of 1 x 16384, bf16 factors forced, deltanet lost (1.695 -> 1.708).
+    Session 21's bound (a full grid) had compared the forward pass alone, before the prep kernel's whole-chunk
+    products (session 22) made bf16 factors cheaper there."""
     if dtype != torch.bfloat16 or s.K > BF16_FACTORS_MAX_K:
         return torch.float32
     bv = min(SEQUENTIAL[("state_fwd_bf16", True, decay)][0], _pow2(s.V))
-    return torch.bfloat16 if _sequential_programs(s, bv) >= sm_count(device) else torch.float32
+    return torch.bfloat16 if 2 * _sequential_programs(s, bv) >= sm_count(device) else torch.float32
 
 
 def sm_count(device: torch.device) -> int:

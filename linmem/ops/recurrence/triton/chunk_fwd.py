@@ -129,8 +129,8 @@ def _factor_product(Tp, x, X: tl.constexpr):
 
 @triton.jit
 def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V,
-                      DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, CSPAN: tl.constexpr,
+                      DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, C: tl.constexpr,
+                      SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, CSPAN: tl.constexpr,
                       KP: tl.constexpr):
     """Delta rule, per chunk: T = (I + diag(beta) strict(A_kk))^-1 [C, C], W = T (beta k e^G) [C, K],
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
@@ -138,7 +138,8 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; outputs Tt: [tokens, H, C] (fp32,
     T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
     Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
-    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so). The backward reads
+    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so; W is stored only if
+    STORE_W: with bf16 factors Wt holds the same values, and the forward pass reads those). The backward reads
     T and W only transposed, and fp32 operands of tensor-core products must not be transposed on the way
     in: they would go through shared memory one element at a time. A per-channel decay (DECAY 2) also
     stores the keys decayed to the chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the
@@ -187,7 +188,8 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
             store_rows(kg, x * masked_exp2(valid[:, None], last[None, :] - Gr), t0, nrows, h, H, K, rows, cols)
             x = x * exp2(Gr)
         y = _factor_product(TW, x, X)
-        store_rows(W, y, t0, nrows, h, H, K, rows, cols)
+        if STORE_W:
+            store_rows(W, y, t0, nrows, h, H, K, rows, cols)
         store_state(Wt, y, slot, h, H, K, C, cols, rows, True)  # every row of the slot: 0 past the chunk's end
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -220,6 +222,15 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
 
 
 @triton.jit
+def _w_tile(W, slot, t0, nrows, h, H, K, rows, kb, C: tl.constexpr, W_T: tl.constexpr):
+    """Key columns kb of the delta rule's W for one chunk, [C, len(kb)]: from W by tokens, or (W_T) from its
+    transposed copy per chunk [slots, H, K, C], whose rows past the chunk's end hold 0."""
+    if W_T:
+        return load_state(W, slot, h, H, K, C, kb, rows, K, True)
+    return load_rows(W, t0, nrows, h, H, K, rows, kb, False)
+
+
+@triton.jit
 def _pass_mm(a, b, DT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
     """A product of the forward pass with an fp32 right factor (the state, or the delta rule's d): in DT, or with
     a bf16 left factor (SPLIT: the delta rule's bf16 W and U) as two bf16 products (``mm_split``)."""
@@ -231,14 +242,16 @@ def _pass_mm(a, b, DT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
 @triton.jit
 def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, W_T: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The sequential pass over chunks: stores the chunk-start states and carries the state.
 
     Per chunk: hs[slot] = h; d = U - W h (DELTA, stored to d_out) or d = v;
     h = e^Gamma h + (k e^(Gamma - G))^T d, computed as k^T (e^(Gamma - G) d) for the delta rule
     with a scalar decay. k: the keys (for the delta rule with a per-channel decay, decayed to the chunk's
-    end: kg of ``delta_prep_kernel``); vu: v or U [tokens, H, V]; hs: [slots, H, K, V] (dot dtype); h0, hN:
+    end: kg of ``delta_prep_kernel``); vu: v or U [tokens, H, V]; W: the delta rule's W [tokens, H, K], or with
+    W_T its transposed copy per chunk (Wt of ``delta_prep_kernel``, [slots, H, K, C]; bf16 factors, whose W it
+    equals); hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
     The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs)
@@ -261,12 +274,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
         store_state_tiles(hs, S0, S1, S2, S3, s0 + c, h, H, K, V, kb0, vr, NKB)
         d = load_rows(vu, t0, nrows, h, H, V, rows, vr, False)
         if DELTA:
-            d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb0, False), S0, IT, SPLIT, X)
+            d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb0, C, W_T), S0, IT, SPLIT, X)
             if NKB > 1:
-                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb1, False), S1, IT, SPLIT, X)
+                d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb1, C, W_T), S1, IT, SPLIT, X)
             if NKB > 2:
-                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb2, False), S2, IT, SPLIT, X)
-                d -= _pass_mm(load_rows(W, t0, nrows, h, H, K, rows, kb3, False), S3, IT, SPLIT, X)
+                d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb2, C, W_T), S2, IT, SPLIT, X)
+                d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb3, C, W_T), S3, IT, SPLIT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
             if DECAY == 1:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)

@@ -153,6 +153,13 @@ SEQUENTIAL = {
 #: 0.108, kda 0.150 -> 0.116; H = 8, K = V = 256 (four state tiles per program): deltanet 0.409 -> 0.685, gated delta
 #: 0.607 -> 0.716
 BF16_FACTORS_MAX_K = 128
+#: decay kinds whose delta rule, with bf16 W and U (``factors_dtype``), reads W in its forward pass from the transposed
+#: copy per chunk that the backward reads (Wt, the same bf16 values), so that the prep kernel does not store W by
+#: tokens as well. Measured on an H200 (session 24, H = 16, K = V = 128, fwd+bwd ms): prep 0.264 -> 0.249 (deltanet),
+#: 0.284 -> 0.265 (gated delta), forward pass +0.002 to +0.004; deltanet 1.333 -> 1.318 at 8 x 2048, 1.366 -> 1.355 at
+#: 4 x 4096, gated delta 1.582 -> 1.566 and 1.644 -> 1.622. KDA's pass, which spills (24 bytes) reading W transposed,
+#: lost at 4 x 4096 (state_fwd 0.197 -> 0.231, fwd+bwd 2.746 -> 2.768) and keeps W by tokens
+W_READ_TRANSPOSED = (0, 1)
 #: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
 SEQUENTIAL_WARPS = 4
@@ -529,20 +536,24 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     Gp = G if G is not None else q
     W = U = None
     forward_pass = "state_fwd"
+    w_t = False  # the forward pass reads W from its transposed copy Wt (see W_READ_TRANSPOSED)
     if delta:
         factors = factors_dtype(s, q.dtype, decay, dev)
+        w_t = factors == torch.bfloat16 and Wt.dtype == torch.bfloat16 and decay in W_READ_TRANSPOSED
         if factors == torch.bfloat16:
             forward_pass = "state_fwd_bf16"
-        W, U = torch.empty_like(k, dtype=factors), torch.empty_like(v, dtype=factors)
+        W = Wt if w_t else torch.empty_like(k, dtype=factors)
+        U = torch.empty_like(v, dtype=factors)
         _launch("prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                IS_VARLEN=int(s.varlen), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
+                IS_VARLEN=int(s.varlen), STORE_W=int(not w_t), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
+                CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential(forward_pass, chunk_fwd.state_fwd_kernel, s, delta, decay,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
                        h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
                        DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),
-                       STORE_FINAL=int(output_final), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
+                       STORE_FINAL=int(output_final), W_T=int(w_t), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,

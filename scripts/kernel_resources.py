@@ -73,6 +73,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         bf16 = dt == "*bf16"  # bf16 inputs: the delta rule's corrected writes are bf16 (launch.Precision), and so are
         factors = bf16 and K <= launch_setting("BF16_FACTORS_MAX_K")  # its W and U (launch.factors_dtype)
         wy = (dt if factors else f32) if delta else dt  # the delta rule's W and U (T is fp32)
+        w_t = bool(delta and factors) and decay in launch_setting("W_READ_TRANSPOSED")  # state_fwd reads W from Wt
         wt = (dt if bf16 else f32) if delta else dt  # the writes
         sc = f32 if decay == 2 and dt == "*fp16" else dt  # the score gradients dA and dL (launch.chunk_backward)
         if decay and not bonus:
@@ -81,15 +82,15 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if delta:
             yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": wy,
                                                        "Wt": dt, "U": wy, "kg": dt, "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, STORE_W=int(not (factors and decay in launch_setting("W_READ_TRANSPOSED"))), C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN,
+                dict(DECAY=decay, IS_VARLEN=varlen, STORE_W=int(not w_t), C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN,
                      CSPAN=CSPAN, KP=BKF), cfg("prep_vector" if decay == 2 else "prep")
         # bf16 inputs' delta rule: the wide grid's pass with bf16 W and U (launch.factors_dtype)
         fbv, fstages = SEQUENTIAL[("state_fwd_bf16" if delta and factors else "state_fwd", bool(delta), decay)]
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, W_T=int(bool(delta and factors) and decay in launch_setting("W_READ_TRANSPOSED")),
-                 C=64, BKF=BKF, KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
+            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, W_T=int(w_t), C=64, BKF=BKF,
+                 KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "qg": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, STORE_QG=int(decay == 2 and delta), C=64, SB=PAIR_SUB,

@@ -218,7 +218,7 @@ def test_both_state_blocks(sms, monkeypatch):
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
     """bf16 inputs on a grid that fills at least half the SMs, K <= 128: the delta rule's W and U are bf16 and the
-    forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``) and, but with a per-channel
+    forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``) and, except with a per-channel
     decay, reads W from its transposed copy (``launch.W_READ_TRANSPOSED``); two V blocks, the second partly
     masked."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
@@ -578,7 +578,7 @@ def test_gpu_delta_rule_bf16_factors_on_a_half_filled_grid(kind):
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_gpu_delta_rule_bf16_factors_varlen(kind):
     """Packed sequences on a wide grid (6 sequences x 24 heads x 2 V blocks): bf16 factors with empty, one-token
-    and partial chunks (W read back from its transposed copy but with a per-channel decay,
+    and partial chunks (W read from its transposed copy except with a per-channel decay,
     ``launch.W_READ_TRANSPOSED``)."""
     t, cu = packed((kind, "delta", False), [100, 0, 64, 1, 150, 37], H=24, K=128, V=128, dtype=torch.bfloat16)
     s = launch.shapes_of(t["q"], t["v"], cu)

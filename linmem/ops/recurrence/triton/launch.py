@@ -539,7 +539,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     w_t = False  # the forward pass reads W from its transposed copy Wt (see W_READ_TRANSPOSED)
     if delta:
         factors = factors_dtype(s, q.dtype, decay, dev)
-        w_t = factors == torch.bfloat16 and Wt.dtype == torch.bfloat16 and decay in W_READ_TRANSPOSED
+        w_t = factors == torch.bfloat16 and decay in W_READ_TRANSPOSED  # Wt is then bf16 too (the states' dtype)
         if factors == torch.bfloat16:
             forward_pass = "state_fwd_bf16"
         W = Wt if w_t else torch.empty_like(k, dtype=factors)

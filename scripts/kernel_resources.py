@@ -106,20 +106,23 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                              "dv": dt, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, C=64, BK=BK,
                      BV=min(triton.next_power_of_2(K), 128) if decay else BV), cfg("dv")  # launch.Shapes.dv_BV
+        wy_fused = bool(delta) and bf16 and decay in launch_setting("WY_FUSED")  # wy_grads inside score_grads
+        wy_BK = min(BK, 32) if decay == 2 else BK  # launch.Shapes.wy_BK
         yield "score_grads", tag, bwd.score_grads_kernel, {"q": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32,
                                                            "d": wt, "do": dt, "dd": wt, "dA_out": sc, "dL_out": sc,
                                                            "Y_out": dt, "dv": dt, "dbeta": f32, "dov_out": f32,
+                                                           "k": dt, "hs": dt, "dk": dt, "dg": f32,
                                                            "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, C=64, BV=BV), \
-            cfg("score_grads_delta" if delta else "score_grads")  # launch.chunk_backward
+            dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, WY=int(wy_fused), C=64, SB=PAIR_SUB,
+                 BK=wy_BK, BV=BV, CSPAN=CSPAN, KP=BKF), \
+            cfg(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads")  # chunk_backward
         grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
-        if delta:
+        if delta and not wy_fused:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=min(BK, 32) if decay == 2 else BK,
-                     BV=BV, CSPAN=CSPAN, KP=BKF), \
-                cfg("wy_grads_vector" if decay == 2 else "wy_grads")  # launch.Shapes.wy_BK
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=wy_BK, BV=BV, CSPAN=CSPAN, KP=BKF), \
+                cfg("wy_grads_vector" if decay == 2 else "wy_grads")
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,
                                                               "dki": f32, "cu_seqlens": "*i32"}, \

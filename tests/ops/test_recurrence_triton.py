@@ -247,6 +247,24 @@ def test_delta_rule_bf16_factors_varlen(monkeypatch):
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("kind", ["none", "scalar"])
+def test_wy_part_inside_score_grads_equals_two_kernels(kind, monkeypatch):
+    """bf16, no or a scalar decay: ``score_grads_kernel`` runs ``wy_grads_kernel``'s part itself
+    (``launch.WY_FUSED``), on Y and dL read back as it stored them; every output and gradient equals the two
+    kernels' bit for bit (two key blocks, the second partly masked; an odd length)."""
+    assert launch.DECAY_CODES[kind] in launch.WY_FUSED
+    t = inputs((kind, "delta", False), B=1, T=130, H=2, K=80, V=48, dtype=torch.bfloat16)
+    gen = seeded("cotangents", kind)
+    do = torch.randn(1, 130, 2, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
+    dS = torch.randn(1, 2, 80, 48, generator=gen).to(DEVICE)
+    o, S, g = run("triton", t, do, dS)
+    monkeypatch.setattr(launch, "WY_FUSED", ())
+    o2, S2, g2 = run("triton", t, do, dS)
+    assert torch.equal(o, o2) and torch.equal(S, S2)
+    for name in t:
+        assert torch.equal(g[name], g2[name]), f"d{name} differs"
+
+
 def test_kernels_call_no_jit_helper_of_triton_language():
     """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
     fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),

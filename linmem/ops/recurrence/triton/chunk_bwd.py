@@ -19,7 +19,8 @@ inside the chunk (exclusive on the query side with the bonus, whose reads use G_
 state's gradient); then, chunk by chunk in parallel, the additive rule's ``dv_kernel`` computes its
 dd (= dv) from the stored dH, ``score_grads_kernel`` what loops over
 value channels (the score gradients dA and dL, the delta rule's Y = T^T dd and dv) and stores
-it; the delta rule's ``wy_grads_kernel`` takes the key gradients through W and L, and
+it; the delta rule's ``wy_grads_kernel`` takes the key gradients through W and L (for bf16 inputs
+without a per-channel decay, at the end of ``score_grads_kernel``), and
 ``grads_kernel`` every other gradient per key channel, each reading its score gradient once as
 stored and once transposed. Transposed products are computed as products of transposed loads,
 never by transposing a product (a Hopper miscompilation in the Triton 3.4-3.7.0 range hits
@@ -195,11 +196,14 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
 
 @triton.jit
 def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
-                       cu_seqlens, scale, T, H, N, V,
+                       k, hs, dk, dg, cu_seqlens, scale, T, H, N, K, V,
                        DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       C: tl.constexpr, BV: tl.constexpr):
+                       WY: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       CSPAN: tl.constexpr, KP: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
-    ``grads_kernel``.
+    ``grads_kernel``; with WY (the delta rule) it then runs ``wy_grads_kernel``'s part itself (:func:`_wy_grads`:
+    k, hs, dk, dg and the constexprs after WY are that kernel's), reading Y and dL back as this program stored
+    them.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
     [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (DECAY 2's products run in
@@ -254,7 +258,12 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
         if DECAY == 1:
             dL = dL * masked_exp2(strict, Gr[:, None] - Gr[None, :])
         store_rows(dL_out, dL, t0, nrows, h, H, C, rows, rows)
-        tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
+        if WY:
+            tl.debug_barrier()  # Y and dL, stored by other threads, are read back below
+            _wy_grads(k, beta, G, hs, Y_out, dL_out, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY, C, SB, BK,
+                      BV, CSPAN, KP)
+        else:
+            tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
     if BONUS:
         tl.store(dov_out + (t0 * H + h) + rows * H, dov, mask=valid)
 
@@ -278,17 +287,27 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     rule at 8 x 2048, H = 16, K = V = 128 on an H200 (255 registers, one 8-warp program per SM); apart,
     0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
     """
+    slot, h = tl.program_id(0), tl.program_id(1)
+    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    db = load_gate_rows(dbeta, t0, nrows, h, H, tl.arange(0, C))
+    _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY, C, SB, BK, BV, CSPAN,
+              KP)
+
+
+@triton.jit
+def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY: tl.constexpr,
+              C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CSPAN: tl.constexpr,
+              KP: tl.constexpr):
+    """The body of :func:`wy_grads_kernel` for one chunk, given dbeta's value part db [C] (which it completes and
+    stores); also run by ``score_grads_kernel`` (WY) right after it stores Y and dL."""
     YT: tl.constexpr = Y.dtype.element_ty  # Y, and the product that reads it
     LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
     # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
-    slot, h = tl.program_id(0), tl.program_id(1)
-    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     valid = rows < nrows
     Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
-    db = load_gate_rows(dbeta, t0, nrows, h, H, rows)
     one_ref = False
     if DECAY == 2:
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN

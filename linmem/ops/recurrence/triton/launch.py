@@ -87,6 +87,7 @@ LAUNCH = {
     "dv": (4, 1),
     "score_grads": (4, 1),
     "score_grads_delta": (4, 2),
+    "score_wy_grads": (4, 3),
     "grads_pipelined": (8, 2),
     "grads_vector": (8, 3),
     "intra_grads": (4, 2),
@@ -98,6 +99,14 @@ LAUNCH = {
     "grads_scalar_key": (8, 2),
     "recurrent": (2, 2),
 }
+#: the delta rules (decay codes) whose ``wy_grads_kernel`` runs inside ``score_grads_kernel`` (WY) for bf16 inputs,
+#: reading Y and dL back as the same program stored them ("score_wy_grads" in LAUNCH). Session 25, H200, H = 16,
+#: K = V = 128, against the two kernels (bit-identical results): at 8 x 2048 deltanet 0.223 + 0.157 -> 0.358 ms
+#: (fwd+bwd 1.318 -> 1.291), gated delta 0.238 + 0.175 -> 0.392 (1.556 -> 1.536); the same at 4 x 4096 and 1 x 16384.
+#: At 2 stages it lost (0.391 deltanet); 4 stages equal 3; 8 warps lost (0.566 at 3 stages). KDA's lost (0.69 ->
+#: 0.78: its wy part is the per-channel one, capped at other tiles). fp16 tied at 2 stages (0.470 -> 0.467 at
+#: 4 x 4096) and lost at 3 (0.653: 139 KB of shared memory, one program per SM); fp32 lost (1.51 -> 1.78)
+WY_FUSED = (0, 1)
 #: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
 #: SM that the kernel runs best at allow: 168 lets three 4-warp programs share an SM (see LAUNCH). The per-channel
 #: output kernel holds two paths for the intra-chunk scores (block products and pairwise loops,
@@ -603,15 +612,18 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
-    _launch("score_grads_delta" if delta else "score_grads", chunk_bwd.score_grads_kernel, (s.slots, s.H),
-            q, v, beta if delta else q, Gp, Tt if delta else q, d if delta else v, do, dd if delta else dA, dA,
-            dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, cu, scale,
-            s.T, s.H, s.N, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
-            C=CHUNK, BV=s.BV)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
-    if delta:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
+    wy_fused = delta and decay in WY_FUSED and q.dtype == torch.bfloat16
+    _launch(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads",
+            chunk_bwd.score_grads_kernel, (s.slots, s.H),
+            q, v, beta if delta else q, Gp, Tt if delta else q, d if delta else v, do, dd if delta else dA, dA,
+            dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, k, hs, dk,
+            dg if decay else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus),
+            IS_VARLEN=int(s.varlen), WY=int(wy_fused), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV,
+            CSPAN=CHUNK_SPAN, KP=s.BKF)
+    if delta and not wy_fused:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
         _launch("wy_grads_vector" if decay == 2 else "wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
                 k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN,

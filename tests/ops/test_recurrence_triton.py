@@ -220,7 +220,7 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
     """bf16 inputs on a grid that fills at least half the SMs, K <= 128: the delta rule's W and U are bf16 and the
     forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``) and, except with a per-channel
     decay, reads W from its transposed copy (``launch.W_READ_TRANSPOSED``); two V blocks, the second partly
-    masked."""
+    masked. On a narrower grid only the rules of ``launch.NARROW_BF16_FACTORS`` keep bf16 factors."""
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
     s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
@@ -232,15 +232,33 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs)  # half the SMs filled: still bf16
     assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs + 1)
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
+    narrow = launch.DECAY_CODES[kind] in launch.NARROW_BF16_FACTORS
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == (
+        torch.bfloat16 if narrow else torch.float32)
     monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
     compare(t, LOW_TOL)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
-def test_delta_rule_bf16_factors_varlen(monkeypatch):
-    """The same on packed sequences (lengths 5, 0, 70, 1, 33): bf16 factors with empty and partial chunks."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+@pytest.mark.parametrize("kind", ["none", "scalar"])
+def test_delta_rule_bf16_factors_on_a_narrow_grid(kind, monkeypatch):
+    """bf16 inputs on a grid narrower than half the SMs, no or a scalar decay (``launch.NARROW_BF16_FACTORS``):
+    bf16 W and U, read transposed, with W h split and k^T d one tf32 product (``state_fwd_kernel``'s NARROW);
+    several chunks, two V blocks."""
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1000)
+    t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
+    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
+    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
+    assert not launch._fills_half(s, launch.DECAY_CODES[kind], dev)
+    compare(t, LOW_TOL)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
+@pytest.mark.parametrize("sms", [1, 1000], ids=["wide", "narrow"])
+def test_delta_rule_bf16_factors_varlen(sms, monkeypatch):
+    """The same on packed sequences (lengths 5, 0, 70, 1, 33): bf16 factors with empty and partial chunks, on a
+    wide and a narrow grid."""
+    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
     t, cu = packed(("scalar", "delta", False), [5, 0, 70, 1, 33], H=2, K=16, V=16, dtype=torch.bfloat16)
     s = launch.shapes_of(t["q"], t["v"], cu)
     assert launch.factors_dtype(s, torch.bfloat16, 1, t["q"].device) == torch.bfloat16
@@ -624,7 +642,9 @@ def test_gpu_narrow_grid(combo):
     H = launch.sm_count(torch.device(DEVICE)) // 4 - 1
     t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
     s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
-    for kernel in ("state_fwd", "state_bwd"):
+    if delta:  # bf16 W and U on this grid too (launch.NARROW_BF16_FACTORS), k^T d in tf32
+        assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+    for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
         assert launch.sequential_config(kernel, s, delta, decay, dev) == (32, launch.NARROW_STAGES)
     compare(t, LOW_TOL)
 

@@ -242,7 +242,7 @@ def _pass_mm(a, b, DT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
 @triton.jit
 def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, W_T: tl.constexpr,
+                     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, W_T: tl.constexpr, NARROW: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The sequential pass over chunks: stores the chunk-start states and carries the state.
 
@@ -257,12 +257,15 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs)
     whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
     miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
-    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128, grids that fill at least half the SMs)
-    both run as two bf16 products on h and d split in two bf16 parts (SPLIT, ``common.mm_split``).
+    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128) W h runs as two bf16 products on h split in
+    two bf16 parts (SPLIT, ``common.mm_split``), and so does k^T d on d, but on grids narrower than half the SMs
+    (NARROW, ``launch.NARROW_BF16_FACTORS``), where it stays one tf32 product on the k tile widened: there the
+    pass is bound by its chain of dependent products, which the second product lengthened.
     """
     IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors
     PT: tl.constexpr = tl.float32 if DELTA else IT  # the dtype of k^T d
-    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h and k^T d as two bf16 products each (common.mm_split)
+    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (common.mm_split)
+    SPLIT_KD: tl.constexpr = SPLIT and not NARROW  # and k^T d; NARROW: in tf32, on the k tile widened
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NKB: tl.constexpr = BKF // KB
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
@@ -284,12 +287,12 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
             if DECAY == 1:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)
                                     - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
-        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, PT, SPLIT, X)
+        S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, PT, SPLIT_KD, X)
         if NKB > 1:
-            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, PT, SPLIT, X)
+            S1 = _state_step(S1, k, G, d, t0, nrows, h, H, K, rows, kb1, DECAY, DELTA, PT, SPLIT_KD, X)
         if NKB > 2:
-            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, PT, SPLIT, X)
-            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, PT, SPLIT, X)
+            S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, PT, SPLIT_KD, X)
+            S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, PT, SPLIT_KD, X)
     if STORE_FINAL:
         store_state_tiles(hN, S0, S1, S2, S3, n, h, H, K, V, kb0, vr, NKB)
 

@@ -152,7 +152,7 @@ SEQUENTIAL = {
     # program per SM or fewer, the pass alone lost at every V block and stage count tried (deltanet at 4 x 4096,
     # 128 programs at 64: 0.158 -> 0.164 at best; 2 x 8192: 0.207 -> 0.216; 1 x 16384: 0.341 -> 0.355), but from
     # session 22 the prep kernel gains more where the grid fills half the SMs (``factors_dtype``); there the pass
-    # runs at ``NARROW_STAGES``
+    # runs at ``NARROW_STAGES``, and on narrower grids (``NARROW_BF16_FACTORS``) at its narrowed V block
     ("state_fwd_bf16", True, 0): (64, 2),
     ("state_fwd_bf16", True, 1): (64, 2),
     ("state_fwd_bf16", True, 2): (64, 2),
@@ -169,6 +169,16 @@ BF16_FACTORS_MAX_K = 128
 #: 4 x 4096, gated delta 1.582 -> 1.566 and 1.644 -> 1.622. KDA's pass, which spills (24 bytes) reading W transposed,
 #: lost at 4 x 4096 (state_fwd 0.197 -> 0.231, fwd+bwd 2.746 -> 2.768) and keeps W by tokens
 W_READ_TRANSPOSED = (0, 1)
+#: decay kinds whose delta rule takes bf16 W and U (bf16 inputs, K <= BF16_FACTORS_MAX_K) on grids narrower than half
+#: the SMs too, with the forward pass's k^T d there as one tf32 product on the widened k tile and only W h split
+#: (``state_fwd_kernel``'s NARROW). Measured on an H200 (session 25, H = 16, K = V = 128, fwd+bwd ms, A/B against fp32
+#: factors there): prep 0.292 -> 0.248 (deltanet at 2 x 8192), forward pass 0.217 -> 0.238; deltanet 1.41 -> 1.394
+#: at 2 x 8192, 1.681 -> 1.673 at 1 x 16384, 3.297 -> 3.276 at 1 x 32768; gated delta 1.690 -> 1.678, 1.953 ->
+#: 1.932, 3.854 -> 3.817. With k^T d split as well (bf16 factors forced, session 25's first call) deltanet had
+#: tied at 2 x 8192 and lost at 1 x 32768 (3.342 -> 3.361). KDA, with both products split or with k^T d in tf32,
+#: gained at 2 x 8192 (2.853 -> 2.813) and lost at 1 x 16384 (3.204 -> 3.240; its pass 0.459 -> 0.524), so it keeps
+#: fp32 factors there
+NARROW_BF16_FACTORS = (0, 1)
 #: warps of the sequential passes: with 8, Triton 3.6 miscompiles them on Hopper for the delta rule (wrong
 #: gradients or illegal addresses at K = 100, 128, 256; H200, 2026-11-21)
 SEQUENTIAL_WARPS = 4
@@ -328,18 +338,25 @@ def _sequential_programs(s: Shapes, bv: int) -> int:
 def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.device) -> torch.dtype:
     """dtype of the delta rule's W and U: bf16 for bf16 inputs with K <= ``BF16_FACTORS_MAX_K`` where the grid of
     ``SEQUENTIAL``'s "state_fwd_bf16" fills at least half the SMs (at its V block: the grids that
-    :func:`sequential_config` does not narrow), else fp32 (``precision_for``).
+    :func:`sequential_config` does not narrow) or the decay kind is one of ``NARROW_BF16_FACTORS``, else fp32
+    (``precision_for``).
 
     Measured on an H200 (H = 16, K = V = 128, bf16, session 24): at 4 x 4096 (128 programs on 132 SMs, one per SM)
     bf16 factors took the prep kernel 0.293 -> 0.265 ms (deltanet), 0.312 -> 0.283 (gated delta), 0.450 -> 0.420
     (kda) and the forward pass 0.159 -> 0.170, 0.167 -> 0.188, 0.231 -> 0.197: fwd+bwd 1.378 -> 1.361, 1.644 ->
-    1.635, 2.802 -> 2.734. On the narrowed grid of 1 x 16384, bf16 factors forced, deltanet lost (1.695 -> 1.708).
-    Session 21's bound (a full grid) had compared the forward pass alone, before the prep kernel's whole-chunk
+    1.635, 2.802 -> 2.734. On the narrowed grid of 1 x 16384, bf16 factors forced, deltanet lost (1.695 -> 1.708;
+    with k^T d in tf32 there, it gained from session 25: ``NARROW_BF16_FACTORS``). Session 21's bound (a full grid) had compared the forward pass alone, before the prep kernel's whole-chunk
     products (session 22) made bf16 factors cheaper there."""
     if dtype != torch.bfloat16 or s.K > BF16_FACTORS_MAX_K:
         return torch.float32
+    return torch.bfloat16 if decay in NARROW_BF16_FACTORS or _fills_half(s, decay, device) else torch.float32
+
+
+def _fills_half(s: Shapes, decay: int, device: torch.device) -> bool:
+    """Whether the delta rule's forward pass with bf16 factors fills at least half the SMs at its V block (the grids
+    that :func:`sequential_config` does not narrow)."""
     bv = min(SEQUENTIAL[("state_fwd_bf16", True, decay)][0], _pow2(s.V))
-    return torch.bfloat16 if 2 * _sequential_programs(s, bv) >= sm_count(device) else torch.float32
+    return 2 * _sequential_programs(s, bv) >= sm_count(device)
 
 
 def sm_count(device: torch.device) -> int:
@@ -546,11 +563,13 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     W = U = None
     forward_pass = "state_fwd"
     w_t = False  # the forward pass reads W from its transposed copy Wt (see W_READ_TRANSPOSED)
+    narrow = False  # bf16 factors on a narrow grid (NARROW_BF16_FACTORS)
     if delta:
         factors = factors_dtype(s, q.dtype, decay, dev)
         w_t = factors == torch.bfloat16 and decay in W_READ_TRANSPOSED  # Wt is then bf16 too (the states' dtype)
         if factors == torch.bfloat16:
             forward_pass = "state_fwd_bf16"
+            narrow = not _fills_half(s, decay, dev)
         W = Wt if w_t else torch.empty_like(k, dtype=factors)
         U = torch.empty_like(v, dtype=factors)
         _launch("prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
@@ -562,7 +581,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
                        h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
                        DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),
-                       STORE_FINAL=int(output_final), W_T=int(w_t), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
+                       STORE_FINAL=int(output_final), W_T=int(w_t), NARROW=int(narrow), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,

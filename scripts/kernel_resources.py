@@ -89,9 +89,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         bbv, bstages = SEQUENTIAL[("state_bwd", bool(delta), decay)]
         yield "state_fwd", tag, fwd.state_fwd_kernel, {"k": dt, "vu": wy, "W": wy, "G": f32, "hs": dt, "d_out": wt,
                                                        "h0": f32, "hN": f32, "cu_seqlens": "*i32"}, \
-            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, W_T=int(w_t), NARROW=0, C=64,
-                 BKF=BKF,
-                 KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
+            dict(DECAY=decay, DELTA=delta, IS_VARLEN=varlen, HAS_INIT=1, STORE_FINAL=1, W_T=int(w_t), NARROW=0,
+                 C=64, BKF=BKF, KB=BK if delta else BKF, BV=fbv), (WARPS, fstages, None)  # launch.Shapes.state_KB
         yield "output", tag, fwd.output_kernel, {"q": dt, "k": dt, "d": wt, "v": dt, "G": f32, "u": dt, "hs": dt,
                                                  "A_out": dt, "o": dt, "qg": dt, "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, BONUS=bonus, IS_VARLEN=varlen, STORE_QG=int(decay == 2 and delta), C=64, SB=PAIR_SUB,

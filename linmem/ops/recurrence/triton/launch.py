@@ -104,7 +104,7 @@ LAUNCH = {
 #: K = V = 128, against the two kernels (bit-identical results): at 8 x 2048 deltanet 0.223 + 0.157 -> 0.358 ms
 #: (fwd+bwd 1.318 -> 1.291), gated delta 0.238 + 0.175 -> 0.392 (1.556 -> 1.536); the same at 4 x 4096 and 1 x 16384.
 #: At 2 stages it lost (0.391 deltanet); 4 stages equal 3; 8 warps lost (0.566 at 3 stages). KDA's lost (0.69 ->
-#: 0.78: its wy part is the per-channel one, capped at other tiles). fp16 tied at 2 stages (0.470 -> 0.467 at
+#: 0.78; its per-channel WY part runs at key blocks of 32, ``Shapes.wy_BK``). fp16 tied at 2 stages (0.470 -> 0.467 at
 #: 4 x 4096) and lost at 3 (0.653: 139 KB of shared memory, one program per SM); fp32 lost (1.51 -> 1.78)
 WY_FUSED = (0, 1)
 #: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
@@ -345,8 +345,9 @@ def factors_dtype(s: Shapes, dtype: torch.dtype, decay: int, device: torch.devic
     bf16 factors took the prep kernel 0.293 -> 0.265 ms (deltanet), 0.312 -> 0.283 (gated delta), 0.450 -> 0.420
     (kda) and the forward pass 0.159 -> 0.170, 0.167 -> 0.188, 0.231 -> 0.197: fwd+bwd 1.378 -> 1.361, 1.644 ->
     1.635, 2.802 -> 2.734. On the narrowed grid of 1 x 16384, bf16 factors forced, deltanet lost (1.695 -> 1.708;
-    with k^T d in tf32 there, it gained from session 25: ``NARROW_BF16_FACTORS``). Session 21's bound (a full grid) had compared the forward pass alone, before the prep kernel's whole-chunk
-    products (session 22) made bf16 factors cheaper there."""
+    with k^T d in tf32 there it gained, session 25: ``NARROW_BF16_FACTORS``). Session 21's bound (a full grid) had
+    compared the forward pass alone, before the prep kernel's whole-chunk products (session 22) made bf16 factors
+    cheaper there."""
     if dtype != torch.bfloat16 or s.K > BF16_FACTORS_MAX_K:
         return torch.float32
     return torch.bfloat16 if decay in NARROW_BF16_FACTORS or _fills_half(s, decay, device) else torch.float32
@@ -581,7 +582,8 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
                        h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
                        DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),
-                       STORE_FINAL=int(output_final), W_T=int(w_t), NARROW=int(narrow), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
+                       STORE_FINAL=int(output_final), W_T=int(w_t), NARROW=int(narrow), C=CHUNK, BKF=s.BKF,
+                       KB=s.state_KB(delta))
     o = torch.empty_like(v)
     _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,

@@ -45,12 +45,15 @@ def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
 
 
 @triton.jit
-def _ieee(a, b):
-    """a @ b in IEEE fp32 (the inverse's small products: exact enough for any input dtype)."""
-    if _INTERP:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+def _inv_mm(a, b, X: tl.constexpr):
+    """a @ b for the inverse's small products, a and b fp32: in IEEE fp32 for fp32 inputs (X), else as three bf16
+    products on both split in two bf16 parts (``common.mm_split``, about 16 mantissa bits each)."""
+    if X:
+        if _INTERP:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision="ieee")
+    return mm_split(a, b)
 
 
 @triton.jit
@@ -60,7 +63,7 @@ def _lower_block(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.c
 
 
 @triton.jit
-def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
+def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """T = (I + L)^-1 for the strictly lower L [C, C] (fp32, stored in Lp); returns T's ten nonzero
     blocks [SB, SB] (C = 4 SB), row by row: T00, T10, T11, T20, ..., T33.
 
@@ -74,7 +77,7 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
     2: their cancellation cost ``T x`` up to 5% relative error in fp32, ``scripts/wy_inverse_accuracy.py``.)
     Then the blocks below the diagonal, ``T_ij = -D_i sum_{j<=m<i} L_im T_mj`` ((I + L) T = I solved
     for block (i, j)), nearest the diagonal first: 16 products of [SB, SB] blocks, none on the six
-    zero blocks above the diagonal. Products in IEEE fp32.
+    zero blocks above the diagonal. Products in IEEE fp32 for fp32 inputs (X), else bf16 x3 (:func:`_inv_mm`).
     """
     tl.static_assert(C == 4 * SB)
     tl.static_assert(SB <= 32)
@@ -89,7 +92,7 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
     for m in tl.static_range(1, 5):
         if (1 << m) < SB:  # from blocks of s = 2^m rows to blocks of 2s
             Lo = tl.where((a3 // (2 << m) == c3 // (2 << m)) & ((a3 >> m) % 2 == 1) & ((c3 >> m) % 2 == 0), Ld, 0.0)
-            D -= _ieee(_ieee(D, Lo), D)
+            D -= _inv_mm(_inv_mm(D, Lo, X), D, X)
     D0 = total(tl.where(b3 == 0, D, 0.0), 0)
     D1 = total(tl.where(b3 == 1, D, 0.0), 0)
     D2 = total(tl.where(b3 == 2, D, 0.0), 0)
@@ -97,13 +100,14 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr):
     L10 = _lower_block(Lp, t0, nrows, h, H, C, SB, 1, 0)
     L21 = _lower_block(Lp, t0, nrows, h, H, C, SB, 2, 1)
     L32 = _lower_block(Lp, t0, nrows, h, H, C, SB, 3, 2)
-    T10 = -_ieee(D1, _ieee(L10, D0))
-    T21 = -_ieee(D2, _ieee(L21, D1))
-    T32 = -_ieee(D3, _ieee(L32, D2))
+    T10 = -_inv_mm(D1, _inv_mm(L10, D0, X), X)
+    T21 = -_inv_mm(D2, _inv_mm(L21, D1, X), X)
+    T32 = -_inv_mm(D3, _inv_mm(L32, D2, X), X)
     L31 = _lower_block(Lp, t0, nrows, h, H, C, SB, 3, 1)
-    T20 = -_ieee(D2, _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 0), D0) + _ieee(L21, T10))
-    T31 = -_ieee(D3, _ieee(L31, D1) + _ieee(L32, T21))
-    T30 = -_ieee(D3, _ieee(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 0), D0) + _ieee(L31, T10) + _ieee(L32, T20))
+    T20 = -_inv_mm(D2, _inv_mm(_lower_block(Lp, t0, nrows, h, H, C, SB, 2, 0), D0, X) + _inv_mm(L21, T10, X), X)
+    T31 = -_inv_mm(D3, _inv_mm(L31, D1, X) + _inv_mm(L32, T21, X), X)
+    T30 = -_inv_mm(D3, _inv_mm(_lower_block(Lp, t0, nrows, h, H, C, SB, 3, 0), D0, X) + _inv_mm(L31, T10, X)
+                   + _inv_mm(L32, T20, X), X)
     return D0, T10, D1, T20, T21, D2, T30, T31, T32, D3
 
 
@@ -157,7 +161,7 @@ def delta_prep_kernel(k, v, beta, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V
     L = b[:, None] * chunk_scores(k, k, G, t0, nrows, h, H, K, DECAY, True, 0, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(Tt, L, t0, nrows, h, H, C, rows, rows)
     tl.debug_barrier()  # L is read back by blocks, by other threads
-    T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB)
+    T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = unit_lower_inverse(Tt, t0, nrows, h, H, C, SB, X)
     tl.debug_barrier()  # every block of L is read before T overwrites it
     for i in tl.static_range(3):  # the zero blocks above the diagonal: the scratch holds L's entries there
         for j in tl.static_range(i + 1, 4):

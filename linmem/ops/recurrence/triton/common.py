@@ -144,6 +144,19 @@ def mm_split(a, b):
 
 
 @triton.jit
+def mm_parts(ah, al, b):
+    """(ah + al) @ b as two bf16 products, for an fp32 left factor already split into its bf16 part ah and the bf16
+    rounding of its remainder al (``mm_split``'s split, done once where the factor is reused), b bf16. fp32
+    accumulation."""
+    if _INTERP:
+        ah = ah.to(tl.float32)
+        al = al.to(tl.float32)
+        b = b.to(tl.float32)
+    acc = tl.dot(ah, b)
+    return tl.dot(al, b, acc)
+
+
+@triton.jit
 def sequence_bounds(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
     """First and one-past-last token of sequence n (int64)."""
     if IS_VARLEN:

@@ -188,6 +188,36 @@ def test_four_state_tiles(combo, monkeypatch):
     compare(t, FP32_TOL)
 
 
+def test_split_products_keep_sixteen_bits():
+    """``common.mm_split`` and ``common.mm_parts`` (an fp32 left factor as its bf16 part plus the bf16 rounding of
+    its remainder, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa bits: within 2^-14 of the
+    float64 product, where rounding the factor to bf16 alone (no remainder) misses by about 2^-9."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def products(a_ptr, b_ptr, split_ptr, parts_ptr, N: tl.constexpr):
+        r = tl.arange(0, N)
+        a = tl.load(a_ptr + r[:, None] * N + r[None, :])
+        b = tl.load(b_ptr + r[:, None] * N + r[None, :])
+        tl.store(split_ptr + r[:, None] * N + r[None, :], common.mm_split(a, b))
+        ah = common.rounded(a, tl.bfloat16)
+        al = common.rounded(a - ah.to(tl.float32), tl.bfloat16)
+        tl.store(parts_ptr + r[:, None] * N + r[None, :], common.mm_parts(ah, al, b))
+
+    n = 64
+    gen = seeded("split")
+    a = torch.randn(n, n, generator=gen).to(DEVICE)
+    b = torch.randn(n, n, generator=gen).to(DEVICE, torch.bfloat16)
+    split, parts = torch.empty(n, n, device=DEVICE), torch.empty(n, n, device=DEVICE)
+    products[(1,)](a, b, split, parts, N=n)
+    exact = a.double() @ b.double()
+    assert rel_err(split, exact) < 2 ** -14
+    assert rel_err(parts, exact) < 2 ** -14
+    assert rel_err(a.bfloat16().double() @ b.double(), exact) > 2 ** -11  # what the remainder adds back
+    assert torch.allclose(split, parts, rtol=0, atol=1e-5)
+
+
 def test_host_size_helpers_equal_tritons():
     """launch._pow2 and launch._cdiv (plain integers, for host time) give what triton.next_power_of_2 and
     triton.cdiv give, on every size a launch may ask of them."""

@@ -68,8 +68,8 @@ def _diag_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.
     :func:`unit_lower_inverse`), as one [SB, SB] tile.
 
     The four blocks used to be doubled together as one [4, SB, SB] tensor; taking each block out of it took a
-    cross-thread reduction (13.6% of the prep kernel's warp samples, Nsight Compute, session 26). Apart, each
-    block is four independent chains of products and needs no reduction: prep 0.236 -> 0.221 ms for deltanet at
+    cross-thread reduction (13.6% of the prep kernel's warp samples, Nsight Compute, session 26). Apart, the four
+    blocks are independent chains of products and need no reduction: prep 0.236 -> 0.221 ms for deltanet at
     8 x 2048 on an H200 (gated delta 0.255 -> 0.239, kda 0.411 -> 0.400), the same bits."""
     a = tl.arange(0, SB)[:, None]
     c = tl.arange(0, SB)[None, :]
@@ -93,9 +93,10 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, X
     s x s block of each 2s x 2s block, ``D - D Lo D`` is the inverse of the 2s x 2s blocks
     (``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``). From s = 1 (D = I) that is two
     products per doubling, six for SB = 16, instead of SB - 1 dependent substitution steps, and no
-    product grows past the inverse's own blocks; the four blocks' chains are independent. (The nilpotent series ``(I - L)(I + L^2)(I + L^4)
-    (I + L^8)`` takes as many products, but its powers of L grow with correlated keys and beta near
-    2: their cancellation cost ``T x`` up to 5% relative error in fp32, ``scripts/wy_inverse_accuracy.py``.)
+    product grows past the inverse's own blocks; the four blocks' chains are independent. (The nilpotent
+    series ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` takes as many products, but its powers of L grow with
+    correlated keys and beta near 2: their cancellation cost ``T x`` up to 5% relative error in fp32,
+    ``scripts/wy_inverse_accuracy.py``.)
     Then the blocks below the diagonal, ``T_ij = -D_i sum_{j<=m<i} L_im T_mj`` ((I + L) T = I solved
     for block (i, j)), nearest the diagonal first: 16 products of [SB, SB] blocks, none on the six
     zero blocks above the diagonal. Products in IEEE fp32 for fp32 inputs (X), else bf16 x3 (:func:`_inv_mm`).

@@ -190,7 +190,7 @@ def test_four_state_tiles(combo, monkeypatch):
 
 def test_split_products_keep_sixteen_bits():
     """``common.mm_split`` and ``common.mm_parts`` (an fp32 left factor as its bf16 part plus the bf16 rounding of
-    its remainder, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa bits: within 2^-14 of the
+    its remainder, ``common.bf16_parts``, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa bits: within 2^-14 of the
     float64 product, where rounding the factor to bf16 alone (no remainder) misses by about 2^-9."""
     import triton
     import triton.language as tl
@@ -201,8 +201,7 @@ def test_split_products_keep_sixteen_bits():
         a = tl.load(a_ptr + r[:, None] * N + r[None, :])
         b = tl.load(b_ptr + r[:, None] * N + r[None, :])
         tl.store(split_ptr + r[:, None] * N + r[None, :], common.mm_split(a, b))
-        ah = common.rounded(a, tl.bfloat16)
-        al = common.rounded(a - ah.to(tl.float32), tl.bfloat16)
+        ah, al = common.bf16_parts(a)
         tl.store(parts_ptr + r[:, None] * N + r[None, :], common.mm_parts(ah, al, b))
 
     n = 64

@@ -33,9 +33,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (bonus_scores, chunk_span, end_decay, exp2, first_state_tiles, intra_cols, intra_rows, largest,
-                     load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2, mm, mm_parts, remaining_total,
-                     rounded, running_total, scalar_gates, sequence_state, store_rows, store_state_tiles, total)
+from .common import (bf16_parts, bonus_scores, chunk_span, end_decay, exp2, first_state_tiles, intra_cols, intra_rows,
+                     largest, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2, mm, mm_parts,
+                     remaining_total, running_total, scalar_gates, sequence_state, store_rows, store_state_tiles, total)
 
 
 @triton.jit
@@ -244,8 +244,7 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     if DELTA:
         TtC = load_rows(Tt, t0, nrows, h, H, C, rows, rows, False)
         if SPLIT:  # T's bf16 part and the bf16 rounding of its remainder, once for every V block
-            Th = rounded(TtC, tl.bfloat16)
-            Tl = rounded(TtC - Th.to(tl.float32), tl.bfloat16)
+            Th, Tl = bf16_parts(TtC)
     for v0 in range(0, V, BV):
         vr = v0 + tl.arange(0, BV)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)

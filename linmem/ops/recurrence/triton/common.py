@@ -117,6 +117,20 @@ def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
 
 
 @triton.jit
+def bf16_parts(x):
+    """fp32 x as (hi, lo): its bf16 rounding and the bf16 rounding of the remainder, whose sum keeps about 16 of x's
+    mantissa bits (the operands of :func:`mm_split` and :func:`mm_parts`)."""
+    hi = rounded(x, tl.bfloat16)
+    return hi, bf16_rest(x, hi)
+
+
+@triton.jit
+def bf16_rest(x, hi):
+    """The bf16 rounding of x - hi, for fp32 x and its bf16 rounding hi (the lo of :func:`bf16_parts`)."""
+    return rounded(x - hi.to(tl.float32), tl.bfloat16)
+
+
+@triton.jit
 def mm_split(a, b):
     """a @ b as bf16 products, for bf16 or fp32 operands: an fp32 operand is split into ``hi`` (rounded to bf16)
     and ``lo`` (the rest, rounded to bf16), which keeps about 16 of its mantissa bits (tf32 keeps 10) without an
@@ -125,9 +139,9 @@ def mm_split(a, b):
     ah = rounded(a, tl.bfloat16)
     bh = rounded(b, tl.bfloat16)
     if a.dtype != tl.bfloat16:
-        al = rounded(a - ah.to(tl.float32), tl.bfloat16)
+        al = bf16_rest(a, ah)
     if b.dtype != tl.bfloat16:
-        bl = rounded(b - bh.to(tl.float32), tl.bfloat16)
+        bl = bf16_rest(b, bh)
     if _INTERP:
         ah = ah.to(tl.float32)
         bh = bh.to(tl.float32)
@@ -146,7 +160,7 @@ def mm_split(a, b):
 @triton.jit
 def mm_parts(ah, al, b):
     """(ah + al) @ b as two bf16 products, for an fp32 left factor already split into its bf16 part ah and the bf16
-    rounding of its remainder al (``mm_split``'s split, done once where the factor is reused), b bf16. fp32
+    rounding of its remainder al (:func:`bf16_parts`, done once where the factor is reused), b bf16. fp32
     accumulation."""
     if _INTERP:
         ah = ah.to(tl.float32)

@@ -116,7 +116,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, WY=int(wy_fused), C=64, SB=PAIR_SUB,
                  BK=wy_BK, BV=BV, CSPAN=CSPAN, KP=BKF), \
             cfg(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads")  # chunk_backward
-        grads_BK = BK if decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
+        key_grid = not bonus if decay == 2 else (decay == 0 or bf16)  # launch.key_grid
+        grads_BK = BK if key_grid or decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
         if delta and not wy_fused:
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
@@ -132,13 +133,14 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         if decay == 0 or (decay == 1 and dt == f32):  # launch.chunk_backward
             sides = [(1, f"grads{'_scalar' if decay else ''}_query"), (2, f"grads{'_scalar' if decay else ''}_key")]
         else:
-            sides = [(0, "grads_vector" if decay == 2 else "grads_pipelined")]
+            sides = [(0, ("grads_vector" if key_grid else "grads_vector_loop") if decay == 2 else
+                      ("grads_scalar" if key_grid else "grads_pipelined"))]
         for side, grads in sides:
             yield grads, tag, bwd.grads_kernel, \
                 {"q": dt, "k": dt, "G": f32, "u": dt, "d": wt, "hs": dt, "dHs": dt, "do": dt, "dA_in": sc,
                  "dov_in": f32, "dqi": f32, "dki": f32, "dq": dt, "dk": dt, "dg": f32, "du": f32, "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, SIDE=side, C=64, BK=grads_BK, BV=BV,
-                     CSPAN=CSPAN, KP=BKF), \
+                     CSPAN=CSPAN, KP=BKF, KGRID=-(-K // grads_BK) if key_grid else 1), \
                 cfg(grads)
     yield "recurrent", "d2delta", rec.recurrent_kernel, \
         {n: dt for n in "q k v o u beta".split()} | {"g": f32, "S": f32}, \
@@ -178,7 +180,7 @@ def main() -> None:
     parser.add_argument("--only", help="kernel names, comma-separated (cumsum, prep, state_fwd, output, "
                                        "state_bwd, dv, score_grads, wy_grads, intra_grads, grads_query, "
                                        "grads_key, grads_scalar_query, grads_scalar_key, grads_pipelined, "
-                                       "grads_vector, recurrent)")
+                                       "grads_scalar, grads_vector, grads_vector_loop, recurrent)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--K", type=int, default=128, help="head dim K (= V)")
     parser.add_argument("--varlen", action="store_true")

@@ -137,6 +137,18 @@ def test_several_key_blocks_and_odd_head_dims(combo):
     compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
 
 
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("scalar", "additive", True), ("none", "delta", False)],
+                         ids=combo_id)
+def test_gradient_key_blocks_on_the_grid(combo):
+    """bf16 at K = 80: ``grads_kernel`` runs one program per key block of 64 (``launch.key_grid``), the second
+    block masked to 16 columns; a scalar decay's gate gradient arrives as one part per block (the delta rule's
+    WY part in the first), which the launcher sums."""
+    decay = launch.DECAY_CODES[combo[0]]
+    assert launch.key_grid(decay, combo[2], torch.bfloat16)
+    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=80, V=40, varlen=False).grads_BK(decay, True) == 64
+    compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, dtype=torch.bfloat16), LOW_TOL)
+
+
 @pytest.mark.parametrize("combo", [("vector", "additive", True), ("scalar", "additive", False),
                                    ("none", "additive", False)], ids=combo_id)
 def test_value_blocks_past_64(combo):

@@ -492,7 +492,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                  cu_seqlens, scale, T, H, N, K, V,
                  DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                  SIDE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CSPAN: tl.constexpr,
-                 KP: tl.constexpr):
+                 KP: tl.constexpr, KGRID: tl.constexpr):
     """The gradients of one chunk per key channel: dq, dk, dg, du.
 
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
@@ -504,9 +504,15 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     reads them from dqi and dki (``intra_grads_kernel``). For the
     delta rule (DELTA), dk and dg already hold what ``wy_grads_kernel`` stored, and get the rest
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
-    cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots, H).
+    cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots * KGRID, H).
 
-    SIDE 0 computes both sides of the chunk. But for a per-channel decay they can run as two launches
+    KGRID 1: one program per chunk and head loops over the key blocks of BK channels. KGRID = K / BK (rounded
+    up): one program per key block (``launch.key_grid``), the blocks of a chunk next to each other on the grid.
+    A scalar decay's gate gradient then arrives as KGRID parts, each program storing its block's part in its
+    own [tokens, H] slice of dg (the first slice holds the delta rule's WY part, which its block adds); the
+    launcher sums them.
+
+    SIDE 0 computes both sides of the chunk. But without a per-channel decay they can run as two launches
     of about half the registers each (they share only their reads of q, k and dA): SIDE 1 the query side
     (dq: dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient
     joins them through dg: the query side stores its row sums q dq there (on the delta rule's part), the
@@ -520,8 +526,13 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     KS: tl.constexpr = SIDE != 1  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
-    slot, h = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(KGRID == 1 or SIDE == 0 or DECAY != 1)  # a scalar decay's sides join through one dg
+    slot, h = tl.program_id(0) // KGRID, tl.program_id(1)
+    kb = tl.program_id(0) % KGRID  # the key block (0 in the loop)
+    k_end = K if KGRID == 1 else (kb + 1) * BK
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    if DECAY == 1 and KGRID > 1:  # this key block's part of the gate gradient
+        dg += kb.to(tl.int64) * (T if IS_VARLEN else N * T) * H
     rows = tl.arange(0, C)
     valid = rows < nrows
     Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
@@ -533,14 +544,14 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
         last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
         dGs = tl.full([C], 0.0, tl.float32)  # both sides' channel sums (a side's own in its launch)
-        if DELTA and QS:
-            dGs += load_gate_rows(dg, t0, nrows, h, H, rows)
+        if DELTA and QS:  # the WY part, in the first key block's slice
+            dGs += load_gate_rows(dg, t0, tl.where(kb == 0, nrows, 0), h, H, rows)
         if BONUS:
             dGq = tl.full([C], 0.0, tl.float32)
         gam = total(tl.full([C], 0.0, tl.float32), 0)
     if DECAY == 2:
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
-    for k0 in range(0, K, BK):
+    for k0 in range(kb * BK, k_end, BK):
         cols = k0 + tl.arange(0, BK)
         if DECAY != 1 or SIDE == 0:  # a scalar decay's sides load them after the V loop (held: +60 registers)
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)

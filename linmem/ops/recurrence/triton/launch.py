@@ -77,7 +77,13 @@ CONSTANT_DECAY = 3
 #: kernel spilled 1.4 KB), 2.78 -> 2.24 and 2.75 -> 2.20 with tf32x3 products (``common.mm``); with
 #: bf16 they lost at 8 x 2048, gated delta 0.353 -> 0.527, mamba2 0.322 -> 0.503 (136 and 243 registers, one
 #: 8-warp program per SM each; best of key blocks of 64, 4 warps, 1 to 3 stages and a 128-register cap: 0.436 and
-#: 0.396), so bf16 and fp16 inputs keep the one kernel.
+#: 0.396), so bf16 and fp16 inputs keep the one kernel. Session 27, with the key blocks on the grid (``key_grid``),
+#: at 4 x 4096 (8 x 2048 alike): the per-channel grads at 4 warps, 3 stages (two programs per SM; kda 0.836 ->
+#: 0.631 ms, gla 0.741 -> 0.564; at 8 warps unchanged, at 2 or 4 stages, key blocks of 32 or a 168-register cap
+#: slower), the scalar decays' at 4 warps, 3 stages ("grads_scalar": gated delta 0.355 -> 0.293, mamba2 0.324 ->
+#: 0.267; 8 warps 0.323 and 0.295, 2 stages 0.306 and 0.280); RWKV-6's (a bonus) keeps its loop at 8 warps
+#: ("grads_vector_loop": 0.806 -> 0.822 on the grid); the decay-free launches keep their configs (deltanet 0.225 ->
+#: 0.215; 0.214 at 4 warps).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -88,8 +94,10 @@ LAUNCH = {
     "score_grads": (4, 1),
     "score_grads_delta": (4, 2),
     "score_wy_grads": (4, 3),
-    "grads_pipelined": (8, 2),
-    "grads_vector": (8, 3),
+    "grads_pipelined": (8, 2),  # scalar decays, fp16 (the loop over key blocks; see key_grid)
+    "grads_scalar": (4, 3),  # scalar decays, bf16 (key blocks on the grid)
+    "grads_vector": (4, 3),
+    "grads_vector_loop": (8, 3),  # RWKV-6 (see key_grid)
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),
     "wy_grads_vector": (4, 1),
@@ -237,6 +245,21 @@ def precision_for(dtype: torch.dtype) -> Precision:
     return Precision(state=dtype, scores=dtype, wy=torch.float32, writes=writes)
 
 
+def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
+    """Whether ``grads_kernel`` takes its key blocks from the grid (one block of 64 channels per program; KGRID)
+    rather than looping over them in one program per chunk and head. Its key blocks share no work but a scalar
+    decay's gate gradient, a sum over every channel, which each block then writes as its own part (summed after
+    the kernel; the reverse cumulative sum in it is linear). On the grid, at 4 warps, two programs fit an SM
+    where the loop's 8-warp program, at the same registers a thread (about 230-255), ran alone: a chunk's loads
+    wait beside another chunk's work (``LAUNCH``, session 27). Not on the grid: RWKV-6 (per-channel decay with a bonus), which lost
+    there; a scalar decay's fp32 query and key sides, which join their row sums through dg; and a scalar decay
+    with fp16 inputs, whose gated delta rule on the grid (4 warps, 3 stages) computed a dk 1.1e-2 off the loop's
+    on an H200 with Triton 3.6 (bf16: the same bits; the CPU interpreter agrees with the reference either way)."""
+    if decay == 2:
+        return not bonus
+    return decay == 0 or dtype == torch.bfloat16
+
+
 def _pow2(n: int) -> int:
     """The smallest power of two >= n, at least 16 (plain integer arithmetic: ``triton.next_power_of_2`` is a
     constexpr function whose wrapper costs microseconds a call, and a forward+backward asks dozens of these)."""
@@ -281,13 +304,13 @@ class Shapes:
         session 10, with the pairs scattered once per chunk: gla 0.578 at 32, 0.930 at 64)."""
         return min(self.BK, 32) if decay == 2 else self.BK
 
-    def grads_BK(self, decay: int) -> int:
-        """K block of the gradient kernel: up to 128 for scalar decays, whose per-block decay factors
-        and gate-gradient reductions then run once (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
-        mamba2 grads 0.496 -> 0.399 ms, gated delta's 0.541 -> 0.434 once ``wy_grads_kernel`` took its WY
-        part; gla's went 2.00 -> 2.40), and for the decay-free rules' two launches, one side each (deltanet
-        0.264 -> 0.240 ms, linear attention's 0.212 at 128)."""
-        return self.BK if decay == 2 else min(self.BKF, 128)
+    def grads_BK(self, decay: int, key_grid: bool) -> int:
+        """K block of the gradient kernel: 64 with its key blocks on the grid (:func:`key_grid`) and for
+        per-channel decays; in a loop over the key blocks, up to 128 for the others (a scalar decay's fp16
+        and fp32 launches), whose per-block decay factors and gate-gradient reductions then run once
+        (measured on an H200 at 8 x 2048, H = 16, K = V = 128, in a loop: mamba2 grads 0.496 -> 0.399 ms,
+        gated delta's 0.541 -> 0.434; gla's went 2.00 -> 2.40)."""
+        return self.BK if key_grid or decay == 2 else min(self.BKF, 128)
 
     def wy_BK(self, decay: int) -> int:
         """K block of the delta rule's ``wy_grads_kernel``: 32 for per-channel decays, whose pairwise loops
@@ -634,7 +657,12 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty(g.shape, device=dev, dtype=torch.float32) if decay else None
+    grid_keys = key_grid(decay, bonus, q.dtype)
+    kg = _cdiv(s.K, s.grads_BK(decay, grid_keys)) if grid_keys else 1  # grads_kernel's programs per chunk and head
+    # a scalar decay's gate gradient, one [tokens, H] part per key block (summed after grads_kernel); its first
+    # part takes the delta rule's WY part first
+    dg_parts = torch.empty(kg if decay == 1 else 1, *g.shape, device=dev, dtype=torch.float32) if decay else None
+    dg = dg_parts[0] if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     wy_fused = delta and decay in WY_FUSED and q.dtype == torch.bfloat16
     _launch(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads",
@@ -659,14 +687,17 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
-                 BK=s.grads_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF)
+                 BK=s.grads_BK(decay, grid_keys), BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF, KGRID=kg)
     if decay == 0 or (decay == 1 and q.dtype == torch.float32):  # the query side, then the key side (LAUNCH)
         tag = "_scalar" if decay else ""
-        _launch("grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=1)
-        _launch("grads" + tag + "_key", chunk_bwd.grads_kernel, (s.slots, s.H), *args, **flags, SIDE=2)
+        _launch("grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=1)
+        _launch("grads" + tag + "_key", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=2)
     else:
-        _launch("grads_vector" if decay == 2 else "grads_pipelined", chunk_bwd.grads_kernel, (s.slots, s.H), *args,
-                **flags, SIDE=0)
+        name = ("grads_vector" if grid_keys else "grads_vector_loop") if decay == 2 else (
+            "grads_scalar" if grid_keys else "grads_pipelined")
+        _launch(name, chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=0)
+    if decay == 1 and kg > 1:
+        dg = dg_parts.sum(0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
 
 

@@ -137,16 +137,21 @@ def test_several_key_blocks_and_odd_head_dims(combo):
     compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, initial_state=False), FP32_TOL)
 
 
-@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("scalar", "additive", True), ("none", "delta", False)],
-                         ids=combo_id)
-def test_gradient_key_blocks_on_the_grid(combo):
+@pytest.mark.parametrize("combo, varlen", [(("scalar", "delta", False), False), (("scalar", "delta", False), True),
+                                           (("scalar", "additive", True), False), (("none", "delta", False), False)],
+                         ids=lambda x: combo_id(x) if isinstance(x, tuple) else ("varlen" if x else "fixed"))
+def test_gradient_key_blocks_on_the_grid(combo, varlen):
     """bf16 at K = 80: ``grads_kernel`` runs one program per key block of 64 (``launch.key_grid``), the second
     block masked to 16 columns; a scalar decay's gate gradient arrives as one part per block (the delta rule's
-    WY part in the first), which the launcher sums."""
+    WY part in the first), which the launcher sums (packed sequences: parts of all tokens, idle slots between)."""
     decay = launch.DECAY_CODES[combo[0]]
     assert launch.key_grid(decay, combo[2], torch.bfloat16)
     assert launch.Shapes(T=70, TT=70, N=1, H=1, K=80, V=40, varlen=False).grads_BK(decay, True) == 64
-    compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, dtype=torch.bfloat16), LOW_TOL)
+    if varlen:
+        t, cu = packed(combo, [5, 0, 70, 1, 33], H=1, K=80, V=40, dtype=torch.bfloat16)
+        compare(t, LOW_TOL, cu_seqlens=cu)
+    else:
+        compare(inputs(combo, B=1, T=70, H=1, K=80, V=40, dtype=torch.bfloat16), LOW_TOL)
 
 
 @pytest.mark.parametrize("combo", [("vector", "additive", True), ("scalar", "additive", False),

@@ -207,8 +207,9 @@ def test_four_state_tiles(combo, monkeypatch):
 
 def test_split_products_keep_sixteen_bits():
     """``common.mm_split`` and ``common.mm_parts`` (an fp32 left factor as its bf16 part plus the bf16 rounding of
-    its remainder, ``common.bf16_parts``, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa bits: within 2^-14 of the
-    float64 product, where rounding the factor to bf16 alone (no remainder) misses by about 2^-9."""
+    its remainder, ``common.bf16_parts``, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa
+    bits: within 2^-14 of the float64 product, where rounding the factor to bf16 alone (no remainder) misses by
+    about 2^-9."""
     import triton
     import triton.language as tl
 

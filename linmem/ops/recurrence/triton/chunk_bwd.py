@@ -571,7 +571,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 if BONUS:
                     dqt = dqt * eq
                     dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * eq, tl.float32, X) * rk
-                else:
+                else:  # e^Gq taken here apart from the eq after the V loop: one eq for both kept it live through
+                    # the loop (sm_90 stack 128 -> 208 bytes for gla)
                     dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * exp2(Gq), tl.float32,
                              X) * rk
             else:  # from intra_grads_kernel

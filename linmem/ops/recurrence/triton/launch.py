@@ -251,10 +251,11 @@ def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
     decay's gate gradient, a sum over every channel, which each block then writes as its own part (summed after
     the kernel; the reverse cumulative sum in it is linear). On the grid, at 4 warps, two programs fit an SM
     where the loop's 8-warp program, at the same registers a thread (about 230-255), ran alone: a chunk's loads
-    wait beside another chunk's work (``LAUNCH``, session 27). Not on the grid: RWKV-6 (per-channel decay with a bonus), which lost
-    there; a scalar decay's fp32 query and key sides, which join their row sums through dg; and a scalar decay
-    with fp16 inputs, whose gated delta rule on the grid (4 warps, 3 stages) computed a dk 1.1e-2 off the loop's
-    on an H200 with Triton 3.6 (bf16: the same bits; the CPU interpreter agrees with the reference either way)."""
+    wait beside another chunk's work (``LAUNCH``, session 27). Not on the grid: RWKV-6 (per-channel decay with a
+    bonus), which lost there; a scalar decay's fp32 query and key sides, which join their row sums through dg;
+    and a scalar decay with fp16 inputs, whose gated delta rule on the grid (4 warps, 3 stages) computed a dk
+    1.1e-2 off the loop's on an H200 with Triton 3.6 (bf16: the same bits; the CPU interpreter agrees with the
+    reference either way)."""
     if decay == 2:
         return not bonus
     return decay == 0 or dtype == torch.bfloat16
@@ -658,7 +659,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     grid_keys = key_grid(decay, bonus, q.dtype)
-    kg = _cdiv(s.K, s.grads_BK(decay, grid_keys)) if grid_keys else 1  # grads_kernel's programs per chunk and head
+    grads_bk = s.grads_BK(decay, grid_keys)
+    kg = _cdiv(s.K, grads_bk) if grid_keys else 1  # grads_kernel's programs per chunk and head
     # a scalar decay's gate gradient, one [tokens, H] part per key block (summed after grads_kernel); its first
     # part takes the delta rule's WY part first
     dg_parts = torch.empty(kg if decay == 1 else 1, *g.shape, device=dev, dtype=torch.float32) if decay else None
@@ -687,7 +689,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
-                 BK=s.grads_BK(decay, grid_keys), BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF, KGRID=kg)
+                 BK=grads_bk, BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF, KGRID=kg)
     if decay == 0 or (decay == 1 and q.dtype == torch.float32):  # the query side, then the key side (LAUNCH)
         tag = "_scalar" if decay else ""
         _launch("grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=1)

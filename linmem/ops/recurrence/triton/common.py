@@ -600,22 +600,19 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
 
 
 @triton.jit
-def intra_rows(dS, y_ptr, G_ptr, Gx, one_ref, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """``Z[t] = sum_s dS[t, s] y_s exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
     dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C], row t holds
     dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
     gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
-    Gx: [C, BK] (DECAY 2). one_ref (DECAY 2): the chunk's gates fall by at most the bound of
-    :func:`chunk_span`, so the decays split at the chunk's start, in one product. Products run in dtype MT.
+    Gx: [C, BK] (DECAY 2), whose decays this splits at the sub-blocks' reference points and takes pairwise inside
+    them, for a chunk of any gates (``chunk_bwd._wy_one_ref`` takes the chunks within :func:`chunk_span`'s bound
+    in one product). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
-    if DECAY == 2 and one_ref:
-        yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * masked_exp2(
-            (rows < nrows)[:, None], -load_rows(G_ptr, t0, nrows, h, H, K, rows, cols, False))
-        Z = exp2(Gx) * mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), yF, MT, X)
-    elif DECAY == 2:
+    if DECAY == 2:
         valid = rows < nrows
         blk = rows // SB
         yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * to_ref(
@@ -653,7 +650,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, one_ref, t0, nrows, h, H, K, cols, MT: tl.c
 
 
 @triton.jit
-def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, one_ref, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
                C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """``Z[s] = sum_t dS[t, s] w_t x_t exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
@@ -661,7 +658,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, one_ref, t0, nrows, h, H, K, cols, M
     The transposed companion of :func:`intra_rows`: dS as stored there, read transposed (a
     transposed load, never a transposed product). w: one weight per token ([tokens, H], the
     delta rule's beta) if WEIGHTED, else 1. Gx is G of row t (t - 1 if SHIFT); Gs: [C, BK]
-    (DECAY 2); one_ref as in :func:`intra_rows`. Products run in dtype MT.
+    (DECAY 2), taken as in :func:`intra_rows`. Products run in dtype MT.
     """
     rows = tl.arange(0, C)
     valid = rows < nrows
@@ -669,10 +666,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, one_ref, t0, nrows, h, H, K, cols, M
     dST = load_rows(dS, t0, nrows, h, H, C, rows, rows, True)  # [s, t]
     if WEIGHTED:
         x = x * load_gate_rows(w_ptr, t0, nrows, h, H, rows)[:, None]
-    if DECAY == 2 and one_ref:
-        xE = x * exp2(load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False))
-        Z = masked_exp2(valid[:, None], -Gs) * mm(dST, xE, MT, X)
-    elif DECAY == 2:
+    if DECAY == 2:
         Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
         blk = rows // SB
         # s in an earlier sub-block j than t, as in chunk_scores: L holds w_t x_t e^(Gx_t - R_j) for the

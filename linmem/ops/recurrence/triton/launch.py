@@ -83,7 +83,13 @@ CONSTANT_DECAY = 3
 #: slower), the scalar decays' at 4 warps, 3 stages ("grads_scalar": gated delta 0.355 -> 0.293, mamba2 0.324 ->
 #: 0.267; 8 warps 0.323 and 0.295, 2 stages 0.306 and 0.280); RWKV-6's (a bonus) keeps its loop at 8 warps
 #: ("grads_vector_loop": 0.806 -> 0.822 on the grid); the decay-free launches keep their configs (deltanet 0.225 ->
-#: 0.215; 0.214 at 4 warps).
+#: 0.215; 0.214 at 4 warps). Session 28: the per-channel grads at 1 stage. At 2 or 3 stages (4 warps) Triton 3.6
+#: compiles a race on Hopper: rerun on the same inputs, dq and dg (kda: dk too) of a few key columns of a few chunks
+#: changed from run to run, by up to 6 (gla) and 0.5 (kda) at 4 x 4096 (bf16), in 9 to 12 of 12 reruns; the CPU
+#: interpreter and 1 stage give one answer (no difference in 12 reruns of every launch; 8 warps at 2 or 3 stages
+#: neither). Moving the intra-chunk products after the V loop moved the race, not removed it. Cost at 4 x 4096:
+#: gla 0.537 -> 0.583 ms, kda 0.619 -> 0.669 (8 warps: 0.751 and 0.845). ``test_gpu_backward_is_deterministic``
+#: reruns every rule's backward.
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -96,7 +102,7 @@ LAUNCH = {
     "score_wy_grads": (4, 3),
     "grads_pipelined": (8, 2),  # scalar decays, fp16 (the loop over key blocks; see key_grid)
     "grads_scalar": (4, 3),  # scalar decays, bf16 (key blocks on the grid)
-    "grads_vector": (4, 3),
+    "grads_vector": (4, 1),  # per-channel decays but RWKV-6: 1 stage (a race at 2 and 3; session 28 above)
     "grads_vector_loop": (8, 3),  # RWKV-6 (see key_grid)
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),

@@ -312,9 +312,9 @@ def test_delta_rule_bf16_factors_varlen(sms, monkeypatch):
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("kind", ["none", "scalar"])
+@pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_wy_part_inside_score_grads_equals_two_kernels(kind, monkeypatch):
-    """bf16, no or a scalar decay: ``score_grads_kernel`` runs ``wy_grads_kernel``'s part itself
+    """bf16, every decay kind: ``score_grads_kernel`` runs ``wy_grads_kernel``'s part itself
     (``launch.WY_FUSED``), on Y and dL read back as it stored them; every output and gradient equals the two
     kernels' bit for bit (two key blocks, the second partly masked; an odd length)."""
     assert launch.DECAY_CODES[kind] in launch.WY_FUSED

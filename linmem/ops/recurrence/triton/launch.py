@@ -119,8 +119,10 @@ LAUNCH = {
 #: (fwd+bwd 1.318 -> 1.291), gated delta 0.238 + 0.175 -> 0.392 (1.556 -> 1.536); the same at 4 x 4096 and 1 x 16384.
 #: At 2 stages it lost (0.391 deltanet); 4 stages equal 3; 8 warps lost (0.566 at 3 stages). KDA's lost (0.69 ->
 #: 0.78; its per-channel WY part runs at key blocks of 32, ``Shapes.wy_BK``). fp16 tied at 2 stages (0.470 -> 0.467 at
-#: 4 x 4096) and lost at 3 (0.653: 139 KB of shared memory, one program per SM); fp32 lost (1.51 -> 1.78)
-WY_FUSED = (0, 1)
+#: 4 x 4096) and lost at 3 (0.653: 139 KB of shared memory, one program per SM); fp32 lost (1.51 -> 1.78). Session 28,
+#: with a per-channel decay's WY part in two products per key block where its chunk's gates stay within CHUNK_SPAN
+#: (``chunk_bwd._wy_one_ref``): KDA's fused kernel 0.461 ms against 0.179 + 0.382 apart at 4 x 4096 (1 x 16384 alike)
+WY_FUSED = (0, 1, 2)
 #: registers per thread (``maxnreg``) of a LAUNCH entry, where the compiler would take more than the programs per
 #: SM that the kernel runs best at allow: 168 lets three 4-warp programs share an SM (see LAUNCH). The per-channel
 #: output kernel holds two paths for the intra-chunk scores (block products and pairwise loops,

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,6 +329,35 @@ def test_wy_part_inside_score_grads_equals_two_kernels(kind, monkeypatch):
     assert torch.equal(o, o2) and torch.equal(S, S2)
     for name in t:
         assert torch.equal(g[name], g2[name]), f"d{name} differs"
+
+
+def test_rerun_check_names_the_launch_that_moved(monkeypatch):
+    """``scripts/kernel_reruns.py``: every launch of a forward+backward rerun on its own inputs; a deterministic
+    call reports nothing, a launch whose output moves between runs is named with that argument."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import kernel_reruns
+    from kernel_ab import call
+
+    from linmem.bench.ops import memory_inputs
+
+    t = memory_inputs("gla", 1, 130, 2, 32, torch.float32, DEVICE)
+    do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
+    real, found = launch._run, {}
+    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
+    call(launch, t, launch.DECAY_CODES["vector"], do)
+    assert found == {}
+    runs = []
+
+    def flaky(kernel, grid, args, constexprs, warps, stages, maxnreg=None):  # o moves on every other output launch
+        real(kernel, grid, args, constexprs, warps, stages, maxnreg)
+        if kernel.__name__ == "output_kernel":
+            runs.append(1)
+            args[8].add_(len(runs) % 2 * 1e-3)
+
+    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
+    call(launch, t, launch.DECAY_CODES["vector"], do)
+    assert list(found) == [("output_kernel", *launch.LAUNCH["output_vector"], 8)]
+    assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_kernels_call_no_jit_helper_of_triton_language():

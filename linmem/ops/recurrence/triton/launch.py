@@ -85,9 +85,9 @@ CONSTANT_DECAY = 3
 #: ("grads_vector_loop": 0.806 -> 0.822 on the grid); the decay-free launches keep their configs (deltanet 0.225 ->
 #: 0.215; 0.214 at 4 warps). Session 28: the per-channel grads at 1 stage. At 2 or 3 stages (4 warps) Triton 3.6
 #: compiles a race on Hopper: rerun on the same inputs, dq and dg (kda: dk too) of a few key columns of a few chunks
-#: changed from run to run, by up to 6 (gla) and 0.5 (kda) at 4 x 4096 (bf16), in 9 to 12 of 12 reruns; the CPU
-#: interpreter and 1 stage give one answer (no difference in 12 reruns of every launch; 8 warps at 2 or 3 stages
-#: neither). Moving the intra-chunk products after the V loop moved the race, not removed it. Cost at 4 x 4096:
+#: changed from run to run, by up to 6 (gla) and 0.5 (kda) at 4 x 4096 (bf16), in 9 to 12 of 12 reruns; at 1 stage
+#: (and at 8 warps, 2 or 3 stages) no launch differed in 12 reruns (``scripts/kernel_reruns.py``). Moving the
+#: intra-chunk products after the V loop moved the race, not removed it. Cost at 4 x 4096:
 #: gla 0.537 -> 0.583 ms, kda 0.619 -> 0.669 (8 warps: 0.751 and 0.845). ``test_gpu_backward_is_deterministic``
 #: reruns every rule's backward.
 LAUNCH = {

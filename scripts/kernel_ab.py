@@ -80,8 +80,17 @@ class Variant:
                 table[key] = value
 
 
-def call(module, op_args: dict, decay: int, do: torch.Tensor):
-    """One forward+backward through ``module``'s launchers: (o, dq, dk, dv, dg, dbeta, du)."""
+def packed_lengths(total: int, parts: int) -> torch.Tensor:
+    """``cu_seqlens`` (int32) of ``parts`` sequences of uneven lengths that fill ``total`` tokens: lengths in the
+    ratios 1, 2, ..., parts, so that chunks straddle sequence ends."""
+    weights = torch.arange(1, parts + 1, dtype=torch.float64)
+    ends = (weights.cumsum(0) / weights.sum() * total).round().long()
+    return torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
+
+
+def call(module, op_args: dict, decay: int, do: torch.Tensor, cu_seqlens=None):
+    """One forward+backward through ``module``'s launchers: (o, dq, dk, dv, dg, dbeta, du); with ``cu_seqlens``
+    the inputs (B = 1) are packed sequences."""
     a = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in op_args.items()}
     q, k, v = a["q"], a["k"], a["v"]
     g = a.get("log_decay")
@@ -89,8 +98,8 @@ def call(module, op_args: dict, decay: int, do: torch.Tensor):
         g = g.float().contiguous()
     beta, u = a.get("beta"), a.get("bonus")
     scale = q.shape[-1] ** -0.5
-    o, _, saved = module.chunk_forward(q, k, v, g, beta, u, None, None, scale, decay, False)
-    grads = module.chunk_backward(q, k, v, g, beta, u, None, None, saved, do, None, scale, decay)
+    o, _, saved = module.chunk_forward(q, k, v, g, beta, u, None, cu_seqlens, scale, decay, False)
+    grads = module.chunk_backward(q, k, v, g, beta, u, None, cu_seqlens, saved, do, None, scale, decay)
     return (o, *grads[:6])
 
 

@@ -7,6 +7,7 @@ since they hardly move a tensor's norm. This check sees such a race at the launc
 
     python scripts/kernel_reruns.py --ops gla,kda --shapes 4x4096
     python scripts/kernel_reruns.py --ops gla --launch grads_vector=4,3     # a config to vet before landing it
+    python scripts/kernel_reruns.py --dtype fp16 --varlen 7                 # fp16 inputs, 7 packed sequences
 
 Each launch goes through ``launch._run``: the check copies every tensor argument before the launch, runs it,
 keeps the results, then ``--reruns`` times restores the copies, runs it again and compares. It prints, per op,
@@ -20,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from kernel_ab import DTYPES, call  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from kernel_ab import DTYPES, call, packed_lengths  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from linmem.bench.ops import MEMORY_OPS, memory_inputs
 from linmem.ops.recurrence.triton import launch
 
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2, help="forward+backward calls per op")
     parser.add_argument("--launch", action="append", default=[], help="LAUNCH entry to set, e.g. grads_vector=4,3")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
+    parser.add_argument("--varlen", type=int, default=0, metavar="N",
+                        help="pack each shape's B x T tokens as N sequences of uneven lengths (cu_seqlens)")
     args = parser.parse_args()
     for entry in args.launch:
         name, _, value = entry.partition("=")
@@ -82,18 +85,23 @@ def main() -> None:
             if kind == "constant":
                 raise SystemExit(f"{op}: a constant decay reaches the kernels expanded to a scalar one; check mamba2")
             torch.manual_seed(0)
+            cu = None
+            if args.varlen:
+                B, T = 1, B * T
+                cu = packed_lengths(T, args.varlen).to(args.device)
             op_args = memory_inputs(op, B, T, args.heads, args.dim, DTYPES[args.dtype], args.device)
             do = torch.randn_like(op_args["v"])
             found.clear()
             for _ in range(args.calls):
-                call(launch, op_args, launch.DECAY_CODES[kind], do)
+                call(launch, op_args, launch.DECAY_CODES[kind], do, cu)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             per_launch = defaultdict(dict)
             for (name, warps, stages, i), value in found.items():
                 per_launch[f"{name} ({warps} warps, {stages} stages)"][f"arg {i}"] = value
             verdict = dict(per_launch) if per_launch else "every launch gave the same bits"
-            print(f"{op} {B}x{T}: {verdict}", flush=True)
+            packed = f" as {args.varlen} packed sequences" if args.varlen else ""
+            print(f"{op} {B}x{T}{packed}: {verdict}", flush=True)
 
 
 if __name__ == "__main__":

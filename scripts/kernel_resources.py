@@ -14,9 +14,9 @@ contiguity facts falls back to 2-byte loads (an opaque offset added to an arange
 Pointers and the sizes T, H, K, V are compiled as the JIT launch specialises them at the
 benchmark shapes (16-byte aligned, divisible by 16); without that, every kernel looks scalar
 and spills more than it does on the GPU. "ptx" hashes the generated code without its debug
-line information: a refactor of the kernels that leaves every hash unchanged (compare the
-output before and after, for each dtype and with --varlen) compiles to the code that was
-verified on the GPU.
+information (line directives, and the labels that mark inlined functions' scopes): a refactor of
+the kernels that leaves every hash unchanged (compare the output before and after, for each
+dtype and with --varlen) compiles to the code that was verified on the GPU.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def resources(fn, pointers: dict, constexprs: dict, warps: int, stages: int, max
         text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", text).groups())
     ptx = compiled.asm["ptx"].split(".section")[0]  # the debug sections hold source paths and lines
-    code = "\n".join(line for line in ptx.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+    code = "\n".join(line for line in ptx.splitlines()  # $L__tmp labels mark inlined functions' debug scopes
+                     if not line.strip().startswith((".loc", ".file", "//", "$L__tmp")))
     loads = re.findall(r"\bld\.global\.(v\d)?", ptx)
     return (compiled.metadata.shared, regs, stack, sum(1 for width in loads if width), len(loads),
             hashlib.sha1(code.encode()).hexdigest()[:10])

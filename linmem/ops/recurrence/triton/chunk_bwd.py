@@ -319,7 +319,6 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
     stores); also run by ``score_grads_kernel`` (WY) right after it stores Y and dL. A per-channel decay's chunk
     within :func:`chunk_span`'s bound takes :func:`_wy_one_ref`; the others the pairwise path of ``common.intra_rows``
     and ``intra_cols``."""
-    YT: tl.constexpr = Y.dtype.element_ty  # Y, and the product that reads it
     LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
     # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -333,7 +332,7 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
     if one_ref:
         for k0 in range(0, K, BK):
             db = _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, k0 + tl.arange(0, BK),
-                             YT, LT, C, BV, X)
+                             LT, C, BV, X)
     else:
         if DECAY == 1:
             Gr = load_gate_rows(G, t0, nrows, h, H, rows)
@@ -341,11 +340,8 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-            dkW = tl.full([C, BK], 0.0, tl.float32)  # -Y h^T
-            for v0 in range(0, V, BV):
-                vr = v0 + tl.arange(0, BV)
-                dkW -= mm(load_rows(Y, t0, nrows, h, H, V, rows, vr, False),
-                          load_state(hs, slot, h, H, K, V, cols, vr, Klive, True), YT, X)
+            dkW = _less_y_h(tl.full([C, BK], 0.0, tl.float32), Y, hs, slot, h, t0, nrows, H, K, V, Klive, rows, cols,
+                            BV, X)
             if DECAY == 2:
                 Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
                 dkW = dkW * exp2(Gk)
@@ -369,8 +365,20 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
 
 
 @triton.jit
-def _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, cols, YT: tl.constexpr,
-                LT: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, X: tl.constexpr):
+def _less_y_h(acc, Y, hs, slot, h, t0, nrows, H, K, V, Klive, rows, cols, BV: tl.constexpr, X: tl.constexpr):
+    """acc - Y h^T for key columns ``cols`` of one chunk ([C, BK] fp32), over the value blocks of BV: the W part
+    of the WY gradient, d(beta k e^G) = -Y h^T, with Y [tokens, H, V] as ``score_grads_kernel`` stored it and
+    h the chunk-start state (hs, read transposed; its key rows below Klive), the product in Y's dtype."""
+    for v0 in range(0, V, BV):
+        vr = v0 + tl.arange(0, BV)
+        acc -= mm(load_rows(Y, t0, nrows, h, H, V, rows, vr, False),
+                  load_state(hs, slot, h, H, K, V, cols, vr, Klive, True), Y.dtype.element_ty, X)
+    return acc
+
+
+@triton.jit
+def _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, cols, LT: tl.constexpr,
+                C: tl.constexpr, BV: tl.constexpr, X: tl.constexpr):
     """:func:`_wy_grads` for key columns ``cols`` of a chunk whose per-channel gates fall by at most 2^-CSPAN over
     it: every decay splits at the chunk's start (``e^(G_t - G_s) = e^G_t e^-G_s``, the right factor at most
     2^CSPAN), so the row part is ``b e^G (dL (k e^-G) - Y h^T)``, one accumulator for both products, and the column
@@ -386,11 +394,8 @@ def _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, 
     Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
     Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
     kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False)
-    acc = tl.full([C, cols.shape[0]], 0.0, tl.float32)
-    for v0 in range(0, V, BV):
-        vr = v0 + tl.arange(0, BV)
-        acc -= mm(load_rows(Y, t0, nrows, h, H, V, rows, vr, False),
-                  load_state(hs, slot, h, H, K, V, cols, vr, Klive, True), YT, X)
+    acc = _less_y_h(tl.full([C, cols.shape[0]], 0.0, tl.float32), Y, hs, slot, h, t0, nrows, H, K, V, Klive, rows,
+                    cols, BV, X)
     acc += mm(load_rows(dL_in, t0, nrows, h, H, C, rows, rows, False), kt * masked_exp2(valid[:, None], -Gk), LT, X)
     P = exp2(Gk) * acc
     db += total(kt * P, 1)

@@ -131,6 +131,37 @@ def kernel_ms(fn, iters: int = 10) -> dict[str, float]:
     return out
 
 
+def add_case_args(parser: argparse.ArgumentParser, ops: str) -> None:
+    """The options that pick the cases (also ``kernel_reruns.py``'s): ops, shapes, dtype, heads, head size,
+    packed sequences."""
+    parser.add_argument("--ops", default=ops)
+    parser.add_argument("--shapes", default="4x4096", help="BxT,BxT,...")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--varlen", type=int, default=0, metavar="N",
+                        help="pack each shape's B x T tokens as N sequences of uneven lengths (cu_seqlens)")
+
+
+def cases(args: argparse.Namespace, device: str = "cuda"):
+    """Per op and shape of ``add_case_args``' options: ``(label, op inputs, decay code, do, cu_seqlens)``, the
+    inputs as ``linmem bench ops`` makes them (seed 0), made one case at a time."""
+    for shape in args.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        for op in args.ops.split(","):
+            kind = MEMORY_OPS[op][0]
+            if kind == "constant":
+                raise SystemExit(f"{op}: a constant decay reaches the kernels expanded to a scalar one; take mamba2")
+            torch.manual_seed(0)
+            b, t, cu = B, T, None
+            if args.varlen:
+                b, t = 1, B * T
+                cu = packed_lengths(t, args.varlen).to(device)
+            op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device)
+            label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "")
+            yield label, op_args, head_launch.DECAY_CODES[kind], torch.randn_like(op_args["v"]), cu
+
+
 def rel(x, ref) -> float:
     if x is None or ref is None:
         return float("nan")
@@ -143,11 +174,7 @@ def main() -> None:
     parser.add_argument("--base", action="append", default=[],
                         help="folder of kernel modules to compare against, labelled by its name; the first is the "
                              "reference of the differences (repeatable; none: the working tree alone)")
-    parser.add_argument("--ops", default="kda,gla,gated_deltanet,deltanet,mamba2")
-    parser.add_argument("--shapes", default="4x4096", help="BxT,BxT,...")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    add_case_args(parser, "kda,gla,gated_deltanet,deltanet,mamba2")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per variant")
     parser.add_argument("--try", dest="tries", action="append", default=[], help="label:SETTING.key=value;...")
     args = parser.parse_args()
@@ -156,38 +183,29 @@ def main() -> None:
     variants[:0] = [Variant(Path(folder).name, load_base(folder, i), {}) for i, folder in enumerate(args.base)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, H = {args.heads}, "
           f"K = V = {args.dim}; variants: {', '.join(v.label for v in variants)}")
-    for shape in args.shapes.split(","):
-        B, T = map(int, shape.split("x"))
-        for op in args.ops.split(","):
-            kind, _, _ = MEMORY_OPS[op]
-            if kind == "constant":
-                raise SystemExit(f"{op}: a constant decay reaches the kernels expanded to a scalar one; time mamba2")
-            decay = head_launch.DECAY_CODES[kind]
-            torch.manual_seed(0)
-            op_args = memory_inputs(op, B, T, args.heads, args.dim, DTYPES[args.dtype], "cuda")
-            do = torch.randn_like(op_args["v"])
-            results, times, kernels = {}, defaultdict(list), {}
+    for label, op_args, decay, do, cu in cases(args):
+        results, times, kernels = {}, defaultdict(list), {}
+        for v in variants:
+            with v:
+                results[v.label] = call(v.module, op_args, decay, do, cu)
+                kernels[v.label] = kernel_ms(lambda: call(v.module, op_args, decay, do, cu))
+        for _ in range(args.rounds):
             for v in variants:
                 with v:
-                    results[v.label] = call(v.module, op_args, decay, do)
-                    kernels[v.label] = kernel_ms(lambda: call(v.module, op_args, decay, do))
-            for _ in range(args.rounds):
-                for v in variants:
-                    with v:
-                        times[v.label].append(median_ms(lambda: call(v.module, op_args, decay, do), 1))
-            ref = results[variants[0].label]
-            print(f"\n{op} {B}x{T}: fwd+bwd ms " + "  ".join(
-                f"{v.label} {statistics.median(times[v.label]):.3f}" for v in variants))
-            names = sorted(set().union(*kernels.values()), key=lambda n: -kernels[variants[-1].label].get(n, 0))
-            for name in names:
-                print(f"    {name[:40]:40s}" + "".join(f" {kernels[v.label].get(name, 0):8.3f}" for v in variants))
-            for v in variants[1:]:
-                diffs = "  ".join(f"{n} {rel(x, r):.1e}" for n, x, r in
-                                  zip(("o", "dq", "dk", "dv", "dg", "dbeta", "du"), results[v.label], ref)
-                                  if r is not None)
-                print(f"    {v.label} against {variants[0].label}: {diffs}")
-            del results, op_args
-            torch.cuda.empty_cache()
+                    times[v.label].append(median_ms(lambda: call(v.module, op_args, decay, do, cu), 1))
+        ref = results[variants[0].label]
+        print(f"\n{label}: fwd+bwd ms " + "  ".join(
+            f"{v.label} {statistics.median(times[v.label]):.3f}" for v in variants))
+        names = sorted(set().union(*kernels.values()), key=lambda n: -kernels[variants[-1].label].get(n, 0))
+        for name in names:
+            print(f"    {name[:40]:40s}" + "".join(f" {kernels[v.label].get(name, 0):8.3f}" for v in variants))
+        for v in variants[1:]:
+            diffs = "  ".join(f"{n} {rel(x, r):.1e}" for n, x, r in
+                              zip(("o", "dq", "dk", "dv", "dg", "dbeta", "du"), results[v.label], ref)
+                              if r is not None)
+            print(f"    {v.label} against {variants[0].label}: {diffs}")
+        del results
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

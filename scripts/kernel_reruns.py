@@ -21,8 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from kernel_ab import DTYPES, call, packed_lengths  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from linmem.bench.ops import MEMORY_OPS, memory_inputs
+from kernel_ab import add_case_args, call, cases  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from linmem.ops.recurrence.triton import launch
 
 
@@ -59,17 +58,11 @@ def checking(run, reruns: int, found: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="linear_attention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda")
-    parser.add_argument("--shapes", default="4x4096", help="BxT,BxT,...")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    add_case_args(parser, "linear_attention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda")
     parser.add_argument("--reruns", type=int, default=6, help="reruns of every launch")
     parser.add_argument("--calls", type=int, default=2, help="forward+backward calls per op")
     parser.add_argument("--launch", action="append", default=[], help="LAUNCH entry to set, e.g. grads_vector=4,3")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
-    parser.add_argument("--varlen", type=int, default=0, metavar="N",
-                        help="pack each shape's B x T tokens as N sequences of uneven lengths (cu_seqlens)")
     args = parser.parse_args()
     for entry in args.launch:
         name, _, value = entry.partition("=")
@@ -78,30 +71,17 @@ def main() -> None:
     launch._run = checking(launch._run, args.reruns, found)
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{where}, torch {torch.__version__}, {args.dtype}; launch {args.launch or 'as set'}")
-    for shape in args.shapes.split(","):
-        B, T = map(int, shape.split("x"))
-        for op in args.ops.split(","):
-            kind = MEMORY_OPS[op][0]
-            if kind == "constant":
-                raise SystemExit(f"{op}: a constant decay reaches the kernels expanded to a scalar one; check mamba2")
-            torch.manual_seed(0)
-            cu = None
-            if args.varlen:
-                B, T = 1, B * T
-                cu = packed_lengths(T, args.varlen).to(args.device)
-            op_args = memory_inputs(op, B, T, args.heads, args.dim, DTYPES[args.dtype], args.device)
-            do = torch.randn_like(op_args["v"])
-            found.clear()
-            for _ in range(args.calls):
-                call(launch, op_args, launch.DECAY_CODES[kind], do, cu)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            per_launch = defaultdict(dict)
-            for (name, warps, stages, i), value in found.items():
-                per_launch[f"{name} ({warps} warps, {stages} stages)"][f"arg {i}"] = value
-            verdict = dict(per_launch) if per_launch else "every launch gave the same bits"
-            packed = f" as {args.varlen} packed sequences" if args.varlen else ""
-            print(f"{op} {B}x{T}{packed}: {verdict}", flush=True)
+    for label, op_args, decay, do, cu in cases(args, args.device):
+        found.clear()
+        for _ in range(args.calls):
+            call(launch, op_args, decay, do, cu)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        per_launch = defaultdict(dict)
+        for (name, warps, stages, i), value in found.items():
+            per_launch[f"{name} ({warps} warps, {stages} stages)"][f"arg {i}"] = value
+        verdict = dict(per_launch) if per_launch else "every launch gave the same bits"
+        print(f"{label}: {verdict}", flush=True)
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
     bonus), which lost there; a scalar decay's fp32 query and key sides, which join their row sums through dg;
     and a scalar decay with fp16 inputs, whose gated delta rule on the grid (4 warps, 3 stages) computed a dk
     1.1e-2 off the loop's on an H200 with Triton 3.6 (bf16: the same bits; the CPU interpreter agrees with the
-    reference either way)."""
+    reference either way; by its look the race of the per-channel grads at 3 stages, ``LAUNCH``, session 28)."""
     if decay == 2:
         return not bonus
     return decay == 0 or dtype == torch.bfloat16

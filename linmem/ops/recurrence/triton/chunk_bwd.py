@@ -572,6 +572,10 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     KS: tl.constexpr = SIDE != 1  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
+    # a scalar decay's fp32 q and k tiles for its row sums, loaded after the V loop, not held through it (+60
+    # registers): by its sides, and on the key grid (at 4 x 4096 on an H200, grads 0.293 -> 0.276 ms gated delta,
+    # 0.265 -> 0.249 mamba2; the fp16 loop's lost, mamba2 0.323 -> 0.333; session 29)
+    LATE: tl.constexpr = DECAY == 1 and (SIDE != 0 or KGRID > 1)
     tl.static_assert(KGRID == 1 or SIDE == 0 or DECAY != 1)  # a scalar decay's sides join through one dg
     slot, h = tl.program_id(0) // KGRID, tl.program_id(1)
     kb = tl.program_id(0) % KGRID  # the key block (0 in the loop)
@@ -599,7 +603,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
     for k0 in range(kb * BK, k_end, BK):
         cols = k0 + tl.arange(0, BK)
-        if DECAY != 1 or SIDE == 0:  # a scalar decay's sides load them after the V loop (held: +60 registers)
+        if not LATE:
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if DECAY == 2:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200)
@@ -654,7 +658,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             if KS:
                 qc = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
                 dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qc, ST, X)
-            if DECAY == 1 and SIDE != 0:
+            if LATE:
                 qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
                 kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
         if DECAY == 0:

@@ -89,7 +89,12 @@ CONSTANT_DECAY = 3
 #: (and at 8 warps, 2 or 3 stages) no launch differed in 12 reruns (``scripts/kernel_reruns.py``). Moving the
 #: intra-chunk products after the V loop moved the race, not removed it. Cost at 4 x 4096:
 #: gla 0.537 -> 0.583 ms, kda 0.619 -> 0.669 (8 warps: 0.751 and 0.845). ``test_gpu_backward_is_deterministic``
-#: reruns every rule's backward.
+#: reruns every rule's backward. A barrier before and after the V loop did not remove the race (4 warps at 2 and 3
+#: stages still differed in 6 to 12 of 12 reruns; session 29). Session 29, on the key grid at 4 x 4096, as two
+#: launches (query side 8 warps, 3 stages; key side 8 warps, 2 stages): the scalar decays' lost (gated delta 0.294
+#: -> 0.425 ms, mamba2 0.267 -> 0.414; their key side raced at 2 stages) and so did the per-channel decays' (gla
+#: 0.588 -> 1.018, kda 0.677 -> 1.108); the scalar decays' one launch at 4 warps, 2 stages or 8 warps, 3 stages
+#: lost too (gated delta 0.276 -> 0.297, 0.299).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),

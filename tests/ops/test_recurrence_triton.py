@@ -360,6 +360,22 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
     assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
 
 
+def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
+    """``scripts/host_time.py``: each part lies inside the one it belongs to, every kernel launch is counted, and
+    the timers come off afterwards."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import host_time
+
+    real = launch._run
+    parts, launches = host_time.host_parts("mamba2", 1, 70, 2, 32, torch.float32, DEVICE, 1)
+    assert launch._run is real
+    # forward: cumsum, state_fwd, output; backward: state_bwd, dv, score_grads, the two sides of grads (fp32)
+    assert launches == 8
+    assert 0 < parts["chunk_forward"] <= parts["triton_recurrence"] <= parts["forward"]
+    assert 0 < parts["chunk_backward"] <= parts["_gradients"] <= parts["backward"]
+    assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
+
+
 def test_kernels_call_no_jit_helper_of_triton_language():
     """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
     fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),

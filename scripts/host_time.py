@@ -1,0 +1,136 @@
+"""Host time of one forward+backward through the recurrence's Triton backend, split by the launcher's functions.
+
+At small shapes, and for the fast rules even at 4 x 4096, a call is bound by its host work rather than by its
+kernels (BENCHMARKS.md, session 29). This script puts timers around the functions that a forward+backward
+passes through and prints, per op and shape, the median over ``--calls`` calls of each part, in microseconds:
+
+- forward: the whole ``linear_recurrence`` call; of it ``triton_recurrence`` (after the input checks and the
+  backend's dispatch) and ``launch.chunk_forward`` (after the autograd Function's apply and the inputs'
+  preparation);
+- backward: the whole ``o.backward(g)``; of it ``_gradients`` (what the autograd engine runs of ours) and
+  ``launch.chunk_backward``;
+- launches: every ``launch._run`` (kernel launches, their count) and of them ``launch._cache_key``.
+
+Example, on a CUDA machine::
+
+    python scripts/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
+
+``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
+interpreter's). A timing is a benchmark, never a test: record the results in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_ab import DTYPES  # noqa: E402
+
+from linmem.bench.ops import grad_leaves, memory_inputs  # noqa: E402
+from linmem.ops import linear_recurrence  # noqa: E402
+from linmem.ops.recurrence.triton import launch  # noqa: E402
+from linmem.ops.recurrence.triton import ops as triton_ops  # noqa: E402
+
+#: (module, function name, label) of the timed functions; each is looked up by the module's name at call time
+TIMED = ((triton_ops, "triton_recurrence", "triton_recurrence"), (launch, "chunk_forward", "chunk_forward"),
+         (triton_ops, "_gradients", "_gradients"), (launch, "chunk_backward", "chunk_backward"),
+         (launch, "_run", "launches"), (launch, "_cache_key", "cache keys"))
+
+
+@contextlib.contextmanager
+def timers(totals: dict, counts: dict) -> Iterator[None]:
+    """The functions of ``TIMED`` wrapped so that each call adds its seconds to ``totals[label]`` and one to
+    ``counts[label]``; the originals are back on exit."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in TIMED]
+
+    def timed(fn, label):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+                counts[label] += 1
+        return run
+
+    try:
+        for (module, name, fn), (_, _, label) in zip(originals, TIMED):
+            setattr(module, name, timed(fn, label))
+        yield
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+def host_parts(op: str, B: int, T: int, heads: int, dim: int, dtype: torch.dtype, device: str,
+               calls: int) -> tuple[dict[str, float], int]:
+    """Median microseconds per part of one forward+backward of ``op`` (``linmem bench ops``' inputs) over
+    ``calls`` calls after ``calls // 8 + 1`` untimed ones, and the kernel launches per call.
+
+    >>> parts, launches = host_parts("mamba2", 1, 64, 2, 32, torch.float32, "cpu", 1)  # doctest: +SKIP
+    >>> parts["chunk_forward"] <= parts["forward"]  # doctest: +SKIP
+    True
+    """
+    args = memory_inputs(op, B, T, heads, dim, dtype, device)
+    leaves = grad_leaves(args)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    grad = torch.randn_like(linear_recurrence(**args, backend="triton")[0])
+    rows, launches = defaultdict(list), 0
+    totals, counts = defaultdict(float), defaultdict(int)
+    with timers(totals, counts):
+        for i in range(calls // 8 + 1 + calls):
+            for x in leaves:
+                x.grad = None
+            totals.clear()
+            counts.clear()
+            sync()
+            start = time.perf_counter()
+            o = linear_recurrence(**args, backend="triton")[0]
+            mid = time.perf_counter()
+            o.backward(grad)
+            end = time.perf_counter()
+            if i > calls // 8:
+                rows["forward"].append(mid - start)
+                rows["backward"].append(end - mid)
+                for _, _, label in TIMED:
+                    rows[label].append(totals[label])
+                launches = counts["launches"]
+    return {label: statistics.median(v) * 1e6 for label, v in rows.items()}, launches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="mamba2,deltanet,gla")
+    parser.add_argument("--shapes", default="1x256,4x4096", help="BxT,BxT,...")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
+    args = parser.parse_args()
+    order = ("forward", "triton_recurrence", "chunk_forward", "backward", "_gradients", "chunk_backward",
+             "launches", "cache keys")
+    print(f"host us per forward+backward, median of {args.calls} calls ({args.dtype}, H = {args.heads}, "
+          f"K = V = {args.dim}, {args.device})")
+    print(f"{'op':16s} {'B x T':>10s} " + " ".join(f"{name:>17s}" for name in order) + "  kernels")
+    for shape in args.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        for op in args.ops.split(","):
+            parts, launches = host_parts(op, B, T, args.heads, args.dim, DTYPES[args.dtype], args.device, args.calls)
+            print(f"{op:16s} {shape:>10s} " + " ".join(f"{parts[name]:17.1f}" for name in order) + f"  {launches:7d}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

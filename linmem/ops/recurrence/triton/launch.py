@@ -94,7 +94,8 @@ CONSTANT_DECAY = 3
 #: launches (query side 8 warps, 3 stages; key side 8 warps, 2 stages): the scalar decays' lost (gated delta 0.294
 #: -> 0.425 ms, mamba2 0.267 -> 0.414; their key side raced at 2 stages) and so did the per-channel decays' (gla
 #: 0.588 -> 1.018, kda 0.677 -> 1.108); the scalar decays' one launch at 4 warps, 2 stages or 8 warps, 3 stages
-#: lost too (gated delta 0.276 -> 0.297, 0.299).
+#: lost too (gated delta 0.276 -> 0.297, 0.299), as did register caps of 168 and 128 on it (0.303, 0.537) and of 168
+#: on the per-channel grads (kda 0.669 -> 0.969, gla 0.582 -> 0.821).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),

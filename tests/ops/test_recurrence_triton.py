@@ -747,7 +747,8 @@ def test_gpu_narrow_grid(combo):
 def test_gpu_backward_is_deterministic(combo):
     """Three forward+backward runs on the same inputs give the same bits. At this size (bf16, 2 x 4096, 16 heads
     of 128) the per-channel ``grads_kernel`` at 2 or 3 stages, as Triton 3.6 compiles it for Hopper, changed a few
-    key columns of dq and dg in most runs while every error ratio passed (``launch.LAUNCH``, session 28)."""
+    key columns of dq and dg in most runs while every error ratio passed (``launch.LAUNCH``, session 28), until
+    its chunk-end term read tiles of its own (session 29)."""
     t = inputs(combo, B=2, T=4096, H=16, K=128, V=128, dtype=torch.bfloat16)
     gen = seeded("determinism", combo)
     do = torch.randn(2, 4096, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)

@@ -552,6 +552,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots * KGRID, H).
 
+    The per-channel decays' key blocks on the grid take the chunk-end term ``sum_v h dH`` from h and dH tiles
+    loaded for it alone: at 2 or 3 stages (4 warps), with the tiles that feed ``dO h^T`` and ``d dH^T`` also
+    read for it, Triton 3.6 compiled a race on Hopper (dq and dg moved from run to run, session 28); with tiles
+    of their own the reruns agree, and the kernel runs 2 stages (session 29, ``launch.LAUNCH``).
+
     KGRID 1: one program per chunk and head loops over the key blocks of BK channels. KGRID = K / BK (rounded
     up): one program per key block (``launch.key_grid``), the blocks of a chunk next to each other on the grid.
     A scalar decay's gate gradient then arrives as KGRID parts, each program storing its block's part in its
@@ -641,7 +646,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY != 0 and KS:
+            if DECAY == 2 and KGRID > 1 and KS:  # loaded apart from the products' tiles: see below
+                hE = load_state(hs, slot, h, H, K, V, cols, vr, Klive, False)
+                dHE = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False)
+                gH += total(hE.to(tl.float32) * dHE, 1)
+            elif DECAY != 0 and KS:
                 gH += total(hT.to(tl.float32) * dHT, 0)
         if DECAY == 1:
             eq = exp2(Gqr)[:, None]

@@ -95,7 +95,11 @@ CONSTANT_DECAY = 3
 #: -> 0.425 ms, mamba2 0.267 -> 0.414; their key side raced at 2 stages) and so did the per-channel decays' (gla
 #: 0.588 -> 1.018, kda 0.677 -> 1.108); the scalar decays' one launch at 4 warps, 2 stages or 8 warps, 3 stages
 #: lost too (gated delta 0.276 -> 0.297, 0.299), as did register caps of 168 and 128 on it (0.303, 0.537) and of 168
-#: on the per-channel grads (kda 0.669 -> 0.969, gla 0.582 -> 0.821).
+#: on the per-channel grads (kda 0.669 -> 0.969, gla 0.582 -> 0.821). What removed the race: the per-channel grads
+#: on the grid load the h and dH tiles of the chunk-end term sum_v h dH apart from the tiles that feed the products
+#: (``chunk_bwd.grads_kernel``); then 2 and 3 stages gave the same bits in every rerun (bf16, fp16, fp32, packed
+#: sequences), at 2 stages kda 0.677 -> 0.632 ms, gla 0.588 -> 0.564 (3 stages 0.637, 0.593; the extra loads at 1
+#: stage 0.716, 0.648).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -108,7 +112,7 @@ LAUNCH = {
     "score_wy_grads": (4, 3),
     "grads_pipelined": (8, 2),  # scalar decays, fp16 (the loop over key blocks; see key_grid)
     "grads_scalar": (4, 3),  # scalar decays, bf16 (key blocks on the grid)
-    "grads_vector": (4, 1),  # per-channel decays but RWKV-6: 1 stage (a race at 2 and 3; session 28 above)
+    "grads_vector": (4, 2),  # per-channel decays but RWKV-6 (key blocks on the grid; session 29 above)
     "grads_vector_loop": (8, 3),  # RWKV-6 (see key_grid)
     "intra_grads": (4, 2),
     "wy_grads": (4, 1),

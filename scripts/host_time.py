@@ -15,7 +15,8 @@ Example, on a CUDA machine::
 
     python scripts/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
 
-``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
+The cases take ``kernel_ab.py``'s options (``--ops``, ``--shapes``, ``--dtype``, ``--heads``, ``--dim``, and
+``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
 interpreter's). A timing is a benchmark, never a test: record the results in BENCHMARKS.md.
 """
 
@@ -29,14 +30,14 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import DTYPES  # noqa: E402
+from kernel_ab import add_case_args, cases  # noqa: E402
 
-from linmem.bench.ops import grad_leaves, memory_inputs  # noqa: E402
+from linmem.bench.ops import grad_leaves  # noqa: E402
 from linmem.ops import linear_recurrence  # noqa: E402
 from linmem.ops.recurrence.triton import launch  # noqa: E402
 from linmem.ops.recurrence.triton import ops as triton_ops  # noqa: E402
@@ -73,19 +74,20 @@ def timers(totals: dict, counts: dict) -> Iterator[None]:
             setattr(module, name, fn)
 
 
-def host_parts(op: str, B: int, T: int, heads: int, dim: int, dtype: torch.dtype, device: str,
+def host_parts(op_args: dict, cu_seqlens: Optional[torch.Tensor], do: torch.Tensor, device: str,
                calls: int) -> tuple[dict[str, float], int]:
-    """Median microseconds per part of one forward+backward of ``op`` (``linmem bench ops``' inputs) over
-    ``calls`` calls after ``calls // 8 + 1`` untimed ones, and the kernel launches per call.
+    """Median microseconds per part of one forward+backward of ``linear_recurrence(**op_args)`` (the triton
+    backend; op_args as ``linmem bench ops`` makes them, do: the output's gradient) over ``calls`` calls after
+    ``calls // 8 + 1`` untimed ones, and the kernel launches per call.
 
-    >>> parts, launches = host_parts("mamba2", 1, 64, 2, 32, torch.float32, "cpu", 1)  # doctest: +SKIP
+    >>> from linmem.bench.ops import memory_inputs
+    >>> t = memory_inputs("mamba2", 1, 64, 2, 32, torch.float32, "cpu")  # doctest: +SKIP
+    >>> parts, launches = host_parts(t, None, torch.randn_like(t["v"]), "cpu", 1)  # doctest: +SKIP
     >>> parts["chunk_forward"] <= parts["forward"]  # doctest: +SKIP
     True
     """
-    args = memory_inputs(op, B, T, heads, dim, dtype, device)
-    leaves = grad_leaves(args)
+    leaves = grad_leaves(op_args)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    grad = torch.randn_like(linear_recurrence(**args, backend="triton")[0])
     rows, launches = defaultdict(list), 0
     totals, counts = defaultdict(float), defaultdict(int)
     with timers(totals, counts):
@@ -96,9 +98,9 @@ def host_parts(op: str, B: int, T: int, heads: int, dim: int, dtype: torch.dtype
             counts.clear()
             sync()
             start = time.perf_counter()
-            o = linear_recurrence(**args, backend="triton")[0]
+            o = linear_recurrence(**op_args, cu_seqlens=cu_seqlens, backend="triton")[0]
             mid = time.perf_counter()
-            o.backward(grad)
+            o.backward(do)
             end = time.perf_counter()
             if i > calls // 8:
                 rows["forward"].append(mid - start)
@@ -111,11 +113,8 @@ def host_parts(op: str, B: int, T: int, heads: int, dim: int, dtype: torch.dtype
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="mamba2,deltanet,gla")
-    parser.add_argument("--shapes", default="1x256,4x4096", help="BxT,BxT,...")
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    add_case_args(parser, "mamba2,deltanet,gla")
+    parser.set_defaults(shapes="1x256,4x4096")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
     args = parser.parse_args()
@@ -123,13 +122,10 @@ def main() -> None:
              "launches", "cache keys")
     print(f"host us per forward+backward, median of {args.calls} calls ({args.dtype}, H = {args.heads}, "
           f"K = V = {args.dim}, {args.device})")
-    print(f"{'op':16s} {'B x T':>10s} " + " ".join(f"{name:>17s}" for name in order) + "  kernels")
-    for shape in args.shapes.split(","):
-        B, T = map(int, shape.split("x"))
-        for op in args.ops.split(","):
-            parts, launches = host_parts(op, B, T, args.heads, args.dim, DTYPES[args.dtype], args.device, args.calls)
-            print(f"{op:16s} {shape:>10s} " + " ".join(f"{parts[name]:17.1f}" for name in order) + f"  {launches:7d}",
-                  flush=True)
+    print(f"{'case':32s} " + " ".join(f"{name:>17s}" for name in order) + "  kernels")
+    for label, op_args, _, do, cu in cases(args, args.device):
+        parts, launches = host_parts(op_args, cu, do, args.device, args.calls)
+        print(f"{label:32s} " + " ".join(f"{parts[name]:17.1f}" for name in order) + f"  {launches:7d}", flush=True)
 
 
 if __name__ == "__main__":

@@ -366,8 +366,11 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
     import host_time
 
+    from linmem.bench.ops import memory_inputs
+
+    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
     real = launch._run
-    parts, launches = host_time.host_parts("mamba2", 1, 70, 2, 32, torch.float32, DEVICE, 1)
+    parts, launches = host_time.host_parts(t, None, torch.randn_like(t["v"]), DEVICE, 1)
     assert launch._run is real
     # forward: cumsum, state_fwd, output; backward: state_bwd, dv, score_grads, the two sides of grads (fp32)
     assert launches == 8

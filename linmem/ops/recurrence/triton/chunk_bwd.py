@@ -646,7 +646,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY == 2 and KGRID > 1 and KS:  # loaded apart from the products' tiles: see below
+            if DECAY == 2 and KGRID > 1 and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
                 hE = load_state(hs, slot, h, H, K, V, cols, vr, Klive, False)
                 dHE = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False)
                 gH += total(hE.to(tl.float32) * dHE, 1)

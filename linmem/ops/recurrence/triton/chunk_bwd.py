@@ -552,8 +552,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots * KGRID, H).
 
-    The per-channel decays' key blocks on the grid take the chunk-end term ``sum_v h dH`` from h and dH tiles
-    loaded for it alone: at 2 or 3 stages (4 warps), with the tiles that feed ``dO h^T`` and ``d dH^T`` also
+    The per-channel decays but RWKV-6's (their key blocks on the grid, ``launch.key_grid``; one block at K <= BK)
+    take the chunk-end term ``sum_v h dH`` from h and dH tiles loaded for it alone: at 2 or 3 stages (4 warps), with the tiles that feed ``dO h^T`` and ``d dH^T`` also
     read for it, Triton 3.6 compiled a race on Hopper (dq and dg moved from run to run, session 28); with tiles
     of their own the reruns agree, and the kernel runs 2 stages (session 29, ``launch.LAUNCH``).
 
@@ -646,7 +646,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY == 2 and KGRID > 1 and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
+            if DECAY == 2 and not BONUS and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
                 hE = load_state(hs, slot, h, H, K, V, cols, vr, Klive, False)
                 dHE = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False)
                 gH += total(hE.to(tl.float32) * dHE, 1)

@@ -27,21 +27,21 @@ from linmem.ops.recurrence.triton import launch
 
 def checking(run, reruns: int, found: dict):
     """``launch._run`` with every launch rerun ``reruns`` times on its inputs as they were; differences go to
-    ``found``."""
+    ``found``. Returns what the first run returned (the launch plans keep it)."""
 
-    def checked(kernel, grid, args, constexprs, warps, stages, maxnreg=None):
+    def checked(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):
         seen, tensors = set(), []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.numel() and a.data_ptr() not in seen:
                 seen.add(a.data_ptr())
                 tensors.append((i, a))
         before = [a.clone() for _, a in tensors]
-        run(kernel, grid, args, constexprs, warps, stages, maxnreg)
+        launched = run(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
         after = [a.clone() for _, a in tensors]
         for _ in range(reruns):
             for (_, a), b in zip(tensors, before):
                 a.copy_(b)
-            run(kernel, grid, args, constexprs, warps, stages, maxnreg)
+            run(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
             for (i, a), r in zip(tensors, after):
                 differs = a != r
                 if a.dtype.is_floating_point:
@@ -52,6 +52,7 @@ def checking(run, reruns: int, found: dict):
                     found[key] = (count + 1, max(largest, (a.float() - r.float()).abs()[differs].max().item()))
         for (_, a), r in zip(tensors, after):
             a.copy_(r)
+        return launched
 
     return checked
 

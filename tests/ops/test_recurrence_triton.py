@@ -348,11 +348,12 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
     assert found == {}
     runs = []
 
-    def flaky(kernel, grid, args, constexprs, warps, stages, maxnreg=None):  # o moves on every other output launch
-        real(kernel, grid, args, constexprs, warps, stages, maxnreg)
+    def flaky(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):  # o moves every other run
+        launched = real(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
         if kernel.__name__ == "output_kernel":
             runs.append(1)
             args[8].add_(len(runs) % 2 * 1e-3)
+        return launched
 
     monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
     call(launch, t, launch.DECAY_CODES["vector"], do)
@@ -377,6 +378,72 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
     assert 0 < parts["chunk_forward"] <= parts["triton_recurrence"] <= parts["forward"]
     assert 0 < parts["chunk_backward"] <= parts["_gradients"] <= parts["backward"]
     assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
+
+
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x whose address is one element past a 16-byte boundary (contiguous, same shape)."""
+    y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+    assert y.data_ptr() % 16
+    return y.copy_(x)
+
+
+@pytest.mark.parametrize("op, dtype", [("gla", torch.float32), ("gated_deltanet", torch.bfloat16),
+                                       ("deltanet", torch.float32)], ids=str)
+def test_plans_key_every_launch(op, dtype, monkeypatch):
+    """A launcher call's plan (``launch._plan``) is keyed on everything its launches depend on. Under one key each
+    kernel (told apart by its constexprs) meets one specialization of its arguments (``launch._arg_key``: dtypes,
+    alignment, integers) at one config; the second call with the key runs from the plan (no config search) and
+    gives the same bits; a misaligned input, packed sequences or a changed setting make another key. On CUDA every
+    planned launch passes the compiled kernel that the dispatcher's own key names."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    from kernel_ab import call, packed_lengths
+
+    from linmem.bench.ops import memory_inputs
+
+    plans, seen, searches = [], {}, []
+    real_plan, real_run, real_fitting = launch._plan, launch._run, launch._launch_fitting
+
+    def plan(*parts):
+        plans.append(real_plan(*parts))
+        return plans[-1]
+
+    def run(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):
+        if compiled is not None:
+            assert compiled is launch._COMPILED[launch._cache_key(kernel, args, constexprs, warps, stages, maxnreg)]
+        spec = (launch._arg_key(args), warps, stages, maxnreg)
+        assert seen.setdefault((id(plans[-1]), kernel.__name__, *constexprs.items()), spec) == spec
+        return real_run(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
+
+    def fitting(name, *rest):
+        searches.append(name)
+        return real_fitting(name, *rest)
+
+    monkeypatch.setattr(launch, "_plan", plan)
+    monkeypatch.setattr(launch, "_run", run)
+    monkeypatch.setattr(launch, "_launch_fitting", fitting)
+    launch._PLANS.clear()
+    t = memory_inputs(op, 1, 130, 2, 32, dtype, DEVICE)
+    do = torch.randn(t["v"].shape, generator=seeded("plans", op)).to(DEVICE, dtype)
+    decay = launch.DECAY_CODES[{"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op]]
+    first = call(launch, t, decay, do)
+    keys = list(plans)
+    assert len(keys) == 2 and len(searches) >= 6  # the forward's plan and the backward's, each launch searched
+    searches.clear()
+    again = call(launch, t, decay, do)
+    assert plans[2] is keys[0] and plans[3] is keys[1] and searches == []
+    for a, b in zip(first, again):
+        assert a is None and b is None or torch.equal(a, b)
+    shifted = call(launch, {**t, "q": _misaligned(t["q"])}, decay, do)
+    assert plans[4] is not keys[0] and plans[5] is not keys[1] and searches
+    for a, b in zip(first, shifted):
+        assert a is None and b is None or torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    call(launch, t, decay, do, packed_lengths(130, 3).to(DEVICE))
+    output = "output_vector" if op == "gla" else "output"
+    monkeypatch.setitem(launch.LAUNCH, output, (2, 1))
+    searches.clear()
+    call(launch, t, decay, do)
+    assert all(p is not k for p in plans[-2:] for k in keys) and output in searches
+    assert len(launch._PLANS) == 2  # a changed setting dropped the plans of the aligned, misaligned, packed calls
 
 
 def test_kernels_call_no_jit_helper_of_triton_language():
@@ -416,8 +483,8 @@ def test_launch_drops_stages_until_they_fit(monkeypatch, caplog):
 
     monkeypatch.setitem(launch.LAUNCH, "fake", (4, 4))
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch._launch("fake", Kernel(), (1,), torch.zeros(1), X=1)
-    launch._launch("fake", Kernel(), (1,), torch.zeros(1), X=1)
+        launch._launch({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)
+    launch._launch({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)  # another call's plan: the fitting is kept
     assert calls == [4, 3, 2, 2]
     assert "fake with 4 stages does not fit" in caplog.text
 
@@ -448,12 +515,12 @@ def test_sequential_pass_narrows_before_one_stage(monkeypatch, caplog):
 
     narrow, calls = kernel(lambda bv, stages: bv * stages <= 32)
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch._launch_sequential("state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
-    launch._launch_sequential("state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+        launch._launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+    launch._launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (4, 16, 2)]  # grid: V blocks of the V block tried
     assert "state_bwd at V block 32, 2 stages does not fit" in caplog.text
     one_stage, calls = kernel(lambda bv, stages: stages == 1)
-    launch._launch_sequential("state_bwd", one_stage, s, True, 1, torch.zeros(1), X=2)
+    launch._launch_sequential({}, "state_bwd", one_stage, s, True, 1, torch.zeros(1), X=2)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (2, 32, 1)]
 
 

@@ -446,40 +446,86 @@ def _hooked() -> bool:
 
 
 def _run(kernel, grid: tuple, args: tuple, constexprs: dict, warps: int, stages: int,
-         maxnreg: Optional[int] = None) -> None:
-    """kernel[grid](*args, **constexprs) at these warps, stages and register cap, on the current stream.
+         maxnreg: Optional[int] = None, compiled: Optional[tuple] = None) -> Optional[tuple]:
+    """kernel[grid](*args, **constexprs) at these warps, stages and register cap, on the current stream; returns
+    the compiled kernel's entry of ``_COMPILED`` (None in the interpreter, or where Triton's dispatcher launches
+    it every time), which a later launch of the same specialization passes back as ``compiled`` (``_launch``'s
+    plans) to skip building the key.
 
     Triton's dispatcher costs 27-45 us of host time per launch (binding, specializing and keying every argument,
     building launch metadata, calling the launch hooks; measured on an H200's host with Triton 3.6), which short
     sequences do not hide behind the GPU. So on CUDA the first launch of each configuration goes through it and
     keeps the compiled kernel, keyed on everything the dispatcher keys it on (``_arg_key``, the constexprs, the
-    options, the device), and later launches call that kernel's launcher directly: 16 us (5 for the key). Like the
-    dispatcher's own cache, the key assumes that the Triton environment variables that change code generation
-    (``TRITON_DEBUG``) keep their values once a kernel ran."""
+    options, the device), and later launches call that kernel's launcher directly: 16-20 us, 6-7 of them for
+    the key, 7-8 in Triton's launcher (session 30, H200 host). Like the dispatcher's own cache, the key assumes
+    that the Triton environment variables that change code generation (``TRITON_DEBUG``) keep their values once a
+    kernel ran."""
     cuda = args[0].is_cuda  # else the interpreter runs it
-    if cuda and _knobs is not None:
+    cacheable = cuda and _knobs is not None
+    if cacheable and compiled is None:
         key = _cache_key(kernel, args, constexprs, warps, stages, maxnreg)
-        hit = _COMPILED.get(key, False)
-        if hit and not _hooked():
-            run, function, metadata, tail = hit
-            x, y, z = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
-            run(x, y, z, _driver.active.get_current_stream(key[1]), function, metadata, None, None, None, *args,
-                *tail)
-            return
+        compiled = _COMPILED.get(key, False)
+    if compiled and not _hooked():
+        run, function, metadata, tail = compiled
+        x, y, z = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
+        run(x, y, z, _driver.active.get_current_stream(args[0].get_device()), function, metadata, None, None, None,
+            *args, *tail)
+        return compiled
     options = {"num_warps": warps, "num_stages": stages}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    compiled = kernel[grid](*args, **constexprs, **options)
-    if not cuda or _knobs is None or hit is not False:
-        return
+    launched = kernel[grid](*args, **constexprs, **options)
+    if not cacheable or compiled is not False:  # the interpreter, a hooked launch, or a kernel already keyed
+        return compiled or None
     names = kernel.arg_names
-    if list(getattr(compiled.src, "signature", ())) == names and set(names[len(args):]) == set(constexprs):
-        _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata,
-                          tuple(constexprs[n] for n in names[len(args):]))
+    if list(getattr(launched.src, "signature", ())) == names and set(names[len(args):]) == set(constexprs):
+        entry = (launched.run, launched.function, launched.packed_metadata,
+                 tuple(constexprs[n] for n in names[len(args):]))
     else:
         logger.debug("linear_recurrence: %s launches through Triton's dispatcher (its compiled kernel's "
                      "signature does not list every parameter in order)", kernel.__name__)
-        _COMPILED[key] = None
+        entry = None
+    _COMPILED[key] = entry
+    return entry
+
+
+#: the module's settings that the launchers read (configs, blocks, bounds). A change to one (``linmem bench ops
+#: --launch``, ``scripts/kernel_ab.py --try``, a test's monkeypatch) drops every plan at the next call (``_plan``)
+_SETTINGS = ("LAUNCH", "MAX_REGISTERS", "SEQUENTIAL", "WY_FUSED", "RECURRENT_BV", "BF16_FACTORS_MAX_K",
+             "W_READ_TRANSPOSED", "NARROW_BF16_FACTORS", "SEQUENTIAL_WARPS", "NARROW_STAGES", "STATE_KB", "PAIR_SUB",
+             "INTRA_ROWS", "BLOCK_SPAN", "CHUNK_SPAN", "INTERPRETER_SMS", "CHUNK", "SUB")
+#: the settings' values (dicts copied) when the plans were made
+_SNAPSHOT: list = []
+#: plan key (``_plan``) -> {launch name: what ``_launch`` or ``_launch_sequential`` found for it}, the oldest
+#: dropped past ``_PLANS_KEPT`` (varlen batches of changing lengths make a key each)
+_PLANS: dict = {}
+_PLANS_KEPT = 512
+
+
+def _plan(launcher: str, *parts) -> dict:
+    """The launch plan of one call of ``launcher``, keyed on ``parts`` (the call's arguments, the first a tensor:
+    its device; of every tensor its dtype, shape and whether its address is 16-byte aligned; other values as
+    given; None for absent ones). Its launches then take, by name, the config that fitted and the compiled kernel
+    of the last call with that key: no config search, no per-launch key (H200 host, session 30: a forward+
+    backward's launchers 273-532 -> 191-398 us at 1 x 256, bf16). Plans hold while the module's settings
+    (``_SETTINGS``) keep their values; comparing them costs less than hashing them into every key.
+
+    Everything a launch depends on is a function of that key and the settings: its constexprs and integers (the
+    shapes), its configs (the device's SMs), and the specialization of its tensors (the arguments' dtypes and
+    alignment; the buffers the launcher allocates are fresh, so aligned). ``test_plans_key_every_launch`` checks
+    that: one key, one launch specialization."""
+    settings = [globals()[name] for name in _SETTINGS]
+    if settings != _SNAPSHOT:
+        _PLANS.clear()
+        _SNAPSHOT[:] = [dict(x) if isinstance(x, dict) else x for x in settings]
+    key = (launcher, parts[0].device,
+           *[(p.dtype, p.shape, not p.data_ptr() & 15) if isinstance(p, torch.Tensor) else p for p in parts])
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+        plan = _PLANS[key] = {}
+    return plan
 
 
 #: (kernel, input dtype, its constexprs' values, first config) -> the first config of its fallbacks that fit in
@@ -487,10 +533,11 @@ def _run(kernel, grid: tuple, args: tuple, constexprs: dict, warps: int, stages:
 _FITTING: dict = {}
 
 
-def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, constexprs: dict) -> None:
+def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, constexprs: dict) -> tuple:
     """launch(config) for the first of ``tries`` whose software pipelining fits the device's shared memory
     (fp32 or K = 256 tiles), starting from the one that fitted for the same kernel, input dtype, constexprs
-    and ``tries`` before; each miss is logged at debug level, ``describe(config)`` naming the config.
+    and ``tries`` before; each miss is logged at debug level, ``describe(config)`` naming the config. Returns
+    that config and what launch returned.
 
     The first argument is an input activation, whose dtype fixes every other tensor's, and each kernel
     name has one call site, which passes its constexprs in one order: so the key reads one dtype and the
@@ -500,9 +547,9 @@ def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, const
         tries = tries[tries.index(_FITTING[key]):]
     for i, config in enumerate(tries):
         try:
-            launch(config)
+            launched = launch(config)
             _FITTING[key] = config
-            return
+            return config, launched
         except triton.runtime.errors.OutOfResources as error:
             if i == len(tries) - 1:
                 raise
@@ -510,14 +557,21 @@ def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, const
                          describe(tries[i + 1]))
 
 
-def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
+def _launch(plan: dict, name: str, kernel, grid: tuple, *args, **constexprs) -> None:
     """kernel[grid](*args) with the LAUNCH config (warps, stages) of ``name`` (and its MAX_REGISTERS); a config
-    whose software pipelining does not fit the device's shared memory runs with one stage fewer, until it fits."""
+    whose software pipelining does not fit the device's shared memory runs with one stage fewer, until it fits.
+    ``plan`` (:func:`_plan`) keeps the config and the compiled kernel for the call's next launch of ``name``."""
+    planned = plan.get(name)
+    if planned is not None:
+        warps, stages, cap, compiled = planned
+        _run(kernel, grid, args, constexprs, warps, stages, cap, compiled)
+        return
     warps, stages = LAUNCH[name]
     cap = MAX_REGISTERS.get(name)
-    _launch_fitting(name, list(range(stages, 0, -1)),
-                    lambda st: _run(kernel, grid, args, constexprs, warps, st, cap),
-                    lambda st: f"with {st} stages", args, constexprs)
+    stages, compiled = _launch_fitting(name, list(range(stages, 0, -1)),
+                                       lambda st: _run(kernel, grid, args, constexprs, warps, st, cap),
+                                       lambda st: f"with {st} stages", args, constexprs)
+    plan[name] = (warps, stages, cap, compiled)
 
 
 def _sequential_fallbacks(bv: int, stages: int) -> list[tuple[int, int]]:
@@ -532,18 +586,26 @@ def _sequential_fallbacks(bv: int, stages: int) -> list[tuple[int, int]]:
     return tries + [(bv, 1)]
 
 
-def _launch_sequential(name: str, kernel, s: Shapes, delta: bool, decay: int, *args, **constexprs) -> None:
+def _launch_sequential(plan: dict, name: str, kernel, s: Shapes, delta: bool, decay: int, *args,
+                       **constexprs) -> None:
     """A sequential pass, grid (V blocks, N * H), at the (V block, stages) of :func:`sequential_config`. A config
     whose pipelining does not fit the device's shared memory (K = 256, fp32) takes the next of
     :func:`_sequential_fallbacks` that fits: narrower V blocks come before a single stage, since at one stage
     Triton 3.6 miscompiles the gated delta rule's backward pass on Hopper: at K = 256 illegal addresses (H200,
     2026-11-22), at K = 128 wrong gradients (dk, dv, dg, dbeta off by 0.86 at V blocks of 16 and 32; session 21).
-    Both fit two stages at V blocks of 16."""
+    Both fit two stages at V blocks of 16. ``plan`` as in :func:`_launch`."""
+    planned = plan.get(name)
+    if planned is not None:
+        bv, stages, compiled = planned
+        _run(kernel, (_cdiv(s.V, bv), s.N * s.H), args, {**constexprs, "BV": bv}, SEQUENTIAL_WARPS, stages, None,
+             compiled)
+        return
     tries = _sequential_fallbacks(*sequential_config(name, s, delta, decay, args[0].device))
-    _launch_fitting(name, tries,
-                    lambda c: _run(kernel, (_cdiv(s.V, c[0]), s.N * s.H), args, {**constexprs, "BV": c[0]},
-                                   SEQUENTIAL_WARPS, c[1]),
-                    lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
+    (bv, stages), compiled = _launch_fitting(
+        name, tries, lambda c: _run(kernel, (_cdiv(s.V, c[0]), s.N * s.H), args, {**constexprs, "BV": c[0]},
+                                    SEQUENTIAL_WARPS, c[1]),
+        lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
+    plan[name] = (bv, stages, compiled)
 
 
 def _on_inputs_device(launcher):
@@ -593,6 +655,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states' dtype; ``Qg``, ``Kg``:
     the delta rule's queries and keys decayed by a per-channel decay, see :func:`saved_buffers`).
     """
+    plan = _plan("forward", q, k, v, g, beta, u, h0, cu_seqlens, scale, decay, output_final)
     s = shapes_of(q, v, cu_seqlens)
     dev = q.device
     cu = cu_seqlens if cu_seqlens is not None else q
@@ -600,7 +663,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
     if decay:
         nkb = _cdiv(s.K, s.BK) if decay == 2 else 1
-        _launch("cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
+        _launch(plan, "cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
     Gp = G if G is not None else q
     W = U = None
@@ -615,19 +678,19 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
             narrow = not _fills_half(s, decay, dev)
         W = Wt if w_t else torch.empty_like(k, dtype=factors)
         U = torch.empty_like(v, dtype=factors)
-        _launch("prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
+        _launch(plan, "prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
                 k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), STORE_W=int(not w_t), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
                 CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
-    _launch_sequential(forward_pass, chunk_fwd.state_fwd_kernel, s, delta, decay,
+    _launch_sequential(plan, forward_pass, chunk_fwd.state_fwd_kernel, s, delta, decay,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,
                        h0 if h0 is not None else hs, hN if hN is not None else hs, cu, s.T, s.H, s.N, s.K, s.V,
                        DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(h0 is not None),
                        STORE_FINAL=int(output_final), W_T=int(w_t), NARROW=int(narrow), C=CHUNK, BKF=s.BKF,
                        KB=s.state_KB(delta))
     o = torch.empty_like(v)
-    _launch("output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
+    _launch(plan, "output_vector" if decay == 2 else "output", chunk_fwd.output_kernel, (s.slots, s.H),
             q, k, d if delta else v, v, Gp, u if bonus else q, hs, A, o, Qg if Qg is not None else q, cu, scale, s.T,
             s.H, s.N, s.K, s.V, DECAY=decay, BONUS=int(bonus), IS_VARLEN=int(s.varlen), STORE_QG=int(Qg is not None),
             C=CHUNK, SB=PAIR_SUB, BK=s.scores_BK(decay), BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
@@ -649,10 +712,11 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     Gp = G if G is not None else q
     do = do.contiguous()
     dhN = dhN.contiguous() if dhN is not None else None
+    plan = _plan("backward", q, k, v, g, beta, u, h0, cu_seqlens, *saved, do, dhN, scale, decay)
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
-    _launch_sequential("state_bwd", chunk_bwd.state_bwd_kernel, s, delta, decay,
+    _launch_sequential(plan, "state_bwd", chunk_bwd.state_bwd_kernel, s, delta, decay,
                        Qg if Qg is not None else q, Kg if Kg is not None else k, Wt if delta else q, Gp, A, do,
                        dd if delta else q, dHs, dhN if dhN is not None else dHs,
                        dh0 if dh0 is not None else dHs, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
@@ -661,7 +725,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dv = torch.empty_like(v)
     if not delta:
         bv = s.dv_BV(decay)
-        _launch("dv", chunk_bwd.dv_kernel, (_cdiv(s.V, bv), s.slots, s.H),
+        _launch(plan, "dv", chunk_bwd.dv_kernel, (_cdiv(s.V, bv), s.slots, s.H),
                 q, k, Gp, u if bonus else q, A, do, dHs, dv, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=bv)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
@@ -685,7 +749,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dg = dg_parts[0] if decay else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     wy_fused = delta and decay in WY_FUSED and q.dtype == torch.bfloat16
-    _launch(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads",
+    _launch(plan, ("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads",
             chunk_bwd.score_grads_kernel, (s.slots, s.H),
             q, v, beta if delta else q, Gp, Tt if delta else q, d if delta else v, do, dd if delta else dA, dA,
             dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, k, hs, dk,
@@ -693,7 +757,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             IS_VARLEN=int(s.varlen), WY=int(wy_fused), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV,
             CSPAN=CHUNK_SPAN, KP=s.BKF)
     if delta and not wy_fused:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
-        _launch("wy_grads_vector" if decay == 2 else "wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
+        _launch(plan, "wy_grads_vector" if decay == 2 else "wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
                 k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                 IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN,
                 KP=s.BKF)
@@ -701,8 +765,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     if decay == 2:
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
         grid = (_cdiv(s.K, s.BK), s.slots * (CHUNK // INTRA_ROWS), s.H)
-        _launch("intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N, s.K,
-                BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN,
+        _launch(plan, "intra_grads", chunk_bwd.intra_grads_kernel, grid, q, k, Gp, dA, dqi, dki, cu, s.T, s.H, s.N,
+                s.K, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=INTRA_ROWS, BK=s.BK, SPAN=BLOCK_SPAN,
                 CSPAN=CHUNK_SPAN, KP=s.BKF)
     args = (q, k, Gp, u if bonus else q, d if delta else v, hs, dHs, do, dA, dov if bonus else q, dqi, dki, dq, dk,
             dg if decay else q, du if bonus else q, cu, scale, s.T, s.H, s.N, s.K, s.V)
@@ -710,12 +774,12 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
                  BK=grads_bk, BV=s.BV, CSPAN=CHUNK_SPAN, KP=s.BKF, KGRID=kg)
     if decay == 0 or (decay == 1 and q.dtype == torch.float32):  # the query side, then the key side (LAUNCH)
         tag = "_scalar" if decay else ""
-        _launch("grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=1)
-        _launch("grads" + tag + "_key", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=2)
+        _launch(plan, "grads" + tag + "_query", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=1)
+        _launch(plan, "grads" + tag + "_key", chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=2)
     else:
         name = ("grads_vector" if grid_keys else "grads_vector_loop") if decay == 2 else (
             "grads_scalar" if grid_keys else "grads_pipelined")
-        _launch(name, chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=0)
+        _launch(plan, name, chunk_bwd.grads_kernel, (s.slots * kg, s.H), *args, **flags, SIDE=0)
     if decay == 1 and kg > 1:
         dg = dg_parts.sum(0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0
@@ -728,12 +792,13 @@ def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torc
     g: None, [N, T, H] (decay 1), [N, T, H, K] (decay 2) or [H] (``CONSTANT_DECAY``); beta: [N, T, H] or None;
     u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
     """
+    plan = _plan("step", q, k, v, g, beta, u, state, scale, decay)
     N, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty_like(v)
     BK = _pow2(K)
     BV = min(_pow2(V), RECURRENT_BV)
-    _launch("recurrent", recurrent.recurrent_kernel, (_cdiv(V, BV), N * H),
+    _launch(plan, "recurrent", recurrent.recurrent_kernel, (_cdiv(V, BV), N * H),
             q, k, v, g if decay else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
             T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)
     return o

@@ -15,6 +15,16 @@ Example, on a CUDA machine::
 
     python scripts/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
 
+With ``--base DIR`` (repeatable) it compares instead the host time of launcher copies at other revisions (as
+``kernel_ab.py --base`` loads them) with the working tree's, in one process, interleaved: per variant the median
+of one forward+backward through the launchers alone (``chunk_forward`` + ``chunk_backward``) and through
+``linear_recurrence`` and autograd (the backend's ``launch`` module swapped for the variant's). At shapes where the
+GPU idles (1 x 256) that is the host time::
+
+    mkdir -p /tmp/base && for f in chunk_bwd chunk_fwd common launch recurrent; do
+        git show HEAD:linmem/ops/recurrence/triton/$f.py > /tmp/base/$f.py; done
+    python scripts/host_time.py --base /tmp/base --shapes 1x256
+
 The cases take ``kernel_ab.py``'s options (``--ops``, ``--shapes``, ``--dtype``, ``--heads``, ``--dim``, and
 ``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
 interpreter's). A timing is a benchmark, never a test: record the results in BENCHMARKS.md.
@@ -35,7 +45,7 @@ from typing import Iterator, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_case_args, cases  # noqa: E402
+from kernel_ab import add_case_args, call, cases, load_base  # noqa: E402
 
 from linmem.bench.ops import grad_leaves  # noqa: E402
 from linmem.ops import linear_recurrence  # noqa: E402
@@ -111,13 +121,71 @@ def host_parts(op_args: dict, cu_seqlens: Optional[torch.Tensor], do: torch.Tens
     return {label: statistics.median(v) * 1e6 for label, v in rows.items()}, launches
 
 
+def host_ab(variants: list, op_args: dict, decay: int, cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+            device: str, rounds: int, calls: int) -> dict[str, tuple[float, float]]:
+    """Per variant ``(label, launch module)``: the median microseconds of one forward+backward through its
+    launchers alone and through ``linear_recurrence`` and autograd, over ``rounds`` interleaved rounds of
+    ``calls`` calls each (each round's median; a synchronisation after each round's calls, untimed).
+
+    >>> from linmem.bench.ops import memory_inputs
+    >>> t = memory_inputs("mamba2", 1, 64, 2, 32, torch.float32, "cpu")  # doctest: +SKIP
+    >>> host_ab([("new", launch)], t, 1, None, torch.randn_like(t["v"]), "cpu", 1, 1)["new"][0] > 0  # doctest: +SKIP
+    True
+    """
+    leaves = grad_leaves(op_args)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {label: ([], []) for label, _ in variants}
+
+    def full():
+        for x in leaves:
+            x.grad = None
+        linear_recurrence(**op_args, cu_seqlens=cu_seqlens, backend="triton")[0].backward(do)
+
+    def median_us(fn) -> float:
+        spent = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+        sync()
+        return statistics.median(spent) * 1e6
+
+    try:
+        for i in range(rounds + 1):  # the first round warms every variant up, untimed
+            for label, module in variants:
+                triton_ops.launch = module
+                alone = median_us(lambda: call(module, op_args, decay, do, cu_seqlens))
+                through = median_us(full)
+                if i:
+                    times[label][0].append(alone)
+                    times[label][1].append(through)
+    finally:
+        triton_ops.launch = launch
+    return {label: (statistics.median(a), statistics.median(f)) for label, (a, f) in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_case_args(parser, "mamba2,deltanet,gla")
     parser.set_defaults(shapes="1x256,4x4096")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=None,
+                        help="calls timed per case (default 200), or per round with --base (default 20)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
+    parser.add_argument("--base", action="append", default=[],
+                        help="folder of launcher modules to compare with the working tree's (repeatable)")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per variant (with --base)")
     args = parser.parse_args()
+    if args.calls is None:
+        args.calls = 20 if args.base else 200
+    if args.base:
+        variants = [(Path(f).name, load_base(f, i)) for i, f in enumerate(args.base)] + [("new", launch)]
+        print(f"host us per forward+backward, launchers alone | through autograd; median of {args.rounds} "
+              f"rounds of {args.calls} calls ({args.dtype}, H = {args.heads}, K = V = {args.dim}, {args.device})")
+        for label, op_args, decay, do, cu in cases(args, args.device):
+            times = host_ab(variants, op_args, decay, cu, do, args.device, args.rounds, args.calls)
+            print(f"{label:32s} " + "  ".join(f"{v} {a:7.1f}" for v, (a, _) in times.items()) + "  |  "
+                  + "  ".join(f"{v} {f:7.1f}" for v, (_, f) in times.items()), flush=True)
+        return
     order = ("forward", "triton_recurrence", "chunk_forward", "backward", "_gradients", "chunk_backward",
              "launches", "cache keys")
     print(f"host us per forward+backward, median of {args.calls} calls ({args.dtype}, H = {args.heads}, "

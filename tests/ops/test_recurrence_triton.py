@@ -380,6 +380,28 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
     assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
 
 
+def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
+    """``scripts/host_time.py --base``: each variant's launcher module runs both timed paths (the launchers alone,
+    and ``linear_recurrence`` with the backend's ``launch`` swapped for it), and the backend's own is back after."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import host_time
+    from kernel_ab import load_base
+
+    from linmem.bench.ops import memory_inputs
+    from linmem.ops.recurrence.triton import ops
+
+    base = load_base(str(Path(launch.__file__).parent), 0)
+    forwards = []
+    real_forward = base.chunk_forward
+    monkeypatch.setattr(base, "chunk_forward", lambda *a: forwards.append(1) or real_forward(*a))
+    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
+    times = host_time.host_ab([("base", base), ("new", launch)], t, launch.DECAY_CODES["scalar"], None,
+                              torch.randn_like(t["v"]), DEVICE, 1, 1)
+    assert ops.launch is launch and set(times) == {"base", "new"}
+    assert all(alone > 0 and through > 0 for alone, through in times.values())
+    assert len(forwards) == 4  # a warm-up round and a timed one, each through both paths
+
+
 def _misaligned(x: torch.Tensor) -> torch.Tensor:
     """A copy of x whose address is one element past a 16-byte boundary (contiguous, same shape)."""
     y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)

@@ -507,7 +507,7 @@ def _plan(launcher: str, *parts) -> dict:
     its device; of every tensor its dtype, shape and whether its address is 16-byte aligned; other values as
     given; None for absent ones). Its launches then take, by name, the config that fitted and the compiled kernel
     of the last call with that key: no config search, no per-launch key (H200 host, session 30: a forward+
-    backward's launchers 273-532 -> 191-398 us at 1 x 256, bf16). Plans hold while the module's settings
+    backward's launchers 281-537 -> 191-437 us at 1 x 256, bf16, five ops). Plans hold while the module's settings
     (``_SETTINGS``) keep their values; comparing them costs less than hashing them into every key.
 
     Everything a launch depends on is a function of that key and the settings: its constexprs and integers (the

@@ -253,6 +253,7 @@ class Precision:
     writes: torch.dtype  # delta rule: the corrected writes d = U - W h and their gradient dd
 
 
+@functools.lru_cache(maxsize=None)
 def precision_for(dtype: torch.dtype) -> Precision:
     """The intermediates of fp16/bf16 inputs: the delta rule's WY factors stay fp32 (their products
     cancel: d = U - W h; ``factors_dtype`` names where W and U are bf16), states and scores take the input
@@ -292,7 +293,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Shapes:
-    """Static sizes of one call: tokens TT = B * T (packed), N sequences, chunk slots."""
+    """Static sizes of one call: tokens TT = B * T (packed), N sequences, chunk slots. The sizes derived from
+    them alone are computed once (``shapes_of`` hands out one instance per call shape)."""
 
     T: int  # tokens per sequence (fixed length) or all tokens (varlen)
     TT: int  # rows of the [tokens, H, D] views
@@ -302,17 +304,17 @@ class Shapes:
     V: int
     varlen: bool
 
-    @property
+    @functools.cached_property
     def slots(self) -> int:
         if self.varlen:
             return self.TT // CHUNK + self.N + 1
         return self.N * _cdiv(self.T, CHUNK)
 
-    @property
+    @functools.cached_property
     def BKF(self) -> int:  # the whole key dimension as one tile
         return _pow2(self.K)
 
-    @property
+    @functools.cached_property
     def BK(self) -> int:
         return min(self.BKF, 64)
 
@@ -348,7 +350,7 @@ class Shapes:
         """Key rows per state tile of the sequential passes: ``STATE_KB`` for the delta rule, the whole K otherwise."""
         return min(self.BKF, STATE_KB) if delta else self.BKF
 
-    @property
+    @functools.cached_property
     def BV(self) -> int:
         return min(_pow2(self.V), 64)
 
@@ -417,7 +419,17 @@ def _cuda_sms(index: int) -> int:
 def shapes_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Shapes:
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return Shapes(T=T, TT=B * T, N=N, H=H, K=K, V=v.shape[-1], varlen=cu_seqlens is not None)
+    sizes = (T, B * T, N, H, K, v.shape[-1], cu_seqlens is not None)
+    if all(type(x) is int for x in sizes[:6]):
+        return _shapes(*sizes)
+    return Shapes(*sizes)  # symbolic sizes (the custom ops' fake impls under torch.compile) do not hash
+
+
+@functools.lru_cache(maxsize=1024)
+def _shapes(T: int, TT: int, N: int, H: int, K: int, V: int, varlen: bool) -> Shapes:
+    """One Shapes per call shape, so that its derived sizes are computed once (a forward+backward read them about
+    30 times, 17 of them through ``_pow2``)."""
+    return Shapes(T=T, TT=TT, N=N, H=H, K=K, V=V, varlen=varlen)
 
 
 #: (kernel, current CUDA device, the arguments' specialization, constexprs, options) -> (the compiled kernel's
@@ -514,7 +526,8 @@ def _plan(launcher: str, *parts) -> dict:
     shapes), its configs (the device's SMs), and the specialization of its tensors (the arguments' dtypes and
     alignment; the buffers the launcher allocates are fresh, so aligned). ``test_plans_key_every_launch`` checks
     that: one key, one launch specialization."""
-    settings = [globals()[name] for name in _SETTINGS]
+    module = globals()
+    settings = [module[name] for name in _SETTINGS]
     if settings != _SNAPSHOT:
         _PLANS.clear()
         _SNAPSHOT[:] = [dict(x) if isinstance(x, dict) else x for x in settings]

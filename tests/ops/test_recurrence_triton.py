@@ -380,6 +380,32 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
     assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
 
 
+@pytest.mark.parametrize("case", ["vector-delta", "scalar-additive-bonus", "none-delta", "packed"])
+def test_planned_calls_equal_the_reference(case, monkeypatch):
+    """A call that runs from its launch plans (``launch._plan``: no config search) equals the reference on its
+    output, final state and every gradient, as the first call with that key did."""
+    searches = []
+    real_fitting = launch._launch_fitting
+
+    def fitting(name, *rest):
+        searches.append(name)
+        return real_fitting(name, *rest)
+
+    monkeypatch.setattr(launch, "_launch_fitting", fitting)
+    launch._PLANS.clear()
+    if case == "packed":
+        t, cu = packed(("vector", "delta", False), [20, 45, 1, 64], H=2, K=32, V=32)
+        kwargs = {"cu_seqlens": cu}
+    else:
+        kind, rule, *bonus = case.split("-")
+        t, kwargs = inputs((kind, rule, bool(bonus)), B=2, T=70, H=2, K=32, V=32), {}
+    compare(t, FP32_TOL, **kwargs)
+    assert searches
+    searches.clear()
+    compare(t, FP32_TOL, **kwargs)
+    assert searches == []
+
+
 def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
     """``scripts/host_time.py --base``: each variant's launcher module runs both timed paths (the launchers alone,
     and ``linear_recurrence`` with the backend's ``launch`` swapped for it), and the backend's own is back after."""

@@ -553,9 +553,10 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots * KGRID, H).
 
     The per-channel decays but RWKV-6's (their key blocks on the grid, ``launch.key_grid``; one block at K <= BK)
-    take the chunk-end term ``sum_v h dH`` from h and dH tiles loaded for it alone: at 2 or 3 stages (4 warps), with the tiles that feed ``dO h^T`` and ``d dH^T`` also
-    read for it, Triton 3.6 compiled a race on Hopper (dq and dg moved from run to run, session 28); with tiles
-    of their own the reruns agree, and the kernel runs 2 stages (session 29, ``launch.LAUNCH``).
+    take the chunk-end term ``sum_v h dH`` from h and dH tiles loaded for it alone: at 2 or 3 stages (4 warps),
+    with the tiles that feed ``dO h^T`` and ``d dH^T`` also read for it, Triton 3.6 compiled a race on Hopper (dq
+    and dg moved from run to run, session 28); with tiles of their own the reruns agree, and the kernel runs 2
+    stages (session 29, ``launch.LAUNCH``).
 
     KGRID 1: one program per chunk and head loops over the key blocks of BK channels. KGRID = K / BK (rounded
     up): one program per key block (``launch.key_grid``), the blocks of a chunk next to each other on the grid.

@@ -141,6 +141,9 @@ def add_case_args(parser: argparse.ArgumentParser, ops: str) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--varlen", type=int, default=0, metavar="N",
                         help="pack each shape's B x T tokens as N sequences of uneven lengths (cu_seqlens)")
+    parser.add_argument("--gates", type=float, default=1.0, metavar="X",
+                        help="log decays X times the bench's (logsigmoid(randn) / 10): from about 10 up, per-channel "
+                             "chunks fall past launch.CHUNK_SPAN and take intra_grads_kernel's paths")
 
 
 def cases(args: argparse.Namespace, device: str = "cuda"):
@@ -158,7 +161,10 @@ def cases(args: argparse.Namespace, device: str = "cuda"):
                 b, t = 1, B * T
                 cu = packed_lengths(t, args.varlen).to(device)
             op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device)
-            label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "")
+            if args.gates != 1.0 and "log_decay" in op_args:
+                op_args["log_decay"] = (op_args["log_decay"].detach() * args.gates).requires_grad_(True)
+            label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "") + (
+                f", gates x{args.gates:g}" if args.gates != 1.0 else "")
             yield label, op_args, head_launch.DECAY_CODES[kind], torch.randn_like(op_args["v"]), cu
 
 

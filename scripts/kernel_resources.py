@@ -114,7 +114,7 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
                                                            "k": dt, "hs": dt, "dk": dt, "dg": f32,
                                                            "cu_seqlens": "*i32"}, \
             dict(DECAY=decay, DELTA=delta, BONUS=bonus, IS_VARLEN=varlen, WY=int(wy_fused), C=64, SB=PAIR_SUB,
-                 BK=wy_BK, BV=BV, CSPAN=CSPAN, KP=BKF), \
+                 BK=wy_BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN, KP=BKF), \
             cfg(("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads")  # chunk_backward
         key_grid = not bonus if decay == 2 else (decay == 0 or bf16)  # launch.key_grid
         grads_BK = BK if key_grid or decay == 2 else min(BKF, 128)  # launch.Shapes.grads_BK
@@ -122,7 +122,8 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
             yield "wy_grads", tag, bwd.wy_grads_kernel, \
                 {"k": dt, "beta": dt, "G": f32, "hs": dt, "Y": dt, "dL_in": sc, "dk": dt, "dbeta": f32, "dg": f32,
                  "cu_seqlens": "*i32"}, \
-                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=wy_BK, BV=BV, CSPAN=CSPAN, KP=BKF), \
+                dict(DECAY=decay, IS_VARLEN=varlen, C=64, SB=PAIR_SUB, BK=wy_BK, BV=BV, SPAN=SPAN, CSPAN=CSPAN,
+                     KP=BKF), \
                 cfg("wy_grads_vector" if decay == 2 else "wy_grads")
         if decay == 2:
             yield "intra_grads", tag, bwd.intra_grads_kernel, {"q": dt, "k": dt, "G": f32, "dA_in": sc, "dqi": f32,

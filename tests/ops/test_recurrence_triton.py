@@ -600,8 +600,9 @@ def test_pairwise_sub_blocks(combo, sub, monkeypatch):
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c[0] == "vector"], ids=combo_id)
 def test_block_products(combo, monkeypatch):
     """Per-channel decays through the reference points of blocks of 16 rows, with no pairwise exponential
-    (``common._block_scores``, the block path of ``intra_grads_kernel``): a negative CHUNK_SPAN sends every
-    chunk there (T = 70: a partial chunk that ends inside a block)."""
+    (``common._block_scores``, the block path of ``intra_grads_kernel``, and the delta rule's WY gradients through
+    ``common._block_rows`` and ``_block_cols``): a negative CHUNK_SPAN sends every chunk there (T = 70: a partial
+    chunk that ends inside a block)."""
     monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
 

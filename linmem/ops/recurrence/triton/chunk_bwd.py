@@ -33,9 +33,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (bf16_parts, bonus_scores, chunk_span, end_decay, exp2, first_state_tiles, intra_cols, intra_rows,
-                     largest, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2, mm, mm_parts,
-                     remaining_total, running_total, scalar_gates, sequence_state, store_rows, store_state_tiles, total)
+from .common import (FAST_BLOCK, bf16_parts, block_span, bonus_scores, chunk_span, end_decay, exp2, first_state_tiles,
+                     intra_cols, intra_rows, largest, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2,
+                     mm, mm_parts, remaining_total, running_total, scalar_gates, sequence_state, store_rows,
+                     store_state_tiles, total)
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
                        k, hs, dk, dg, cu_seqlens, scale, T, H, N, K, V,
                        DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
                        WY: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       CSPAN: tl.constexpr, KP: tl.constexpr):
+                       SPAN: tl.constexpr, CSPAN: tl.constexpr, KP: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
     ``grads_kernel``; with WY (the delta rule) it then runs ``wy_grads_kernel``'s part itself (:func:`_wy_grads`:
     k, hs, dk, dg and the constexprs after WY are that kernel's), reading Y and dL back as this program stored
@@ -278,7 +279,7 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
         if WY:
             tl.debug_barrier()  # Y and dL, stored by other threads, are read back below
             _wy_grads(k, beta, G, hs, Y_out, dL_out, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY, C, SB, BK,
-                      BV, CSPAN, KP)
+                      BV, SPAN, CSPAN, KP)
         else:
             tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
     if BONUS:
@@ -289,7 +290,7 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
 def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N, K, V,
                     DECAY: tl.constexpr, IS_VARLEN: tl.constexpr,
                     C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    CSPAN: tl.constexpr, KP: tl.constexpr):
+                    SPAN: tl.constexpr, CSPAN: tl.constexpr, KP: tl.constexpr):
     """The delta rule's key gradients through its WY factors, for one chunk; ``grads_kernel`` adds the rest.
 
     W = T (beta k e^G) gives d(beta k e^G) = -Y h^T; L = I + diag(beta) strict(A_kk) gives, with
@@ -307,18 +308,19 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     db = load_gate_rows(dbeta, t0, nrows, h, H, tl.arange(0, C))
-    _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY, C, SB, BK, BV, CSPAN,
-              KP)
+    _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY, C, SB, BK, BV, SPAN,
+              CSPAN, KP)
 
 
 @triton.jit
 def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H, K, V, DECAY: tl.constexpr,
-              C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CSPAN: tl.constexpr,
-              KP: tl.constexpr):
+              C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr,
+              CSPAN: tl.constexpr, KP: tl.constexpr):
     """The body of :func:`wy_grads_kernel` for one chunk, given dbeta's value part db [C] (which it completes and
     stores); also run by ``score_grads_kernel`` (WY) right after it stores Y and dL. A per-channel decay's chunk
-    within :func:`chunk_span`'s bound takes :func:`_wy_one_ref`; the others the pairwise path of ``common.intra_rows``
-    and ``intra_cols``."""
+    within :func:`chunk_span`'s bound takes :func:`_wy_one_ref`; the others ``common.intra_rows`` and
+    ``intra_cols``: by blocks of ``common.FAST_BLOCK`` rows where no gate falls by more than 2^-SPAN inside one
+    (:func:`common.block_span`), else pairwise inside sub-blocks of SB rows."""
     LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
     # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -334,9 +336,12 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
             db = _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, k0 + tl.arange(0, BK),
                              LT, C, BV, X)
     else:
+        blocks = False
         if DECAY == 1:
             Gr = load_gate_rows(G, t0, nrows, h, H, rows)
             dGk = tl.full([C], 0.0, tl.float32)
+        elif DECAY == 2:
+            blocks = block_span(G, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
@@ -350,10 +355,10 @@ def _wy_grads(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nrows, H
                 dkW = dkW * exp2(Gr)[:, None]
             else:
                 Gk = tl.full([C, BK], 0.0, tl.float32)
-            R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, C, SB, X)
+            R = intra_rows(dL_in, k, G, Gk, t0, nrows, h, H, K, cols, blocks, LT, DECAY, 1, C, SB, X)
             db += total(kt * (dkW + R), 1)
             rowpart = b[:, None] * (dkW + R)
-            Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, LT, DECAY, 1, 0, 1, C, SB, X)
+            Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, blocks, LT, DECAY, 1, 0, 1, C, SB, X)
             store_rows(dk, rowpart + Ccol, t0, nrows, h, H, K, rows, cols)
             if DECAY == 2:
                 store_rows(dg, kt * (rowpart - Ccol), t0, nrows, h, H, K, rows, cols)

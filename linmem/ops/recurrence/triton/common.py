@@ -600,19 +600,85 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
 
 
 @triton.jit
-def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+def _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows):
+    """P of each row's block of FAST_BLOCK rows: G at the row before the block (0 for the first), [C, BK]."""
+    return load_rows(G_ptr, t0, nrows, h, H, K, (rows // FAST_BLOCK) * FAST_BLOCK - 1, cols, False)
+
+
+@triton.jit
+def _block_rows(dSf, y, Gs, G_ptr, t0, nrows, h, H, K, cols, MT: tl.constexpr, C: tl.constexpr, X: tl.constexpr):
+    """:func:`intra_rows` by blocks of FAST_BLOCK rows, for a chunk whose gates fall by at most 2^SPAN inside each
+    (:func:`block_span`); dSf [C, C] widened, y [C, BK] and Gs (G of the same rows) as loaded.
+
+    P_j, G at the row before block j, splits every decay at the start of the column's block:
+    ``exp2(G_t - G_s) = exp2(G_t - P_b) exp2(P_b - P_j) exp2(P_j - G_s)`` for s in block j, t in block b >= j. The
+    right factor enters the product on the keys (at most 2^SPAN), the middle one carries M, the sum over the blocks
+    so far, from one reference to the next (<= 1), and the left one (<= 1) comes last. The pairs inside a block take
+    the same products as the pairs across blocks: C / FAST_BLOCK masked products and no pairwise exponential."""
+    NB: tl.constexpr = C // FAST_BLOCK
+    rows = tl.arange(0, C)
+    valid = rows < nrows
+    blk = rows // FAST_BLOCK
+    P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows)
+    yF = y * masked_exp2(valid[:, None], P - Gs)
+    M = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+    P_prev = tl.full([cols.shape[0]], 0.0, tl.float32)
+    for j in range(NB):
+        Pj = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 1, FAST_BLOCK)
+        M = tl.where((blk >= j)[:, None], M * exp2(Pj - P_prev)[None, :], M)
+        M += mm(tl.where((blk == j)[None, :], dSf, 0.0), yF, MT, X)
+        P_prev = Pj
+    return M * masked_exp2(valid[:, None], Gs - P)
+
+
+@triton.jit
+def _block_cols(dST, x, Gs, G_ptr, t0, nrows, h, H, K, cols, MT: tl.constexpr, C: tl.constexpr, X: tl.constexpr):
+    """:func:`intra_cols` by blocks of FAST_BLOCK rows (as :func:`_block_rows`, transposed), without SHIFT; dST
+    [C, C] (dS transposed), x [C, BK] (weighted) and Gs (G of the same rows) as loaded.
+
+    For s in block j: ``Z[s] = exp2(P_j - G_s) sum_t dS[t, s] L_t``, L_t = w_t x_t exp2(G_t - P_j) <= 1 over the
+    rows of blocks j and later, which reaches P_(j-1) by ``exp2(P_j - P_(j-1)) <= 1`` (the last block first)."""
+    NB: tl.constexpr = C // FAST_BLOCK
+    rows = tl.arange(0, C)
+    valid = rows < nrows
+    blk = rows // FAST_BLOCK
+    P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows)
+    xE = x * masked_exp2(valid[:, None], Gs - P)
+    L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+    Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)
+    Pj = ref_point(G_ptr, t0, nrows, h, H, K, cols, NB - 2, FAST_BLOCK)
+    for jj in range(NB):
+        j = NB - 1 - jj
+        L += tl.where((blk == j)[:, None], xE, 0.0)
+        Z += mm(tl.where((blk == j)[:, None], dST, 0.0), L, MT, X)
+        P_prev = ref_point(G_ptr, t0, nrows, h, H, K, cols, j - 2, FAST_BLOCK)
+        L = L * exp2(Pj - P_prev)[None, :]
+        Pj = P_prev
+    return Z * masked_exp2(valid[:, None], P - Gs)
+
+
+@triton.jit
+def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, blocks, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """``Z[t] = sum_s dS[t, s] y_s exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
 
     dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C], row t holds
     dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
     gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
-    Gx: [C, BK] (DECAY 2), whose decays this splits at the sub-blocks' reference points and takes pairwise inside
-    them, for a chunk of any gates (``chunk_bwd._wy_one_ref`` takes the chunks within :func:`chunk_span`'s bound
-    in one product). Products run in dtype MT.
+    Gx: [C, BK] (DECAY 2), G of the chunk's rows. With ``blocks`` (a chunk within :func:`block_span`'s bound) the
+    decays split at the blocks' starts (:func:`_block_rows`); otherwise at the sub-blocks' reference points, and
+    pairwise inside them, for a chunk of any gates (``chunk_bwd._wy_one_ref`` takes the chunks within
+    :func:`chunk_span`'s bound in one product). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
-    if DECAY == 2:
+    if DECAY != 2:
+        Z = mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), load_rows(y_ptr, t0, nrows, h, H, K, rows, cols,
+                                                                            False), MT, X)
+    elif blocks:
+        Z = _block_rows(load_rows(dS, t0, nrows, h, H, C, rows, rows, False),
+                        load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False), Gx, G_ptr, t0, nrows, h, H, K,
+                        cols, MT, C, X)
+    else:
         valid = rows < nrows
         blk = rows // SB
         yF = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, False) * to_ref(
@@ -643,14 +709,11 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, MT: tl.constexpr,
             else:
                 pair = valid & (src < nrows) & (rows % SB >= off)
             Z += coef[:, None] * ysel * masked_exp2(pair[:, None], Gx - Gsel)
-    else:
-        Z = mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), load_rows(y_ptr, t0, nrows, h, H, K, rows, cols,
-                                                                            False), MT, X)
     return Z
 
 
 @triton.jit
-def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.constexpr,
+def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, blocks, MT: tl.constexpr,
                DECAY: tl.constexpr, STRICT: tl.constexpr, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
                C: tl.constexpr, SB: tl.constexpr, X: tl.constexpr):
     """``Z[s] = sum_t dS[t, s] w_t x_t exp2(Gx_t - G_s)`` for one chunk and key columns ``cols``: [C, BK].
@@ -658,7 +721,8 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
     The transposed companion of :func:`intra_rows`: dS as stored there, read transposed (a
     transposed load, never a transposed product). w: one weight per token ([tokens, H], the
     delta rule's beta) if WEIGHTED, else 1. Gx is G of row t (t - 1 if SHIFT); Gs: [C, BK]
-    (DECAY 2), taken as in :func:`intra_rows`. Products run in dtype MT.
+    (DECAY 2), G of the chunk's rows, taken as in :func:`intra_rows` (``blocks`` only without SHIFT:
+    :func:`_block_cols`). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
     valid = rows < nrows
@@ -666,7 +730,12 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
     dST = load_rows(dS, t0, nrows, h, H, C, rows, rows, True)  # [s, t]
     if WEIGHTED:
         x = x * load_gate_rows(w_ptr, t0, nrows, h, H, rows)[:, None]
-    if DECAY == 2:
+    if DECAY != 2:
+        Z = mm(dST, x, MT, X)
+    elif blocks:
+        tl.static_assert(SHIFT == 0)
+        Z = _block_cols(dST, x, Gs, G_ptr, t0, nrows, h, H, K, cols, MT, C, X)
+    else:
         Gx = load_rows(G_ptr, t0, nrows, h, H, K, rows - SHIFT, cols, False)
         blk = rows // SB
         # s in an earlier sub-block j than t, as in chunk_scores: L holds w_t x_t e^(Gx_t - R_j) for the
@@ -694,6 +763,4 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, MT: tl.con
             else:
                 pair = valid & (src < nrows) & (off >= rows % SB)
             Z += coef[:, None] * xsel * masked_exp2(pair[:, None], Gxsel - Gs)
-    else:
-        Z = mm(dST, x, MT, X)
     return Z

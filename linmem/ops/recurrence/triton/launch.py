@@ -768,12 +768,12 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
             dL if delta else dA, Y if delta else dA, dv, dbeta if delta else q, dov if bonus else q, k, hs, dk,
             dg if decay else q, cu, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus),
             IS_VARLEN=int(s.varlen), WY=int(wy_fused), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV,
-            CSPAN=CHUNK_SPAN, KP=s.BKF)
+            SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     if delta and not wy_fused:  # dk's and dg's parts through W and L first; grads_kernel adds the rest
         _launch(plan, "wy_grads_vector" if decay == 2 else "wy_grads", chunk_bwd.wy_grads_kernel, (s.slots, s.H),
                 k, beta, Gp, hs, Y, dL, dk, dbeta, dg if decay else q, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, CSPAN=CHUNK_SPAN,
-                KP=s.BKF)
+                IS_VARLEN=int(s.varlen), C=CHUNK, SB=PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, SPAN=BLOCK_SPAN,
+                CSPAN=CHUNK_SPAN, KP=s.BKF)
     dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk, in blocks of INTRA_ROWS rows
     if decay == 2:
         dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)

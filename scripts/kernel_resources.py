@@ -76,12 +76,13 @@ def variants(fwd, bwd, rec, dt: str, K: int, varlen: int):
         w_t = bool(delta and factors) and decay in launch_setting("W_READ_TRANSPOSED")  # state_fwd reads W from Wt
         wt = (dt if bf16 else f32) if delta else dt  # the writes
         sc = f32 if decay == 2 and dt == "*fp16" else dt  # the score gradients dA and dL (launch.chunk_backward)
-        if decay and not bonus:
+        if decay == 2 and not bonus or decay == 1 and not delta:  # the delta rule's prep kernel takes a scalar one
             yield "cumsum", tag, fwd.chunk_cumsum_kernel, {"g": f32, "G": f32, "cu_seqlens": "*i32"}, \
                 dict(VECTOR=int(decay == 2), IS_VARLEN=varlen, C=64, BK=BK), cfg("cumsum")
         if delta:
-            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "G": f32, "Tt": f32, "W": wy,
-                                                       "Wt": dt, "U": wy, "kg": dt, "cu_seqlens": "*i32"}, \
+            yield "prep", tag, fwd.delta_prep_kernel, {"k": dt, "v": dt, "beta": dt, "g": f32 if decay == 1 else dt,
+                                                       "G": f32, "Tt": f32, "W": wy, "Wt": dt, "U": wy, "kg": dt,
+                                                       "cu_seqlens": "*i32"}, \
                 dict(DECAY=decay, IS_VARLEN=varlen, STORE_W=int(not w_t), C=64, SB=16, BK=BK, BV=BV, SPAN=SPAN,
                      CSPAN=CSPAN, KP=BKF), cfg("prep_vector" if decay == 2 else "prep")
         # bf16 inputs' delta rule: the wide grid's pass with bf16 W and U (launch.factors_dtype)

@@ -674,7 +674,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     cu = cu_seqlens if cu_seqlens is not None else q
     delta, bonus = beta is not None, u is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
-    if decay:
+    if decay == 2 or (decay == 1 and not delta):  # the delta rule's prep kernel stores a scalar decay's G
         nkb = _cdiv(s.K, s.BK) if decay == 2 else 1
         _launch(plan, "cumsum", chunk_fwd.chunk_cumsum_kernel, (s.slots, s.H, nkb),
                 g, G, cu, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK)
@@ -692,9 +692,9 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
         W = Wt if w_t else torch.empty_like(k, dtype=factors)
         U = torch.empty_like(v, dtype=factors)
         _launch(plan, "prep_vector" if decay == 2 else "prep", chunk_fwd.delta_prep_kernel, (s.slots, s.H),
-                k, v, beta, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                IS_VARLEN=int(s.varlen), STORE_W=int(not w_t), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV, SPAN=BLOCK_SPAN,
-                CSPAN=CHUNK_SPAN, KP=s.BKF)
+                k, v, beta, g if decay == 1 else k, Gp, Tt, W, Wt, U, Kg if Kg is not None else k, cu, s.T, s.H, s.N,
+                s.K, s.V, DECAY=decay, IS_VARLEN=int(s.varlen), STORE_W=int(not w_t), C=CHUNK, SB=SUB, BK=s.BK,
+                BV=s.BV, SPAN=BLOCK_SPAN, CSPAN=CHUNK_SPAN, KP=s.BKF)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if output_final else None
     _launch_sequential(plan, forward_pass, chunk_fwd.state_fwd_kernel, s, delta, decay,
                        Kg if Kg is not None else k, U if delta else v, W if delta else k, Gp, hs, d if delta else v,

@@ -99,7 +99,12 @@ CONSTANT_DECAY = 3
 #: on the grid load the h and dH tiles of the chunk-end term sum_v h dH apart from the tiles that feed the products
 #: (``chunk_bwd.grads_kernel``); then 2 and 3 stages gave the same bits in every rerun (bf16, fp16, fp32, packed
 #: sequences), at 2 stages kda 0.677 -> 0.632 ms, gla 0.588 -> 0.564 (3 stages 0.637, 0.593; the extra loads at 1
-#: stage 0.716, 0.648).
+#: stage 0.716, 0.648). Session 31, at 4 x 4096: intra_grads at 1 warp, 2 stages (255 registers, eight programs an
+#: SM against four). With the bench's gates every program stops after its span check, and those programs' turnover
+#: sets the time: kda, gla and rwkv6 0.057-0.058 -> 0.029 ms. Gates 10 times stronger (block products): kda and gla
+#: 0.424 -> 0.323, rwkv6 0.429 -> 0.338; 100 times (pairwise): kda and gla 0.732 -> 0.683, rwkv6 0.802 -> 0.815.
+#: fp16 and fp32 at 2 x 4096, gates x10: 0.222 -> 0.172 and 0.237 -> 0.233. 2 warps at 1, 2 or 3 stages: between
+#: the two (kda 0.038 with the bench's gates, 0.357 at x10, 0.752 at x100). The same bits.
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -114,7 +119,7 @@ LAUNCH = {
     "grads_scalar": (4, 3),  # scalar decays, bf16 (key blocks on the grid)
     "grads_vector": (4, 2),  # per-channel decays but RWKV-6 (key blocks on the grid; session 29 above)
     "grads_vector_loop": (8, 3),  # RWKV-6 (see key_grid)
-    "intra_grads": (4, 2),
+    "intra_grads": (1, 2),  # session 31 above
     "wy_grads": (4, 1),
     "wy_grads_vector": (4, 1),
     "grads_query": (8, 3),

@@ -78,7 +78,8 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         decode_batch=args.decode_batch, breakdown=args.breakdown, accuracy=args.accuracy)
+                         decode_batch=args.decode_batch, gates=args.gates, breakdown=args.breakdown,
+                         accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
 
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--peers", nargs="?", const="sdpa,fla", default="",
                      help="add peers measured in the same run: sdpa (PyTorch SDPA, causal), fla (flash-linear-attention)")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
+    ops.add_argument("--gates", type=float, default=1.0,
+                     help="log decays this many times the default: 10 and 100 send per-channel decays down the "
+                          "kernels' block and pairwise paths, as fast-forgetting channels of a trained model do")
     ops.add_argument("--json", help="also write the rows to this JSON file")
     ops.add_argument("--breakdown", action="store_true",
                      help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")

@@ -160,9 +160,7 @@ def cases(args: argparse.Namespace, device: str = "cuda"):
             if args.varlen:
                 b, t = 1, B * T
                 cu = packed_lengths(t, args.varlen).to(device)
-            op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device)
-            if args.gates != 1.0 and "log_decay" in op_args:
-                op_args["log_decay"] = (op_args["log_decay"].detach() * args.gates).requires_grad_(True)
+            op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device, args.gates)
             label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "") + (
                 f", gates x{args.gates:g}" if args.gates != 1.0 else "")
             yield label, op_args, head_launch.DECAY_CODES[kind], torch.randn_like(op_args["v"]), cu

@@ -62,3 +62,28 @@ def test_accuracy_rows_measure_each_backend_against_float64():
                        backends=("chunk",))
     worst = float(accuracy_rows(bf16, device="cpu")[1].split("worst ")[1].split()[0])
     assert 1e-4 < worst < 2e-2  # bf16 rounding is seen, and nothing worse
+
+
+def test_gates_scale_the_log_decays_and_reach_every_row(monkeypatch):
+    """``--gates X`` multiplies the default log decays by X (same seed, same draws), and the config carries it to
+    the inputs of the timed rows and the accuracy rows."""
+    from linmem.bench import ops
+    from linmem.cli import build_parser
+
+    torch.manual_seed(0)
+    mild = ops.memory_inputs("kda", 1, 64, 2, 16, torch.float32, "cpu")
+    torch.manual_seed(0)
+    strong = ops.memory_inputs("kda", 1, 64, 2, 16, torch.float32, "cpu", gates=10)
+    torch.testing.assert_close(strong["log_decay"], 10 * mild["log_decay"])
+    torch.testing.assert_close(strong["beta"], mild["beta"])
+    assert build_parser().parse_args(["bench", "ops", "--gates", "10"]).gates == 10
+    seen = []
+    real = ops.memory_inputs
+    monkeypatch.setattr(ops, "memory_inputs", lambda *a, **kw: seen.append(a[7:] or kw.get("gates")) or real(*a, **kw))
+    config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=("kda",),
+                         backends=("reference",), gates=100, decode_batch=0, warmup_ms=1, rep_ms=1)
+    lines = ops.accuracy_rows(config, device="cpu")
+    assert float(lines[1].split("worst ")[1].split()[0]) < 1e-5, lines[1]
+    monkeypatch.setattr(ops, "_timer", lambda config: lambda fn, leaves=(): 0.0)  # no timing on CPU
+    ops.run_ops(config, device="cpu")
+    assert seen == [(100,), (100,)]

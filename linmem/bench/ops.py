@@ -60,6 +60,7 @@ class BenchConfig:
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
     peers: tuple[str, ...] = ()  # "sdpa" and/or "fla", measured in the same run
     decode_batch: int = 64  # B of the decoding rows (0: none)
+    gates: float = 1.0  # log decays this many times memory_inputs' default (10: past the one-reference bound)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
     accuracy: bool = False  # also print each memory op's error ratios against float64 at the first shape
     warmup_ms: int = 25
@@ -105,9 +106,20 @@ def _time_fwd_bwd(bench, fn: Callable[[], torch.Tensor], row: Row, backward: boo
     return row
 
 
-def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> dict:
+def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str,
+                  gates: float = 1.0) -> dict:
     """Inputs of a memory op as linear_recurrence keywords (bench_peers conventions): unit keys for
-    the delta rule, gates logsigmoid(randn) / 10 in fp32, beta in (0, 1)."""
+    the delta rule, log decays ``gates`` x logsigmoid(randn) / 10 in fp32, beta in (0, 1).
+
+    The default gates keep every channel's decay over a 64-token chunk far above 2^-64, so per-channel
+    decays take the Triton kernels' one-reference path; at ``gates=10`` they take the block products and
+    at 100 the pairwise loops (docs/kernels.md), as fast-forgetting channels of a trained model do.
+
+    Example:
+        >>> t = memory_inputs("gla", 1, 64, 2, 16, torch.float32, "cpu", gates=10)
+        >>> sorted(t), tuple(t["log_decay"].shape)
+        (['k', 'log_decay', 'q', 'v'], (1, 64, 2, 16))
+    """
     kind, delta, bonus = MEMORY_OPS[op]
     leaf = lambda x: x.detach().requires_grad_(True)  # noqa: E731
     q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype) for _ in range(3))
@@ -116,7 +128,7 @@ def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     args = {"q": leaf(q), "k": leaf(k), "v": leaf(v)}
     gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D)}.get(kind)
     if gate is not None:
-        args["log_decay"] = leaf(F.logsigmoid(torch.randn(*gate, device=device)) * 0.1)
+        args["log_decay"] = leaf(F.logsigmoid(torch.randn(*gate, device=device)) * (0.1 * gates))
     if delta:
         args["beta"] = leaf(torch.rand(B, T, H, device=device, dtype=dtype))
     if bonus:
@@ -195,7 +207,7 @@ def run_ops(config: BenchConfig, device: str = "cuda", report: Callable[[Row], N
     for B, T in config.shapes:
         for op in config.ops:
             if op in MEMORY_OPS:
-                args = memory_inputs(op, B, T, H, D, dtype, device)
+                args = memory_inputs(op, B, T, H, D, dtype, device, config.gates)
                 leaves = grad_leaves(args)
                 for backend in config.backends:
                     fn = lambda args=args, backend=backend: linear_recurrence(**args, backend=backend)[0]  # noqa: E731
@@ -247,7 +259,7 @@ def decode_rows(config: BenchConfig, device: str) -> list[Row]:
     for op in config.ops:
         if op not in MEMORY_OPS:
             continue
-        args = {n: x.detach() for n, x in memory_inputs(op, B, 1, H, D, dtype, device).items()}
+        args = {n: x.detach() for n, x in memory_inputs(op, B, 1, H, D, dtype, device, config.gates).items()}
         step = {n: (x if n == "bonus" or (n == "log_decay" and x.dim() == 1) else x[:, 0]) for n, x in args.items()}
         state = torch.zeros(B, H, D, D, device=device)
         q, k, v = step.pop("q"), step.pop("k"), step.pop("v")
@@ -395,7 +407,7 @@ def breakdown_rows(config: BenchConfig, device: str = "cuda", top: int = 8, iter
 
 def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: int) -> list[str]:
     B, T = config.shapes[0]
-    args = memory_inputs(op, B, T, config.heads, config.head_dim, getattr(torch, config.dtype), device)
+    args = memory_inputs(op, B, T, config.heads, config.head_dim, getattr(torch, config.dtype), device, config.gates)
     calls = [(backend, lambda backend=backend: linear_recurrence(**args, backend=backend)[0])
              for backend in config.backends]
     lines = []
@@ -434,7 +446,7 @@ def accuracy_rows(config: BenchConfig, device: str = "cuda") -> list[str]:
              f"{config.dtype}: output, then each input's gradient"]
     for op in (o for o in config.ops if o in MEMORY_OPS):
         torch.manual_seed(0)
-        args = memory_inputs(op, B, T, config.heads, config.head_dim, dtype, device)
+        args = memory_inputs(op, B, T, config.heads, config.head_dim, dtype, device, config.gates)
         grad = torch.randn(B, T, config.heads, config.head_dim, device=device).to(dtype)
         ref = _output_and_grads(lambda a: linear_recurrence(**a, backend="chunk")[0], args, grad, torch.float64)
         impls = [(backend, lambda a, backend=backend: linear_recurrence(**a, backend=backend)[0])
@@ -480,7 +492,8 @@ def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
         raise SystemExit("linmem bench ops times CUDA kernels: no CUDA device found")
     env = environment()
     ceil = ceilings("cuda")
-    print(json.dumps({**env, **{k: round(v, 3) for k, v in ceil.items()}}), flush=True)
+    gates = {"gates": config.gates} if config.gates != 1.0 else {}
+    print(json.dumps({**env, **{k: round(v, 3) for k, v in ceil.items()}, **gates}), flush=True)
     print(TABLE_HEAD + "\n" + "-" * len(TABLE_HEAD), flush=True)
     rows = run_ops(config, report=lambda row: print(format_row(row, config, ceil), flush=True))
     if config.breakdown:

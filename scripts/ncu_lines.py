@@ -99,14 +99,15 @@ def report(lines: dict[str, Line], top: int, sass: tuple[str, ...] = ()) -> list
     return out
 
 
-def _run(who: str, op: str, B: int, T: int) -> None:
-    """One forward+backward of ``op`` between cudaProfilerStart/Stop, after three warm-up calls."""
+def _run(who: str, op: str, B: int, T: int, gates: float = 1.0) -> None:
+    """One forward+backward of ``op`` between cudaProfilerStart/Stop, after three warm-up calls (log decays
+    ``gates`` times the bench's, as ``linmem bench ops --gates``)."""
     import torch
 
     from linmem.bench.ops import FLA_PEERS, _fla_call, memory_inputs
     from linmem.ops import linear_recurrence
 
-    args = memory_inputs(op, B, T, 16, 128, torch.bfloat16, "cuda")
+    args = memory_inputs(op, B, T, 16, 128, torch.bfloat16, "cuda", gates)
     fn = (lambda: linear_recurrence(**args, backend="triton")[0]) if who == "ours" else _fla_call(FLA_PEERS[op], args)
     grad = torch.randn_like(fn())
     for _ in range(3):
@@ -126,6 +127,7 @@ def main() -> None:
     run.add_argument("op", help="a memory op of linmem bench ops (gla, deltanet, ...)")
     run.add_argument("B", type=int)
     run.add_argument("T", type=int)
+    run.add_argument("--gates", type=float, default=1.0, help="log decays this many times the bench's")
     lines = sub.add_parser("lines", help="rank a kernel's Python lines in an exported source page")
     lines.add_argument("csv")
     lines.add_argument("kernel", nargs="?", help="kernel name (all kernels if left out)")
@@ -133,7 +135,7 @@ def main() -> None:
     lines.add_argument("--sass", default="", help="file:line,... to split by SASS opcode")
     args = parser.parse_args()
     if args.cmd == "run":
-        _run(args.who, args.op, args.B, args.T)
+        _run(args.who, args.op, args.B, args.T, args.gates)
         return
     for name, per_line in read_source_page(args.csv).items():
         if args.kernel in (None, name):

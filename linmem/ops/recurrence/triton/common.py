@@ -600,9 +600,12 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
 
 
 @triton.jit
-def _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows):
-    """P of each row's block of FAST_BLOCK rows: G at the row before the block (0 for the first), [C, BK]."""
-    return load_rows(G_ptr, t0, nrows, h, H, K, (rows // FAST_BLOCK) * FAST_BLOCK - 1, cols, False)
+def _block_refs(G_ptr, t0, nrows, h, H, K, cols, C: tl.constexpr):
+    """For the block products of one chunk: (valid rows [C], each row's block of FAST_BLOCK rows [C], P [C, BK]:
+    G at the row before that block, 0 for the first)."""
+    rows = tl.arange(0, C)
+    blk = rows // FAST_BLOCK
+    return rows < nrows, blk, load_rows(G_ptr, t0, nrows, h, H, K, blk * FAST_BLOCK - 1, cols, False)
 
 
 @triton.jit
@@ -616,10 +619,7 @@ def _block_rows(dSf, y, Gs, G_ptr, t0, nrows, h, H, K, cols, MT: tl.constexpr, C
     so far, from one reference to the next (<= 1), and the left one (<= 1) comes last. The pairs inside a block take
     the same products as the pairs across blocks: C / FAST_BLOCK masked products and no pairwise exponential."""
     NB: tl.constexpr = C // FAST_BLOCK
-    rows = tl.arange(0, C)
-    valid = rows < nrows
-    blk = rows // FAST_BLOCK
-    P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows)
+    valid, blk, P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, C)
     yF = y * masked_exp2(valid[:, None], P - Gs)
     M = tl.full([C, cols.shape[0]], 0.0, tl.float32)
     P_prev = tl.full([cols.shape[0]], 0.0, tl.float32)
@@ -639,10 +639,7 @@ def _block_cols(dST, x, Gs, G_ptr, t0, nrows, h, H, K, cols, MT: tl.constexpr, C
     For s in block j: ``Z[s] = exp2(P_j - G_s) sum_t dS[t, s] L_t``, L_t = w_t x_t exp2(G_t - P_j) <= 1 over the
     rows of blocks j and later, which reaches P_(j-1) by ``exp2(P_j - P_(j-1)) <= 1`` (the last block first)."""
     NB: tl.constexpr = C // FAST_BLOCK
-    rows = tl.arange(0, C)
-    valid = rows < nrows
-    blk = rows // FAST_BLOCK
-    P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, rows)
+    valid, blk, P = _block_refs(G_ptr, t0, nrows, h, H, K, cols, C)
     xE = x * masked_exp2(valid[:, None], Gs - P)
     L = tl.full([C, cols.shape[0]], 0.0, tl.float32)
     Z = tl.full([C, cols.shape[0]], 0.0, tl.float32)

@@ -190,7 +190,8 @@ def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypat
                                    ("scalar", "delta", False)], ids=combo_id)
 def test_half_against_fp32_reference(combo, dtype):
     """bf16 and fp16 inputs, so the intermediates stored in their dtype (dA; the delta rule's d, dd, Y, W^T and dL)
-    and the products that read them run (in bf16 or fp16, or in tf32 on a per-channel decay's dA and dL); the delta
+    and the products that read them run (in bf16 or fp16, or in tf32 on a per-channel decay's dA and dL, or on a bf16
+    dA with the other operand in two bf16 parts, ``common.mm_wide``); the delta
     rule's W and U as split bf16 products, on fp16 keys and values split in two bf16 parts."""
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=dtype), LOW_TOL)
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .common import (FAST_BLOCK, bf16_parts, block_span, bonus_scores, chunk_span, end_decay, exp2, first_state_tiles,
                      intra_cols, intra_rows, largest, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2,
-                     mm, mm_parts, remaining_total, running_total, scalar_gates, sequence_state, store_rows,
+                     mm, mm_parts, mm_wide, remaining_total, running_total, scalar_gates, sequence_state, store_rows,
                      store_state_tiles, total)
 
 
@@ -551,7 +551,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     ([tokens, H, C], read once as [t, s] and once transposed) and dov_in ([tokens, H]). Per-channel
     decays (DECAY 2): a chunk whose gates fall by at most 2^-CSPAN over the chunk (:func:`chunk_span`) takes
     the intra-chunk parts of dq and dk from two products, its decays split at the chunk's start as a scalar
-    decay's (``dA (k e^-G)`` and ``dA^T (q e^Gq)``, in tf32; the right factor at most 2^CSPAN); any other
+    decay's (``dA (k e^-G)`` and ``dA^T (q e^Gq)``, the right factor at most 2^CSPAN; on a bf16 dA as two bf16
+    products, :func:`common.mm_wide`, else and for RWKV-6 in tf32); any other
     reads them from dqi and dki (``intra_grads_kernel``). For the
     delta rule (DELTA), dk and dg already hold what ``wy_grads_kernel`` stored, and get the rest
     added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
@@ -628,14 +629,13 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 ek = masked_exp2(valid[:, None], lastk[None, :] - Gk)
             if one_ref:  # the intra-chunk parts through the chunk's start (dq's e^Gq after the V loop but RWKV-6's)
                 rk = masked_exp2(valid[:, None], -Gk)  # in [1, 2^CSPAN]
-                dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), kt * rk, tl.float32, X)
-                if BONUS:
-                    dqt = dqt * eq
+                if BONUS:  # in tf32 (with common.mm_wide, RWKV-6's grads 0.819 -> 0.887 ms at 4 x 4096, H200)
+                    dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), kt * rk, tl.float32, X) * eq
                     dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * eq, tl.float32, X) * rk
                 else:  # e^Gq taken here apart from the eq after the V loop: one eq for both kept it live through
                     # the loop (sm_90 stack 128 -> 208 bytes for gla)
-                    dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * exp2(Gq), tl.float32,
-                             X) * rk
+                    dqt = mm_wide(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), kt * rk, X)
+                    dkt = mm_wide(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * exp2(Gq), X) * rk
             else:  # from intra_grads_kernel
                 dqt = load_rows(dqi, t0, nrows, h, H, K, rows, cols, False)
                 dkt = load_rows(dki, t0, nrows, h, H, K, rows, cols, False)

@@ -171,6 +171,28 @@ def mm_parts(ah, al, b):
 
 
 @triton.jit
+def mm_wide(a, b, X: tl.constexpr):
+    """a @ b for a stored score gradient a (bf16, or fp32 for fp16 and fp32 inputs) and an fp32 b of any range (a
+    per-channel decay's factors, up to 2^CHUNK_SPAN). A bf16 a enters the tensor cores as loaded, b as its bf16
+    parts (:func:`mm_split`: two bf16 products, about 16 of b's mantissa bits); an fp32 a takes one tf32 product
+    (tf32x3 for fp32 inputs, X). fp32 accumulation.
+
+    ``grads_kernel`` takes it for a per-channel decay's one-reference chunks (not RWKV-6's). There, one tf32
+    product on the widened bf16 dA spent about a tenth of the warp samples on the widening and its change of layout
+    (the transposed dA through shared memory 16 bits at a time; Nsight Compute, KDA at 4 x 4096, session 32). b keeps
+    16 mantissa bits instead of tf32's 10. Measured on an H200 (session 32, 4 x 4096, H = 16, K = V = 128, bf16),
+    grads_kernel ms: kda 0.630 -> 0.579, gla 0.564 -> 0.506; error ratios against float64 the same or lower.
+    Where it did not land: KDA's WY products on dL (``chunk_bwd._wy_one_ref``: score_grads 0.451 -> 0.449, and on the
+    H200 dk came out wrong at K = 100, V = 72 and differed between the fused and separate WY kernels at K = 80, which
+    the CPU interpreter passed, as session 18's bf16 products on dL did); ``intra_grads_kernel``'s [16, 16] products
+    (slower: 0.322 -> 0.363 ms at gates x10, 0.684 -> 0.780 at x100; sm_90 stack 0 -> 112 bytes); RWKV-6's
+    one-reference products (0.819 -> 0.887)."""
+    if a.dtype == tl.bfloat16:
+        return mm_split(a, b)
+    return mm(a, b, tl.float32, X)
+
+
+@triton.jit
 def sequence_bounds(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
     """First and one-past-last token of sequence n (int64)."""
     if IS_VARLEN:

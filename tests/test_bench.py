@@ -79,11 +79,15 @@ def test_gates_scale_the_log_decays_and_reach_every_row(monkeypatch):
     assert build_parser().parse_args(["bench", "ops", "--gates", "10"]).gates == 10
     seen = []
     real = ops.memory_inputs
-    monkeypatch.setattr(ops, "memory_inputs", lambda *a, **kw: seen.append(a[7:] or kw.get("gates")) or real(*a, **kw))
+    def recording(*a, **kw):  # the gates each call asks for, positional or keyword (1.0 when left out)
+        seen.append(kw.get("gates", a[7] if len(a) > 7 else 1.0))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "memory_inputs", recording)
     config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=("kda",),
                          backends=("reference",), gates=100, decode_batch=0, warmup_ms=1, rep_ms=1)
     lines = ops.accuracy_rows(config, device="cpu")
     assert float(lines[1].split("worst ")[1].split()[0]) < 1e-5, lines[1]
     monkeypatch.setattr(ops, "_timer", lambda config: lambda fn, leaves=(): 0.0)  # no timing on CPU
     ops.run_ops(config, device="cpu")
-    assert seen == [(100,), (100,)]
+    assert seen == [100, 100]

@@ -618,7 +618,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         if not LATE:
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-        if DECAY == 2:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200)
+        if DECAY == 2:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200;
+            # session 33: everything after the loop, on its accumulators, compiled to 480 bytes of stack against 168)
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)

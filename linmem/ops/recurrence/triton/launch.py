@@ -104,7 +104,11 @@ CONSTANT_DECAY = 3
 #: sets the time: kda, gla and rwkv6 0.057-0.058 -> 0.029 ms. Gates 10 times stronger (block products): kda and gla
 #: 0.424 -> 0.323, rwkv6 0.429 -> 0.338; 100 times (pairwise): kda and gla 0.732 -> 0.683, rwkv6 0.802 -> 0.815.
 #: fp16 and fp32 at 2 x 4096, gates x10: 0.222 -> 0.172 and 0.237 -> 0.233. 2 warps at 1, 2 or 3 stages: between
-#: the two (kda 0.038 with the bench's gates, 0.357 at x10, 0.752 at x100). The same bits.
+#: the two (kda 0.038 with the bench's gates, 0.357 at x10, 0.752 at x100). The same bits. Session 33, at 4 x 4096,
+#: 8 warps for the 255-register kernels, which then compile without spills but hold an SM alone: prep_vector 8 x 2
+#: (kda 0.402 -> 0.717 ms), prep 8 x 3 (gated delta 0.250 -> 0.472, deltanet 0.224 -> 0.442), score_wy_grads 8 x 2
+#: (kda 0.453 -> 0.793, gated delta 0.322 -> 0.540), grads_vector 8 x 2 (kda 0.582 -> 0.871, gla 0.506 -> 0.778),
+#: grads_scalar 8 x 3 (gated delta 0.275 -> 0.300).
 LAUNCH = {
     "cumsum": (4, 2),
     "prep": (4, 3),
@@ -341,7 +345,8 @@ class Shapes:
     def wy_BK(self, decay: int) -> int:
         """K block of the delta rule's ``wy_grads_kernel``: 32 for per-channel decays, whose pairwise loops
         hold [64, BK] fp32 gates and exponentials (measured on an H200 at 8 x 2048, H = 16, K = V = 128:
-        kda wy_grads 1.95 -> 1.69 ms; deltanet's went 0.315 -> 0.388 at 32)."""
+        kda wy_grads 1.95 -> 1.69 ms; deltanet's went 0.315 -> 0.388 at 32). Blocks of 64 on the one-reference
+        chunks alone lost too (session 33, 4 x 4096: kda score_grads 0.453 -> 0.524 ms)."""
         return min(self.BK, 32) if decay == 2 else self.BK
 
     def dv_BV(self, decay: int) -> int:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (FAST_BLOCK, bf16_parts, block_span, bonus_scores, chunk_span, end_decay, exp2, first_state_tiles,
-                     intra_cols, intra_rows, largest, load_gate_rows, load_rows, load_state, locate_chunk, masked_exp2,
-                     mm, mm_parts, mm_wide, remaining_total, running_total, scalar_gates, sequence_state, store_rows,
-                     store_state_tiles, total)
+from .common import (FAST_BLOCK, bf16_parts, block_span, bonus_scores, chunk_span, end_decay, end_gates, exp2,
+                     first_state_tiles, intra_cols, intra_rows, largest, load_gate_rows, load_rows, load_state,
+                     locate_chunk, masked_exp2, mm, mm_parts, mm_wide, remaining_total, running_total, scalar_gates,
+                     sequence_state, store_rows, store_state_tiles, total)
 
 
 @triton.jit
@@ -77,7 +77,10 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
     elif DECAY == 2:
         if not DELTA:
             qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
-        dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
+        if DELTA and not X:  # its chunk-end gates arrive as eg, loaded a chunk ahead
+            dS = dS * exp2(eg)[:, None]
+        else:
+            dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
     dS += scale * mm(qT, dO, q.dtype.element_ty, X)
     if DELTA:
         dS -= mm(load_state(Wt, slot, h, H, K, C, kb, rows, K, False), dd, Wt.dtype.element_ty, X)
@@ -108,6 +111,10 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     0.247 -> 0.236 (at 3 stages; 0.281 at 2). Either change alone gained little at 1 x 16384 (0.493 on
     the rows, 0.530 loaded ahead). The additive rule keeps its decay on the q tiles (see
     ``_state_grad_step``), and both rules' gates loaded ahead lost there (Mamba-2 0.189 -> 0.207).
+    The per-channel delta rule (KDA) loads its chunk-end gates a chunk ahead too (``common.end_gates``, one [KB]
+    vector per state tile), but for fp32 inputs: at 4 x 4096 0.249 -> 0.217 ms, at 1 x 16384 0.422 -> 0.369, fp16
+    (2 x 4096) 0.134 -> 0.124; fp32 inputs, whose pass spills, lost (0.639 -> 0.710) and load them in place (H200,
+    session 33). The forward pass's did not gain: state_fwd 0.198 -> 0.243 ms at 4 x 4096.
     """
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
@@ -119,16 +126,24 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
         tn = bos + (nchunks - 1) * C
         Gn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows)
+    if DECAY == 2 and DELTA and not X:  # likewise a per-channel decay's chunk-end gates, one [KB] per state tile
+        tn = bos + (nchunks - 1) * C
+        gn0, gn1, gn2, gn3 = end_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, K, kb0, NKB)
     for i in range(nchunks):
         slot = s0 + nchunks - 1 - i
         t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
         eg = nrows  # the delta rule's e^Gamma for a scalar decay (unused otherwise)
+        eg0, eg1, eg2, eg3 = eg, eg, eg, eg  # its chunk-end gates per state tile for a per-channel decay
         if DECAY == 1 and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
             ek = masked_exp2(rows < nrows, lastn - Gn)
             eq = exp2(Gn)
             eg = exp2(lastn)
             Gn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows)
+            eg0, eg1, eg2, eg3 = eg, eg, eg, eg
+        if DECAY == 2 and DELTA and not X:
+            eg0, eg1, eg2, eg3 = gn0, gn1, gn2, gn3
+            gn0, gn1, gn2, gn3 = end_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, K, kb0, NKB)
         store_state_tiles(dHs, dS0, dS1, dS2, dS3, slot, h, H, K, V, kb0, vr, NKB)
         dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
         dd = dO  # the additive rule's pass does not read it
@@ -142,15 +157,15 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
             else:
                 dd = _writes_grad_parts(dd, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
             store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
-        dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
+        dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, eg0, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
                                BONUS, C, X)
         if NKB > 1:
-            dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
+            dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, eg1, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
                                    BONUS, C, X)
         if NKB > 2:
-            dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
+            dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, eg2, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
                                    BONUS, C, X)
-            dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
+            dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, eg3, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
                                    BONUS, C, X)
     if STORE_DINIT:
         store_state_tiles(dh0, dS0, dS1, dS2, dS3, n, h, H, K, V, kb0, vr, NKB)

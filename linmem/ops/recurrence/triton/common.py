@@ -262,6 +262,23 @@ def end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
 
 
 @triton.jit
+def end_gates(G, t0, nrows, h, H, K, kb0, NKB: tl.constexpr):
+    """A per-channel decay's G at a chunk's last row for the NKB (1, 2 or 4) state tiles of len(kb0) key rows
+    from kb0: four [KB] fp32 vectors, 0 past K and for an empty chunk (nrows 0); those past NKB repeat the first."""
+    KB: tl.constexpr = kb0.shape[0]
+    base = G + ((t0 + nrows - 1) * H + h) * K
+    Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none of an empty chunk)
+    g0 = tl.load(base + kb0, mask=kb0 < Klive, other=0.0)
+    g1, g2, g3 = g0, g0, g0
+    if NKB > 1:
+        g1 = tl.load(base + kb0 + KB, mask=kb0 + KB < Klive, other=0.0)
+    if NKB > 2:
+        g2 = tl.load(base + kb0 + 2 * KB, mask=kb0 + 2 * KB < Klive, other=0.0)
+        g3 = tl.load(base + kb0 + 3 * KB, mask=kb0 + 3 * KB < Klive, other=0.0)
+    return g0, g1, g2, g3
+
+
+@triton.jit
 def first_state_tiles(init, PRESENT: tl.constexpr, n, h, H, K, V, kb0, vr, NKB: tl.constexpr):
     """Sequence n's state in ``init`` as NKB tiles (1, 2 or 4) of len(kb0) key rows from kb0, fp32 (see
     :func:`first_state`); the tiles past NKB are returned as the first, unused."""

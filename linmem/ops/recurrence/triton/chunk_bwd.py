@@ -134,13 +134,12 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
         eg = nrows  # the delta rule's e^Gamma for a scalar decay (unused otherwise)
-        eg0, eg1, eg2, eg3 = eg, eg, eg, eg  # its chunk-end gates per state tile for a per-channel decay
         if DECAY == 1 and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
             ek = masked_exp2(rows < nrows, lastn - Gn)
             eq = exp2(Gn)
             eg = exp2(lastn)
             Gn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows)
-            eg0, eg1, eg2, eg3 = eg, eg, eg, eg
+        eg0, eg1, eg2, eg3 = eg, eg, eg, eg  # per state tile: a per-channel decay's chunk-end gates instead
         if DECAY == 2 and DELTA and not X:
             eg0, eg1, eg2, eg3 = gn0, gn1, gn2, gn3
             gn0, gn1, gn2, gn3 = end_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, K, kb0, NKB)

@@ -112,7 +112,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     the rows, 0.530 loaded ahead). The additive rule keeps its decay on the q tiles (see
     ``_state_grad_step``), and both rules' gates loaded ahead lost there (Mamba-2 0.189 -> 0.207).
     The per-channel delta rule (KDA) loads its chunk-end gates a chunk ahead too (``common.end_gates``, one [KB]
-    vector per state tile), but for fp32 inputs: at 4 x 4096 0.249 -> 0.217 ms, at 1 x 16384 0.422 -> 0.369, fp16
+    vector per state tile), except for fp32 inputs: at 4 x 4096 0.249 -> 0.217 ms, at 1 x 16384 0.422 -> 0.369, fp16
     (2 x 4096) 0.134 -> 0.124; fp32 inputs, whose pass spills, lost (0.639 -> 0.710) and load them in place (H200,
     session 33). The forward pass's did not gain: state_fwd 0.198 -> 0.243 ms at 4 x 4096.
     """

@@ -64,10 +64,11 @@ def _writes_grad_parts(dd, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0,
 @triton.jit
 def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, kb, scale,
                      DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, C: tl.constexpr,
-                     X: tl.constexpr):
+                     X: tl.constexpr, GATES_AHEAD: tl.constexpr):
     """Key rows kb of the gradient of the chunk's start state: e^Gamma dS + scale (q e^Gq)^T dO (- W^T dd).
     With a scalar decay the delta rule's dO arrives as e^Gq dO (the decay on its rows), with eg = e^Gamma;
-    with a per-channel decay the delta rule's q arrives decayed (qg of ``output_kernel``)."""
+    with a per-channel decay the delta rule's q arrives decayed (qg of ``output_kernel``), and with GATES_AHEAD
+    its chunk-end gates as eg (log2 units, [KB])."""
     qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
     if DECAY == 1:
         if not DELTA:  # on q^T: on the additive rule's bf16 dO rows it broke the bf16 bound of dlog_decay
@@ -77,7 +78,7 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
     elif DECAY == 2:
         if not DELTA:
             qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
-        if DELTA and not X:  # its chunk-end gates arrive as eg, loaded a chunk ahead
+        if GATES_AHEAD:
             dS = dS * exp2(eg)[:, None]
         else:
             dS = dS * exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))[:, None]
@@ -119,6 +120,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
     NKB: tl.constexpr = BKF // KB
+    GATES_AHEAD: tl.constexpr = DECAY == 2 and DELTA and not X  # KDA's chunk-end gates loaded a chunk ahead
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
     dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
@@ -126,7 +128,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
         tn = bos + (nchunks - 1) * C
         Gn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows)
-    if DECAY == 2 and DELTA and not X:  # likewise a per-channel decay's chunk-end gates, one [KB] per state tile
+    if GATES_AHEAD:  # likewise a per-channel decay's chunk-end gates, one [KB] per state tile
         tn = bos + (nchunks - 1) * C
         gn0, gn1, gn2, gn3 = end_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, K, kb0, NKB)
     for i in range(nchunks):
@@ -140,7 +142,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
             eg = exp2(lastn)
             Gn, lastn = scalar_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, rows)
         eg0, eg1, eg2, eg3 = eg, eg, eg, eg  # per state tile: a per-channel decay's chunk-end gates instead
-        if DECAY == 2 and DELTA and not X:
+        if GATES_AHEAD:
             eg0, eg1, eg2, eg3 = gn0, gn1, gn2, gn3
             gn0, gn1, gn2, gn3 = end_gates(G, t0 - C, tl.where(t0 > bos, C, 0), h, H, K, kb0, NKB)
         store_state_tiles(dHs, dS0, dS1, dS2, dS3, slot, h, H, K, V, kb0, vr, NKB)
@@ -157,15 +159,15 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
                 dd = _writes_grad_parts(dd, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
             store_rows(dd_out, dd, t0, nrows, h, H, V, rows, vr)
         dS0 = _state_grad_step(dS0, q, Wt, G, dO, dd, eg0, slot, t0, nrows, h, H, K, rows, kb0, scale, DECAY, DELTA,
-                               BONUS, C, X)
+                               BONUS, C, X, GATES_AHEAD)
         if NKB > 1:
             dS1 = _state_grad_step(dS1, q, Wt, G, dO, dd, eg1, slot, t0, nrows, h, H, K, rows, kb1, scale, DECAY, DELTA,
-                                   BONUS, C, X)
+                                   BONUS, C, X, GATES_AHEAD)
         if NKB > 2:
             dS2 = _state_grad_step(dS2, q, Wt, G, dO, dd, eg2, slot, t0, nrows, h, H, K, rows, kb2, scale, DECAY, DELTA,
-                                   BONUS, C, X)
+                                   BONUS, C, X, GATES_AHEAD)
             dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, eg3, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
-                                   BONUS, C, X)
+                                   BONUS, C, X, GATES_AHEAD)
     if STORE_DINIT:
         store_state_tiles(dh0, dS0, dS1, dS2, dS3, n, h, H, K, V, kb0, vr, NKB)
 

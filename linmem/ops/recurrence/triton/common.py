@@ -253,28 +253,27 @@ def sequence_state(cu_seqlens, T, H, C: tl.constexpr, IS_VARLEN: tl.constexpr, K
 @triton.jit
 def end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
     """A chunk's total decay in log2 units, G at its last row: a scalar (DECAY 1, G [tokens, H]) or
-    [KB] at key channels kb (DECAY 2, G [tokens, H, K]; 0 past K)."""
+    [KB] at key channels kb (DECAY 2, G [tokens, H, K]; 0 past K and for an empty chunk, nrows 0, which
+    a pass loading its gates a chunk ahead asks for past its sequence's first chunk)."""
     if DECAY == 1:
         last = tl.load(G + (t0 + nrows - 1) * H + h)
     else:
-        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < K, other=0.0)
+        last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < tl.where(nrows > 0, K, 0), other=0.0)
     return last
 
 
 @triton.jit
 def end_gates(G, t0, nrows, h, H, K, kb0, NKB: tl.constexpr):
-    """A per-channel decay's G at a chunk's last row for the NKB (1, 2 or 4) state tiles of len(kb0) key rows
-    from kb0: four [KB] fp32 vectors, 0 past K and for an empty chunk (nrows 0); those past NKB repeat the first."""
+    """:func:`end_decay` of a per-channel decay for the NKB (1, 2 or 4) state tiles of len(kb0) key rows from kb0:
+    four [KB] fp32 vectors, those past NKB repeating the first."""
     KB: tl.constexpr = kb0.shape[0]
-    base = G + ((t0 + nrows - 1) * H + h) * K
-    Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none of an empty chunk)
-    g0 = tl.load(base + kb0, mask=kb0 < Klive, other=0.0)
+    g0 = end_decay(G, t0, nrows, h, H, K, kb0, 2)
     g1, g2, g3 = g0, g0, g0
     if NKB > 1:
-        g1 = tl.load(base + kb0 + KB, mask=kb0 + KB < Klive, other=0.0)
+        g1 = end_decay(G, t0, nrows, h, H, K, kb0 + KB, 2)
     if NKB > 2:
-        g2 = tl.load(base + kb0 + 2 * KB, mask=kb0 + 2 * KB < Klive, other=0.0)
-        g3 = tl.load(base + kb0 + 3 * KB, mask=kb0 + 3 * KB < Klive, other=0.0)
+        g2 = end_decay(G, t0, nrows, h, H, K, kb0 + 2 * KB, 2)
+        g3 = end_decay(G, t0, nrows, h, H, K, kb0 + 3 * KB, 2)
     return g0, g1, g2, g3
 
 

@@ -43,7 +43,8 @@ def rel_err(x, ref) -> float:
 def filter_inputs(B, T, H, K, V, dtype, seed=0, initial_state=False):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
-    t = dict(q=rnd(B, T, H, K).to(dtype), k=F.normalize(rnd(B, T, H, K), dim=-1).to(dtype), v=rnd(B, T, H, V).to(dtype),
+    t = dict(q=rnd(B, T, H, K).to(dtype), k=F.normalize(rnd(B, T, H, K), dim=-1).to(dtype),
+             v=rnd(B, T, H, V).to(dtype),
              log_decay=F.logsigmoid(rnd(B, T, H) + 3), obs_noise=F.softplus(rnd(B, T, H)) + 0.1,
              process_noise=0.05 * torch.rand(B, T, H, generator=gen, device=DEV))
     state = None
@@ -171,7 +172,8 @@ def main() -> None:
             report["timing"].append(row)
             print(f"K=V={K} {B}x{T}: bayes {row['bayes_fwd_bwd_ms']:.2f} ms (fwd {row['bayes_fwd_ms']:.2f}), "
                   f"gated delta {row['gated_delta_fwd_bwd_ms']:.2f} ms (fwd {row['gated_delta_fwd_ms']:.2f}), "
-                  f"x{row['ratio_fwd_bwd']:.1f}; peak {row['bayes_peak_mib']:.0f} vs {row['gated_delta_peak_mib']:.0f} MiB")
+                  f"x{row['ratio_fwd_bwd']:.1f}; peak {row['bayes_peak_mib']:.0f} vs "
+                  f"{row['gated_delta_peak_mib']:.0f} MiB")
     report["seconds"] = time.time() - start
     (out / "bayes_bench.json").write_text(json.dumps(report, indent=1))
     print("wrote", out / "bayes_bench.json")

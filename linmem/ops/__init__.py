@@ -1,5 +1,6 @@
 """Math on tensors: no nn.Module, no parameters."""
 
+from .bayes import bayes_filter, bayes_filter_step
 from .recurrence import (
     available_backends,
     linear_recurrence,
@@ -14,4 +15,6 @@ __all__ = [
     "register_backend",
     "available_backends",
     "set_debug_checks",
+    "bayes_filter",
+    "bayes_filter_step",
 ]

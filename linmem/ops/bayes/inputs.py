@@ -1,0 +1,181 @@
+"""Validation of the inputs of the Bayesian filter (:func:`linmem.ops.bayes_filter`).
+
+Every backend receives a :class:`FilterInputs` that has passed these checks. Shape and dtype
+checks always run; checks of values (``log_decay <= 0``, ``obs_noise > 0``,
+``process_noise >= 0``, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors only with
+debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), as for
+``linear_recurrence``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..recurrence.inputs import _values_checkable
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class FilterInputs:
+    """Validated inputs of :func:`linmem.ops.bayes_filter` (see its docstring)."""
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, H, V]
+    log_decay: torch.Tensor  # [B, T, H], <= 0
+    obs_noise: torch.Tensor  # [B, T, H], > 0 (r)
+    process_noise: Optional[torch.Tensor]  # [B, T, H], >= 0 (Q = process_noise * I), or None
+    prior: float  # p: a fresh sequence starts from M = 0, P = p I
+    reset: bool  # P^- := p I at every step (the delta-rule reduction)
+    scale: float  # read-out scale
+    initial_state: Optional[State]  # (M [N, H, K, V], P [N, H, K, K])
+    output_final_state: bool
+    cu_seqlens: Optional[torch.Tensor]  # [N + 1]
+    return_variance: bool
+
+    @property
+    def num_sequences(self) -> int:
+        return self.q.shape[0] if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
+
+    @property
+    def records_grad(self) -> bool:
+        """Whether autograd records this call (grad mode on and some input requires a gradient)."""
+        tensors = [self.q, self.k, self.v, self.log_decay, self.obs_noise, self.process_noise]
+        if self.initial_state is not None:
+            tensors += list(self.initial_state)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"bayes_filter: {message}")
+
+
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bayes_filter: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"bayes_filter: `{name}` must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, expected: list[int], meaning: str) -> None:
+    if list(t.shape) != expected:
+        raise _fail(f"`{name}` must have shape {meaning} = {expected}, got {list(t.shape)}")
+
+
+def _check_values(name: str, t: torch.Tensor, bad, rule: str) -> None:
+    """Raise when ``bad(t)`` holds anywhere (values checked as in the module docstring)."""
+    if t.numel() and _values_checkable(t):
+        mask = bad(t.detach())
+        if bool(mask.any()):
+            raise _fail(f"`{name}` must be {rule}; got {float(t.detach()[mask][0]):g}")
+
+
+def _check_cu_seqlens(cu, B: int, T: int, device: torch.device) -> int:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"bayes_filter: `cu_seqlens` must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"bayes_filter: `cu_seqlens` must be int32 or int64, got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise _fail(f"`cu_seqlens` must have shape [N + 1] with N >= 1, got {list(cu.shape)}")
+    if B != 1:
+        raise _fail(f"`cu_seqlens` needs batch size B == 1 (sequences packed along T), got B = {B}")
+    if cu.device != device:
+        raise _fail(f"`cu_seqlens` is on {cu.device}, but `q` is on {device}")
+    if _values_checkable(cu):
+        c = cu.cpu()
+        if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
+            raise _fail(f"`cu_seqlens` must rise from 0 to T = {T} without falling, got {c.tolist()}")
+    return cu.shape[0] - 1
+
+
+def _check_state(initial_state, N: int, H: int, K: int, V: int, device: torch.device) -> State:
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+        raise TypeError(
+            "bayes_filter: `initial_state` must be a pair (M [N, H, K, V], P [N, H, K, K]), got "
+            f"{type(initial_state).__name__}"
+        )
+    M, P = initial_state
+    for name, t in (("initial_state[0] (M)", M), ("initial_state[1] (P)", P)):
+        _check_float(name, t)
+        if t.device != device:
+            raise _fail(f"`{name}` is on {t.device}, but `q` is on {device}")
+    _check_shape("initial_state[0] (M)", M, [N, H, K, V], "[N, H, K, V] (N = number of sequences)")
+    _check_shape("initial_state[1] (P)", P, [N, H, K, K], "[N, H, K, K] (N = number of sequences)")
+    return M, P
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor,
+    obs_noise: torch.Tensor,
+    process_noise: Optional[torch.Tensor],
+    prior: float,
+    reset: bool,
+    scale: Optional[float],
+    initial_state: Optional[State],
+    output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor],
+    return_variance: bool,
+) -> FilterInputs:
+    """Check every argument of ``bayes_filter``; return the normalised inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, t)
+        if t.dim() != 4:
+            raise _fail(
+                f"`{name}` must be 4-D [B, T, H, {'V' if name == 'v' else 'K'}], got {t.dim()}-D shape {list(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"bayes_filter: `q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_shape("k", k, [B, T, H, K], "[B, T, H, K] (same as q)")
+    _check_shape("v", v, [B, T, H, V], "[B, T, H, V] (B, T, H as q)")
+    if k.device != q.device or v.device != q.device:
+        raise _fail(f"`k` and `v` must be on the device of `q` ({q.device}), got {k.device} and {v.device}")
+
+    gates = (("log_decay", log_decay), ("obs_noise", obs_noise), ("process_noise", process_noise))
+    for name, t in gates:
+        if t is None and name != "process_noise":
+            raise TypeError(f"bayes_filter: `{name}` is required ([B, T, H] = {[B, T, H]}), got None")
+        if t is not None:
+            _check_float(name, t)
+            _check_shape(name, t, [B, T, H], "[B, T, H]")
+            if t.device != q.device:
+                raise _fail(f"`{name}` is on {t.device}, but `q` is on {q.device}")
+    _check_values("log_decay", log_decay, lambda t: ~(t <= 0), "<= 0 (a decay in (0, 1] in log space)")
+    _check_values("obs_noise", obs_noise, lambda t: ~(t > 0), "> 0 (an observation-noise variance)")
+    if process_noise is not None:
+        _check_values("process_noise", process_noise, lambda t: ~(t >= 0), ">= 0 (a process-noise variance)")
+
+    if isinstance(prior, bool) or not isinstance(prior, (int, float)):
+        raise TypeError(f"bayes_filter: `prior` must be a Python float, got {type(prior).__name__}")
+    if not prior > 0:
+        raise _fail(f"`prior` (the prior variance p of P = p I) must be > 0, got {prior}")
+    if not isinstance(reset, bool):
+        raise TypeError(f"bayes_filter: `reset` must be a bool, got {type(reset).__name__}")
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"bayes_filter: `scale` must be a Python float or None, got {type(scale).__name__}")
+
+    N = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if initial_state is not None:
+        initial_state = _check_state(initial_state, N, H, K, V, q.device)
+
+    return FilterInputs(
+        q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=float(prior),
+        reset=reset, scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
+        cu_seqlens=cu_seqlens, return_variance=bool(return_variance),
+    )
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the PyTorch backends and of the state: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

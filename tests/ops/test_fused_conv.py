@@ -132,6 +132,8 @@ def test_bad_inputs_raise():
         short_conv(x, w, cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(TypeError, match="cu_seqlens"):
         short_conv(x[:1], w, cu_seqlens=torch.tensor([0.0, 5.0]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        short_conv(x[:1], w, cu_seqlens=torch.tensor([0, 3, 2, 5]))
     with pytest.raises(ValueError, match="state"):
         short_conv_step(x[:, 0], torch.zeros(2, 4, 8), w)
     with pytest.raises(ValueError, match="backend"):

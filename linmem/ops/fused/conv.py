@@ -64,8 +64,8 @@ def short_conv_bwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
 
 @short_conv_bwd_op.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
-    return (x.new_empty(x.shape), torch.empty_like(weight), _or_empty(None if bias is None else torch.empty_like(bias), x),
-            _or_empty(None if initial_state is None else torch.empty_like(initial_state), x))
+    like = lambda t: x.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
+    return x.new_empty(x.shape), torch.empty_like(weight), like(bias), like(initial_state)
 
 
 def _launch_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
@@ -145,13 +145,21 @@ def _check_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: O
             raise TypeError(f"short_conv: `{name}` must be floating point on {x.device}, got {t.dtype} on {t.device}")
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, B: int) -> None:
+def _check_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> None:
+    """Shape and dtype always; the values (0 first, non-decreasing, T last) of CPU tensors only (no GPU sync)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"short_conv: `cu_seqlens` must be an int32 or int64 tensor, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"short_conv: `cu_seqlens` must be [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"short_conv: `cu_seqlens` must be int32 or int64, got {cu_seqlens.dtype}")
-    if B != 1:
-        raise ValueError(f"short_conv: `cu_seqlens` packs sequences along T and needs B == 1, got B = {B}")
+    if x.shape[0] != 1:
+        raise ValueError(f"short_conv: `cu_seqlens` packs sequences along T and needs B == 1, got B = {x.shape[0]}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"short_conv: `cu_seqlens` is on {cu_seqlens.device}, x on {x.device}")
+    if cu_seqlens.device.type == "cpu":
+        c = cu_seqlens.tolist()
+        if c[0] != 0 or c[-1] != x.shape[1] or any(b < a for a, b in zip(c, c[1:])):
+            raise ValueError(f"short_conv: `cu_seqlens` must rise from 0 to T = {x.shape[1]}, got {c}")
 
 
 def _kernel_refusal(x: Tensor, W: int) -> Optional[str]:
@@ -200,7 +208,7 @@ def short_conv(
     B, _, C = x.shape
     W = weight.shape[1]
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B)
+        _check_cu_seqlens(cu_seqlens, x)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, W - 1, C):
         raise ValueError(f"short_conv: `initial_state` must be [N, W-1, C] = [{N}, {W - 1}, {C}], "

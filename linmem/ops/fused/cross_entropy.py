@@ -2,12 +2,13 @@
 
 For each chunk of ``c`` rows: ``z = h W^T`` ``[c, V]`` in the activation dtype; the log-sum-exp in fp32; z is
 overwritten with ``dL/dz = (softmax(z) - onehot) * scale`` (a Triton kernel, or PyTorch with one fp32 copy of
-the chunk); then ``dh = dz W`` and ``dW += dz^T h`` (fp32). The gradients are thus computed in the forward;
-the backward multiplies them by the loss's incoming gradient. Peak memory beyond the inputs: dh ``[N, D]``
-(hidden's dtype), dW ``[V, D]`` fp32, one chunk of logits ``[c, V]`` (activation dtype; the PyTorch form adds
-an fp32 copy of it) and the per-row losses ``[N]`` fp32 -- against ``[N, V]`` logits, their fp32 copy and its
-gradient in eager PyTorch.
-"""
+the chunk); then ``dh = dz W`` and ``dW += dz^T h`` (the product in the activation dtype, the sum in fp32). The
+gradients are thus computed in the forward; the backward multiplies them by the loss's incoming gradient.
+
+Memory beyond the inputs: dh ``[N, D]`` (hidden's dtype), dW ``[V, D]`` fp32 and one ``[V, D]`` product at a
+time, one chunk of logits ``[c, V]`` (the activation dtype; the PyTorch form adds an fp32 copy of it) and the
+per-row losses ``[N]`` fp32 -- where eager PyTorch holds ``[N, V]`` logits, their fp32 copy, its log-softmax and
+their gradients."""
 
 from __future__ import annotations
 
@@ -40,17 +41,16 @@ def _torch_softmax_grad_(logits: Tensor, labels: Tensor, scale: Tensor, ignore_i
 
 
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with fp32 acc and low-precision a, b (one cuBLAS call with an fp32 output on CUDA)."""
+    """acc += a @ b for an fp32 acc: the product in a's dtype (fp32 accumulation inside the matmul), added in fp32."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.add_(a @ b)
 
 
 def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int,
-                    reduce_sum: bool, with_grads: bool, kernel: bool) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+                    reduce_sum: bool, with_grads: bool, kernel: bool
+                    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """-> (loss fp32 scalar, dloss/dhidden, dloss/dweight) (the gradients None without ``with_grads``)."""
     N, D = hidden.shape
     keep = labels != ignore_index

@@ -5,9 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import INTERPRET, exp, largest, rounded, total
+from ...recurrence.triton.common import exp, largest, rounded, total
 
-__all__ = ["INTERPRET", "exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2"]
+__all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2"]
 
 
 def next_power_of_2(n: int) -> int:

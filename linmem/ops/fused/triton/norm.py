@@ -15,6 +15,7 @@ L2 norm, y = x r with r = 1 / sqrt(sum(x^2) + eps): ``dx = r (dy - y sum(dy y))`
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -127,12 +128,16 @@ def _warps(BD: int) -> int:
     return 8 if BD >= 4096 else 4
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _programs(blocks: int, H: int, device: torch.device) -> int:
-    """Programs per head of a backward that loops over row blocks (each keeps one dw share)."""
+    """Programs per head of a backward that loops over row blocks (each keeps one dw share): about four per SM."""
     if device.type != "cuda":
         return min(blocks, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(blocks, 4 * sms // H))
+    return max(1, min(blocks, 4 * _sm_count(device.index if device.index is not None else 0) // H))
 
 
 def _strides(t: Optional[Tensor]) -> tuple[int, int]:

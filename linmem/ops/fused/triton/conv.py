@@ -5,14 +5,17 @@
 x is read as ``[B, T, C]`` (a stride per batch row and per token, channels contiguous); with ``cu_seqlens``
 (B == 1) every token finds its sequence by a binary search of the boundaries, and a tap that reaches before
 the sequence's first token reads the sequence's history ``h0`` ([N, W-1, C], oldest first) or zero. Nothing
-is saved for the backward but the inputs: it recomputes z where it needs act'(z).
+is saved for the backward but the inputs.
 
-Backward, per source token s of sequence n (tokens u = s + lag read x_s through the weight column W-1-lag)::
+Backward in two passes: ``conv_dz_kernel`` recomputes z and writes ``dz_t = dy_t act'(z_t)`` (fp32; without an
+activation dz is dy and this pass is skipped); ``conv_dx_kernel`` then reads dz, per source token s of sequence n
+(token s + lag reads x_s through weight column W-1-lag)::
 
-    dz_u = dy_u act'(z_u)
-    dx_s = sum_lag w[:, W-1-lag] dz_(s+lag)   (u inside the sequence)  + dfinal[n, W-1-(eos-s)] (last W-1 tokens)
+    dx_s = sum_lag w[:, W-1-lag] dz_(s+lag)   (s + lag inside the sequence)  + dfinal[n, W-1-(eos-s)] (last W-1)
     dw[:, i] = sum_t dz_t x_(t-lag_i),  db = sum_t dz_t   (per token block, summed after)
     dh0[n, j] = sum_(u <= j) w[:, j-u] dz_(bos+u)   + dfinal[n, j - L] (sequences shorter than W-1)
+
+One pass that recomputed dz_(s+lag) for every lag held W + 1 tiles of taps at once and spilled registers.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from torch import Tensor
 
 from .common import activate, activation_grad, next_power_of_2, rounded, total
 
-#: at most this many tokens per program of the forward and the backward
-BLOCK_T = 32
+#: at most this many tokens per program (with BLOCK_C and WARPS: no register spills on sm_90, about 100 registers)
+BLOCK_T = 16
 #: at most this many channels per program
 BLOCK_C = 128
+#: warps per program of the token-tile kernels
+WARPS = 8
 
 
 def _blocks(T: int, C: int) -> tuple[int, int]:
@@ -59,50 +64,17 @@ def locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def tap(x, h0, b, u, pos, n, c, mask, lag, sxb, sxt, C, W: tl.constexpr, HAS_H0: tl.constexpr):
-    """The input lag tokens before token u (at position pos of its sequence n): [rows, BC] fp32, from x when it
-    lies in the sequence, else from the history h0 [N, W-1, C] (or 0)."""
-    inside = (pos >= lag)[:, None]
-    v = tl.load(x + b.to(tl.int64) * sxb + (u - lag).to(tl.int64)[:, None] * sxt + c[None, :],
-                mask=mask & inside, other=0.0).to(tl.float32)
+def tap(x, h0, b, u, pos, n, c, mt, mc, lag, sxb, sxt, C, W: tl.constexpr, HAS_H0: tl.constexpr):
+    """The input lag tokens before tokens u (at positions pos of their sequences n): [rows, BC] fp32, from x where
+    it lies in the sequence, else from the history h0 [N, W-1, C] (or 0). mt, mc: the rows' and channels' masks."""
+    inside = pos >= lag
+    rows = x + b.to(tl.int64) * sxb + (u - lag).to(tl.int64) * sxt
+    v = tl.load(rows[:, None] + c[None, :], mask=(mt & inside)[:, None] & mc[None, :], other=0.0).to(tl.float32)
     if HAS_H0:
-        slot = (n * (W - 1) + W - 1 + pos - lag).to(tl.int64)
-        v += tl.load(h0 + slot[:, None] * C + c[None, :], mask=mask & ~inside, other=0.0).to(tl.float32)
+        slots = h0 + (n * (W - 1) + W - 1 + pos - lag).to(tl.int64) * C
+        v += tl.load(slots[:, None] + c[None, :], mask=(mt & ~inside)[:, None] & mc[None, :],
+                     other=0.0).to(tl.float32)
     return v
-
-
-@triton.jit
-def conv_at(x, w, bias, h0, b, u, pos, n, c, mask, sxb, sxt, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_H0: tl.constexpr):
-    """z at tokens u (positions pos in their sequences n): [rows, BC] fp32. (:func:`tap`, written out: a nested
-    call costs the interpreter a few milliseconds.)"""
-    mc = c < C
-    z = tl.zeros((u.shape[0], c.shape[0]), tl.float32)
-    xs = x + b.to(tl.int64) * sxb + u.to(tl.int64)[:, None] * sxt + c[None, :]  # x_u
-    if HAS_H0:
-        hs = h0 + (n * (W - 1) + W - 1 + pos).to(tl.int64)[:, None] * C + c[None, :]  # h0 slot of position pos
-    ws = w + c * W
-    for i in tl.static_range(W):
-        lag = W - 1 - i
-        inside = (pos >= lag)[:, None]
-        v = tl.load(xs - lag * sxt, mask=mask & inside, other=0.0).to(tl.float32)
-        if HAS_H0:
-            v += tl.load(hs - lag * C, mask=mask & ~inside, other=0.0).to(tl.float32)
-        z += tl.load(ws + i, mask=mc, other=0.0).to(tl.float32)[None, :] * v
-    if HAS_BIAS:
-        z += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
-    return z
-
-
-@triton.jit
-def dz_at(x, w, bias, h0, dy, b, u, pos, n, c, mask, T, sxb, sxt, C, W: tl.constexpr, ACT: tl.constexpr,
-          HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr):
-    """dL/dz at tokens u (0 outside mask): dy [B, T, C] (contiguous) times act'(z), z recomputed."""
-    dz = tl.load(dy + (b.to(tl.int64) * T + u.to(tl.int64))[:, None] * C + c[None, :], mask=mask,
-                 other=0.0).to(tl.float32)
-    if ACT != 0:
-        dz *= activation_grad(conv_at(x, w, bias, h0, b, u, pos, n, c, mask, sxb, sxt, C, W, HAS_BIAS, HAS_H0), ACT)
-    return dz
 
 
 @triton.jit
@@ -113,77 +85,109 @@ def conv_fwd_kernel(x, w, bias, h0, y, cu_seqlens, T, C, N, STEPS, sxb, sxt, W: 
     b = tl.program_id(2)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (t < T)[:, None] & (c < C)[None, :]
+    mt, mc = t < T, c < C
     n, bos, _ = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
-    z = conv_at(x, w, bias, h0, b, t, t - bos, n, c, mask, sxb, sxt, C, W, HAS_BIAS, HAS_H0)
-    out = activate(z, ACT)
-    tl.store(y + (b.to(tl.int64) * T + t)[:, None] * C + c[None, :], rounded(out, y.dtype.element_ty), mask=mask)
+    z = tl.zeros((BT, BC), tl.float32)
+    for i in tl.static_range(W):
+        wi = tl.load(w + c * W + i, mask=mc, other=0.0).to(tl.float32)
+        z += wi[None, :] * tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
+    if HAS_BIAS:
+        z += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    out = (y + (b.to(tl.int64) * T + t) * C)[:, None] + c[None, :]
+    tl.store(out, rounded(activate(z, ACT), y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
 @triton.jit
-def conv_bwd_kernel(x, w, bias, h0, dy, dfinal, dx, dw, db, cu_seqlens, T, C, N, STEPS, sxb, sxt,
-                    W: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-                    HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """dx [B, T, C] for a [BT, BC] tile of source tokens, and this tile's share of dw [P, C, W], db [P, C] (fp32,
-    P = B * T blocks). Grid (T blocks, C blocks, B)."""
+def conv_dz_kernel(x, w, bias, h0, dy, dz, cu_seqlens, T, C, N, STEPS, sxb, sxt, W: tl.constexpr, ACT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr):
+    """dz [B, T, C] fp32 = dy act'(z) for a [BT, BC] tile, z recomputed (dy contiguous). Grid (T blocks, C blocks,
+    B)."""
     b = tl.program_id(2)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = c < C
-    mask = (t < T)[:, None] & mc[None, :]
-    n, bos, eos = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
-    pos = t - bos
-    dz0 = dz_at(x, w, bias, h0, dy, b, t, pos, n, c, mask, T, sxb, sxt, C, W, ACT, HAS_BIAS, HAS_H0)
-    dxt = tl.load(w + c * W + W - 1, mask=mc, other=0.0).to(tl.float32)[None, :] * dz0
-    for lag in tl.static_range(1, W):  # token t + lag reads x_t through weight column W - 1 - lag
-        later = mask & (t + lag < eos)[:, None]
-        dz = dz_at(x, w, bias, h0, dy, b, t + lag, pos + lag, n, c, later, T, sxb, sxt, C, W, ACT, HAS_BIAS, HAS_H0)
-        dxt += tl.load(w + c * W + W - 1 - lag, mask=mc, other=0.0).to(tl.float32)[None, :] * dz
-    if HAS_DFINAL:  # the last W - 1 tokens of a sequence are its final state
-        j = W - 1 - (eos - t)
-        dxt += tl.load(dfinal + (n * (W - 1) + j).to(tl.int64)[:, None] * C + c[None, :],
-                       mask=mask & (j >= 0)[:, None], other=0.0).to(tl.float32)
-    tl.store(dx + (b.to(tl.int64) * T + t)[:, None] * C + c[None, :], rounded(dxt, dx.dtype.element_ty), mask=mask)
-    p = b * tl.num_programs(0) + tl.program_id(0)
+    mt, mc = t < T, c < C
+    n, bos, _ = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
+    z = tl.zeros((BT, BC), tl.float32)
     for i in tl.static_range(W):
-        xi = tap(x, h0, b, t, pos, n, c, mask, W - 1 - i, sxb, sxt, C, W, HAS_H0)
-        tl.store(dw + (p.to(tl.int64) * C + c) * W + i, total(dz0 * xi, 0), mask=mc)
+        wi = tl.load(w + c * W + i, mask=mc, other=0.0).to(tl.float32)
+        z += wi[None, :] * tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
     if HAS_BIAS:
-        tl.store(db + p.to(tl.int64) * C + c, total(dz0, 0), mask=mc)
+        z += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    at = ((b.to(tl.int64) * T + t) * C)[:, None] + c[None, :]
+    mask = mt[:, None] & mc[None, :]
+    tl.store(dz + at, tl.load(dy + at, mask=mask, other=0.0).to(tl.float32) * activation_grad(z, ACT), mask=mask)
 
 
 @triton.jit
-def conv_state_bwd_kernel(x, w, bias, h0, dy, dfinal, dh0, cu_seqlens, T, C, sxb, sxt, W: tl.constexpr,
-                          ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
+def conv_dx_kernel(x, w, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, STEPS, sxb, sxt, W: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr):
+    """dx [B, T, C] for a [BT, BC] tile of source tokens from dz (fp32, contiguous), and the tile's shares of
+    dw [P, C, W] and db [P, C] (fp32, P = B * T blocks). Grid (T blocks, C blocks, B)."""
+    b = tl.program_id(2)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mt, mc = t < T, c < C
+    n, bos, eos = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
+    rows = dz + (b.to(tl.int64) * T + t) * C
+    g = tl.zeros((BT, BC), tl.float32)
+    for lag in tl.static_range(W):  # token t + lag reads x_t through weight column W - 1 - lag
+        wl = tl.load(w + c * W + W - 1 - lag, mask=mc, other=0.0).to(tl.float32)
+        later = (mt & (t + lag < eos))[:, None] & mc[None, :]
+        g += wl[None, :] * tl.load((rows + lag * C)[:, None] + c[None, :], mask=later, other=0.0).to(tl.float32)
+    if HAS_DFINAL:  # the last W - 1 tokens of a sequence are its final state
+        j = W - 1 - (eos - t)
+        slots = dfinal + (n * (W - 1) + j).to(tl.int64) * C
+        g += tl.load(slots[:, None] + c[None, :], mask=(mt & (j >= 0))[:, None] & mc[None, :],
+                     other=0.0).to(tl.float32)
+    out = (dx + (b.to(tl.int64) * T + t) * C)[:, None] + c[None, :]
+    tl.store(out, rounded(g, dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    dz_t = tl.load(rows[:, None] + c[None, :], mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    p = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    for i in tl.static_range(W):
+        xi = tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
+        tl.store(dw + (p * C + c) * W + i, total(dz_t * xi, 0), mask=mc)
+    if HAS_BIAS:
+        tl.store(db + p * C + c, total(dz_t, 0), mask=mc)
+
+
+@triton.jit
+def sequence_span(cu_seqlens, n, T, IS_VARLEN: tl.constexpr):
+    """(batch row, first token, length) of sequence n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int32)
+        L = tl.load(cu_seqlens + n + 1).to(tl.int32) - bos
+        b = n * 0
+    else:
+        bos = n * 0
+        L = T
+        b = n
+    return b, bos, L
+
+
+@triton.jit
+def conv_state_bwd_kernel(w, dz, dfinal, dh0, cu_seqlens, T, C, W: tl.constexpr, HAS_DFINAL: tl.constexpr,
                           IS_VARLEN: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr):
     """dh0 [N, W-1, C] (fp32): the history's slot j is read by the sequence's tokens u <= j through weight column
     j - u. Grid (N, C blocks)."""
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     j = tl.arange(0, BJ)
-    mc = c < C
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int32)
-        L = tl.load(cu_seqlens + n + 1).to(tl.int32) - bos
-        b = n * 0
-    else:
-        bos = 0
-        L = T
-        b = n
-    seq = tl.zeros_like(j) + n
-    acc = tl.zeros((BJ, BC), tl.float32)
+    mc, mj = c < C, j < W - 1
+    b, bos, L = sequence_span(cu_seqlens, n, T, IS_VARLEN)
+    g = tl.zeros((BJ, BC), tl.float32)
     for k in tl.static_range(W - 1):  # token u = j - k reads slot j through weight column k
         u = j - k
-        m = ((u >= 0) & (u < L) & (j < W - 1))[:, None] & mc[None, :]
-        dz = dz_at(x, w, bias, h0, dy, b, bos + u, u, seq, c, m, T, sxb, sxt, C, W, ACT, HAS_BIAS, True)
-        acc += tl.load(w + c * W + k, mask=mc, other=0.0).to(tl.float32)[None, :] * dz
+        rows = dz + (b.to(tl.int64) * T + bos + u) * C
+        wk = tl.load(w + c * W + k, mask=mc, other=0.0).to(tl.float32)
+        g += wk[None, :] * tl.load(rows[:, None] + c[None, :], mask=(mj & (u >= 0) & (u < L))[:, None] & mc[None, :],
+                                   other=0.0).to(tl.float32)
     if HAS_DFINAL:  # a sequence shorter than W - 1 passes slots L.. of its history on to its final state
-        f = j - L
-        m = ((f >= 0) & (j < W - 1))[:, None] & mc[None, :]
-        acc += tl.load(dfinal + (n * (W - 1) + f).to(tl.int64)[:, None] * C + c[None, :], mask=m,
-                       other=0.0).to(tl.float32)
-    tl.store(dh0 + (n * (W - 1) + j).to(tl.int64)[:, None] * C + c[None, :], acc,
-             mask=(j < W - 1)[:, None] & mc[None, :])
+        slots = dfinal + (n * (W - 1) + j - L).to(tl.int64) * C
+        g += tl.load(slots[:, None] + c[None, :], mask=(mj & (j >= L))[:, None] & mc[None, :],
+                     other=0.0).to(tl.float32)
+    tl.store((dh0 + (n * (W - 1) + j).to(tl.int64) * C)[:, None] + c[None, :], g, mask=mj[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -194,19 +198,12 @@ def final_state_kernel(x, h0, final, cu_seqlens, T, C, sxb, sxt, W: tl.constexpr
     n = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     j = tl.arange(0, BJ)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int32)
-        L = tl.load(cu_seqlens + n + 1).to(tl.int32) - bos
-        b = n * 0
-    else:
-        bos = 0
-        L = T
-        b = n
+    mc, mj = c < C, j < W - 1
+    b, bos, L = sequence_span(cu_seqlens, n, T, IS_VARLEN)
     pos = L - (W - 1) + j
-    mask = (j < W - 1)[:, None] & (c < C)[None, :]
-    v = tap(x, h0, b, bos + pos, pos, tl.zeros_like(j) + n, c, mask, 0, sxb, sxt, C, W, HAS_H0)
-    tl.store(final + (n * (W - 1) + j).to(tl.int64)[:, None] * C + c[None, :],
-             rounded(v, final.dtype.element_ty), mask=mask)
+    v = tap(x, h0, b, bos + pos, pos, tl.zeros_like(j) + n, c, mj, mc, 0, sxb, sxt, C, W, HAS_H0)
+    tl.store((final + (n * (W - 1) + j).to(tl.int64) * C)[:, None] + c[None, :],
+             rounded(v, final.dtype.element_ty), mask=mj[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -251,7 +248,7 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional
     y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
         x, weight, bias, h0, y, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W, ACT=act,
-        HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT, BC=BC)
+        HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT, BC=BC, num_warps=WARPS)
     if not output_final:
         return y, None
     final = torch.empty(N, W - 1, C, device=x.device, dtype=x.dtype)
@@ -271,21 +268,26 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
     BT, BC = _blocks(T, C)
     dy = dy.contiguous()
     dfinal = None if dfinal is None else dfinal.contiguous()
-    dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     blocks = triton.cdiv(T, BT)
+    grid = (blocks, triton.cdiv(C, BC), B)
+    dz = dy  # without an activation dz = dy
+    if act != 0:
+        dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
+        conv_dz_kernel[grid](x, weight, bias, h0, dy, dz, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W,
+                             ACT=act, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT,
+                             BC=BC, num_warps=WARPS)
+    dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     dw = torch.empty(B * blocks, C, W, device=x.device, dtype=torch.float32)
     db = torch.empty(B * blocks, C, device=x.device, dtype=torch.float32) if bias is not None else None
-    conv_bwd_kernel[(blocks, triton.cdiv(C, BC), B)](
-        x, weight, bias, h0, dy, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W,
-        ACT=act, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, HAS_DFINAL=dfinal is not None, IS_VARLEN=varlen,
-        BT=BT, BC=BC)
+    conv_dx_kernel[grid](x, weight, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1),
+                         W=W, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, HAS_DFINAL=dfinal is not None,
+                         IS_VARLEN=varlen, BT=BT, BC=BC, num_warps=WARPS)
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, W - 1, C, device=x.device, dtype=torch.float32)
-        conv_state_bwd_kernel[(N, triton.cdiv(C, BC))](
-            x, weight, bias, h0, dy, dfinal, dh0, cu_seqlens, T, C, x.stride(0), x.stride(1), W=W, ACT=act,
-            HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, IS_VARLEN=varlen, BJ=next_power_of_2(W - 1),
-            BC=BC)
+        conv_state_bwd_kernel[(N, triton.cdiv(C, BC))](weight, dz, dfinal, dh0, cu_seqlens, T, C, W=W,
+                                                       HAS_DFINAL=dfinal is not None, IS_VARLEN=varlen,
+                                                       BJ=next_power_of_2(W - 1), BC=BC)
         dh0 = dh0.to(h0.dtype)
     dbias = None if bias is None else db.sum(0).to(bias.dtype)
     return dx, dw.sum(0).to(weight.dtype), dbias, dh0

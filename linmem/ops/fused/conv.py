@@ -146,7 +146,8 @@ def _check_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: O
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> None:
-    """Shape and dtype always; the values (0 first, non-decreasing, T last) of CPU tensors only (no GPU sync)."""
+    """Shape and dtype always; the values (0 first, non-decreasing, T last) of CPU tensors outside torch.compile
+    only (no GPU synchronisation, no graph break)."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"short_conv: `cu_seqlens` must be an int32 or int64 tensor, got "
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
@@ -156,7 +157,7 @@ def _check_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> None:
         raise ValueError(f"short_conv: `cu_seqlens` packs sequences along T and needs B == 1, got B = {x.shape[0]}")
     if cu_seqlens.device != x.device:
         raise ValueError(f"short_conv: `cu_seqlens` is on {cu_seqlens.device}, x on {x.device}")
-    if cu_seqlens.device.type == "cpu":
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         c = cu_seqlens.tolist()
         if c[0] != 0 or c[-1] != x.shape[1] or any(b < a for a, b in zip(c, c[1:])):
             raise ValueError(f"short_conv: `cu_seqlens` must rise from 0 to T = {x.shape[1]}, got {c}")

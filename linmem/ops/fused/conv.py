@@ -51,14 +51,18 @@ def _(x, weight, bias, initial_state, cu_seqlens, act, output_final_state):
     return x.new_empty(x.shape), final
 
 
+def _launch_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
+    from .triton.conv import conv_backward
+
+    return conv_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
+
+
 @torch.library.custom_op("linmem::short_conv_bwd", mutates_args=())
 def short_conv_bwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], dy: Tensor, dfinal: Optional[Tensor], act: int
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx, dweight, dbias or empty, d initial state or empty)."""
-    from .triton.conv import conv_backward
-
-    dx, dw, db, dh0 = conv_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
+    dx, dw, db, dh0 = _launch_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
     return dx, dw, _or_empty(db, x), _or_empty(dh0, x)
 
 
@@ -66,12 +70,6 @@ def short_conv_bwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
 def _(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
     like = lambda t: x.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
     return x.new_empty(x.shape), torch.empty_like(weight), like(bias), like(initial_state)
-
-
-def _launch_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
-    from .triton.conv import conv_backward
-
-    return conv_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
 
 
 def _gradients(ctx, dy: Optional[Tensor], dfinal: Optional[Tensor], backward) -> tuple:

@@ -1,0 +1,103 @@
+"""The SwiGLU activation ``silu(gate) * up`` in one kernel each way, saving only its two inputs.
+
+Eager PyTorch keeps ``silu(gate)`` (and its fp32 copies) for the backward; this keeps nothing but gate and up,
+which the projections' outputs are anyway. ``torch.compile`` sees the custom ops ``linmem::swiglu_fwd`` /
+``linmem::swiglu_bwd``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .backend import use_triton
+
+
+@torch.library.custom_op("linmem::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(gate: Tensor, up: Tensor) -> Tensor:
+    """Rows [M, D] -> y [M, D]."""
+    from .triton.swiglu import swiglu_forward
+
+    return swiglu_forward(gate, up)
+
+
+@swiglu_fwd_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("linmem::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(gate: Tensor, up: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    from .triton.swiglu import swiglu_backward
+
+    return swiglu_backward(gate, up, dy)
+
+
+@swiglu_bwd_op.register_fake
+def _(gate, up, dy):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dy):
+    return swiglu_bwd_op(*ctx.saved_tensors, dy)
+
+
+swiglu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class SwiGLUFn(torch.autograd.Function):
+    """The SwiGLU kernels under autograd (eager mode); saves gate and up only."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        from .triton.swiglu import swiglu_forward
+
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .triton.swiglu import swiglu_backward
+
+        return swiglu_backward(*ctx.saved_tensors, dy)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x [..., D] as [M, D]: a view where the strides allow (e.g. a half of a fused projection), else a copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def swiglu(gate: Tensor, up: Tensor, *, backend: str = "auto") -> Tensor:
+    """``silu(gate) * up`` (fp32 inside, gate's dtype out), fused forward and backward.
+
+    Args:
+        gate, up: ``[..., I]`` of one shape and dtype, e.g. the two halves of ``gate_up(x).chunk(2, -1)``
+            (read in place).
+        backend: ``"auto"`` (the Triton kernels on CUDA, the reference elsewhere), ``"triton"``, ``"reference"``.
+
+    Returns:
+        ``[..., I]``, contiguous.
+
+    Example:
+        >>> gate, up = torch.randn(2, 5, 64).chunk(2, dim=-1)
+        >>> swiglu(gate, up).shape
+        torch.Size([2, 5, 32])
+    """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Tensor) or not t.is_floating_point() or t.ndim == 0:
+            raise TypeError(f"swiglu: `{name}` must be a floating-point tensor [..., I], got "
+                            f"{getattr(t, 'dtype', type(t))}")
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"swiglu: `up` must match gate ({list(gate.shape)}, {gate.dtype}, {gate.device}), got "
+                         f"{list(up.shape)}, {up.dtype}, {up.device}")
+    if not use_triton("swiglu", backend, gate, None if gate.numel() else "no elements"):
+        return reference.swiglu(gate, up)
+    g, u = _rows(gate), _rows(up)
+    y = swiglu_fwd_op(g, u) if torch.compiler.is_compiling() else SwiGLUFn.apply(g, u)
+    return y.view(gate.shape)

@@ -1,0 +1,124 @@
+"""The layers' glue in plain PyTorch: the ground truth of the fused kernels.
+
+Every function computes in fp32 (fp64 for fp64 inputs) and returns the input's dtype, as the
+kernels do; autograd gives the gradients. Shapes::
+
+    short_conv        y_t = act(b + sum_i w[:, i] * x_(t - W + 1 + i))     x, y: [B, T, C], w: [C, W]
+    l2_norm           y = x / sqrt(sum(x^2) + eps)                        over the last dim
+    rms_norm          y = x / sqrt(mean(x^2) + eps) * w                   over the last dim
+    gated_rms_norm    y = rms_norm(x) * act(gate)
+    swiglu            y = silu(gate) * up
+    linear_cross_entropy  mean_n (logsumexp(h_n W^T) - (h_n W^T)[label_n])
+
+Keep this file short and literal; it is the oracle of ``linmem.ops.fused``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def activate(z: Tensor, activation: Optional[str]) -> Tensor:
+    """None (identity), "silu" or "sigmoid" applied to z."""
+    if activation is None:
+        return z
+    return F.silu(z) if activation == "silu" else torch.sigmoid(z)
+
+
+def sequences(x: Tensor, cu_seqlens: Optional[Tensor]) -> list[Tensor]:
+    """The sequences of x [B, T, C]: each batch row, or each ``cu_seqlens`` span of row 0 (B == 1)."""
+    if cu_seqlens is None:
+        return list(x.unbind(0))
+    bounds = cu_seqlens.tolist()
+    return [x[0, bos:eos] for bos, eos in zip(bounds[:-1], bounds[1:])]
+
+
+def short_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    activation: Optional[str] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Causal depthwise convolution: x [B, T, C], weight [C, W], bias [C] -> (y [B, T, C], final [N, W-1, C]).
+
+    Sequence n starts from its history ``initial_state[n]`` ([N, W-1, C], oldest first; zeros if None)
+    and its final state is its last W-1 inputs (history included when it is shorter than W-1).
+    """
+    dt = compute_dtype(x)
+    C, W = weight.shape
+    outputs, finals = [], []
+    for n, xs in enumerate(sequences(x, cu_seqlens)):  # xs: [L, C]
+        past = xs.new_zeros(W - 1, C) if initial_state is None else initial_state[n].to(x.dtype)
+        seen = torch.cat([past, xs]).to(dt)  # [W - 1 + L, C]
+        L = xs.shape[0]
+        z = sum(weight[:, i].to(dt) * seen[i:i + L] for i in range(W))  # tap i reads x_(t - (W - 1 - i))
+        if bias is not None:
+            z = z + bias.to(dt)
+        outputs.append(activate(z, activation).to(x.dtype))
+        finals.append(seen[seen.shape[0] - (W - 1):].to(x.dtype))
+    y = torch.stack(outputs) if cu_seqlens is None else torch.cat(outputs)[None]
+    return y, (torch.stack(finals) if output_final_state else None)
+
+
+def short_conv_step(
+    x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None
+) -> Tensor:
+    """One token x [B, C] against the history ``state`` [B, W-1, C] (updated in place) -> y [B, C]."""
+    dt = compute_dtype(x)
+    seen = torch.cat([state.to(dt), x[:, None].to(dt)], dim=1)  # [B, W, C]
+    z = torch.einsum("bwc,cw->bc", seen, weight.to(dt))
+    if bias is not None:
+        z = z + bias.to(dt)
+    state.copy_(seen[:, 1:])
+    return activate(z, activation).to(x.dtype)
+
+
+def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
+    x32 = x.to(compute_dtype(x))
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None, residual_out: bool = False
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """h = x (+ residual); y = h / sqrt(mean(h^2) + eps) * weight over the last dim; -> y, or (y, h)."""
+    h = x if residual is None else x + residual  # the pre-norm stream, in x's dtype
+    h32 = h.to(compute_dtype(x))
+    y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(h32.dtype)).to(x.dtype)
+    return (y, h) if residual_out else y
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6, activation: str = "silu") -> Tensor:
+    """rms_norm(x) * act(gate), all in fp32: x, gate [..., D], weight [D] (or the trailing dims of x)."""
+    dt = compute_dtype(x)
+    x32 = x.to(dt)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)
+    return (normed * activate(gate.to(dt), activation)).to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up."""
+    dt = compute_dtype(gate)
+    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of the logits hidden [N, D] @ weight [V, D]^T (in the activation dtype) against labels [N]."""
+    logits = hidden @ weight.T  # [N, V]
+    return F.cross_entropy(logits.to(compute_dtype(hidden)), labels, ignore_index=ignore_index, reduction=reduction)

@@ -3,8 +3,8 @@
 A run on ``world = dp * sp`` ranks: ``dp`` data-parallel ranks (each its own share of the global
 batch) times ``sp`` sequence-parallel ranks (each a contiguous piece of every sequence of its
 share). Expert parallelism splits every MoE layer's experts over ``ep`` of the data-parallel ranks
-(``ep`` divides ``dp``). The mesh has the dimensions ``("edp", "ep", "sp")`` of sizes
-``(dp / ep, ep, sp)`` with ``dp = edp * ep``; FSDP shards the replicated parameters over all ranks
+(``ep`` divides ``dp``). The mesh has the dimensions ``("edp", "sp", "ep")`` of sizes
+``(dp / ep, sp, ep)`` with ``dp = edp * ep``; FSDP shards the replicated parameters over all ranks
 and the experts over the ``edp * sp`` ranks that hold the same experts.
 """
 
@@ -81,7 +81,7 @@ class ParallelMesh:
     """The device meshes of a run (all cut from one root mesh, so DTensors on them compose)."""
 
     config: ParallelConfig
-    root: DeviceMesh  # ("edp", "ep", "sp")
+    root: DeviceMesh  # ("edp", "sp", "ep")
     dp: DeviceMesh  # data-parallel ranks (edp * ep): each its own batch share
     sp: DeviceMesh  # sequence-parallel ranks: pieces of the same sequences
     ep: DeviceMesh  # expert-parallel ranks: each holds 1/ep of the experts
@@ -113,11 +113,12 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
     config.validate(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    root = init_device_mesh(device_type, (config.dp // config.ep, config.ep, config.sp),
-                            mesh_dim_names=("edp", "ep", "sp"))
+    # ep innermost: the experts' meshes (expert_data, ep) then keep the root's dimension order
+    root = init_device_mesh(device_type, (config.dp // config.ep, config.sp, config.ep),
+                            mesh_dim_names=("edp", "sp", "ep"))
     return ParallelMesh(
         config=config, root=root, dp=root["edp", "ep"]._flatten("dp"), sp=root["sp"], ep=root["ep"],
-        data=root["edp", "ep", "sp"]._flatten("data"), expert_data=root["edp", "sp"]._flatten("expert_data"),
+        data=root["edp", "sp", "ep"]._flatten("data"), expert_data=root["edp", "sp"]._flatten("expert_data"),
     )
 
 

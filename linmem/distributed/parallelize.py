@@ -102,6 +102,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
                     fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
                 fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
                 mlp.set_gradient_divide_factor(float(world))
+                if not on_gpu:  # gloo has no pre-multiplied sum: sum, then divide
+                    mlp.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
     return model
@@ -123,16 +125,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     each over all its ranks, then combined: the result is the norm of the full gradient, the same
     on every rank, as ``torch.nn.utils.clip_grad_norm_`` on one process.
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    by_mesh: dict[Optional[object], list[torch.Tensor]] = defaultdict(list)
+    by_mesh: dict[Optional[object], list[nn.Parameter]] = defaultdict(list)
     for p in parameters:
-        by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     norms = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    for group in by_mesh.values():  # one mesh at a time: a fused update cannot mix meshes
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

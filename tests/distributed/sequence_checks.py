@@ -194,6 +194,28 @@ def shard_checks() -> None:
     assert layout.prefix_length == int(piece["position_ids"][0, 0]), "prefix_length is the first token's position"
 
 
+def argument_checks() -> None:
+    """Bad arguments of the sequence-parallel ops are refused by name."""
+    group, rank = dist.group.WORLD, dist.get_rank()
+    q = torch.randn(1, 4, 1, 2)
+    cases = [
+        (lambda: sp_linear_recurrence(q, q, q, group=None), TypeError, "`group` must be a process group"),
+        (lambda: sp_linear_recurrence(q, q, q, group=group, cu_seqlens=torch.tensor([0, 4])), ValueError,
+         "`prefix_length`"),
+        (lambda: sp_linear_recurrence(q, q, q, group=group, cu_seqlens=torch.tensor([0, 4]), prefix_length=99),
+         ValueError, "exceeds"),
+        (lambda: sp_halo(q, group, 5), ValueError, "size <= the local length"),
+        (lambda: sp_attention(q, q, q, group=group, prefix_length=2), ValueError, "with `cu_seqlens`"),
+    ]
+    for call, error, words in cases:
+        try:
+            call()
+        except error as caught:
+            assert words in str(caught), f"rank {rank}: {caught}"
+        else:
+            raise AssertionError(f"rank {rank}: no {error.__name__} mentioning {words!r}")
+
+
 def all_sequence_checks() -> None:
     shard_checks()
     halo_checks()

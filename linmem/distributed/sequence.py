@@ -318,6 +318,8 @@ def sp_halo(
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"{op}: `size` must be an int >= 0, got {size!r}")
     B, T = x.shape[:2]
+    if size == 0:
+        return x[:, :0]
     if size > T:
         raise ValueError(f"{op}: the halo of {size} tokens must come from the previous rank alone, so it needs "
                          f"size <= the local length T = {T}")

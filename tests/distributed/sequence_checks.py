@@ -20,18 +20,19 @@ from linmem.distributed import shard_sequence, sp_attention, sp_halo, sp_linear_
 from linmem.ops import linear_recurrence
 from linmem.ops.attention import forgetting_attention
 from linmem.layers.modules import causal_window
-from tests.helpers import make_inputs, rel_err
+from tests.helpers import make_inputs, max_float, rel_err
 
-TOL = 1e-9  # fp64 throughout: the split run must agree to rounding
+TOL = 1e-9  # fp64: the split run must agree to rounding
+BF16_TOL = 5e-3  # bf16 activations (fp32 gates and states) against the fp32 one-process run
 PER_TOKEN = ("q", "k", "v", "beta", "a", "b")
 
 
-def _check(name: str, got: torch.Tensor, ref: torch.Tensor, case: str) -> None:
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor, case: str, tol: float = TOL) -> None:
     assert got.shape == ref.shape, f"{case}: {name} shape {list(got.shape)} vs {list(ref.shape)}"
     if ref.numel() == 0:
         return
     err = rel_err(got, ref) if ref.abs().max() > 0 else float((got - ref).abs().max())
-    assert err < TOL, f"{case}: {name} differs from the one-process run, error ratio {err:.2e}"
+    assert err < tol, f"{case}: {name} differs from the one-process run, error ratio {err:.2e}"
 
 
 def _summed(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def global_packing(world: int) -> tuple[int, list[int]]:
     return 24, [0, 4, 17, 20, 24]  # 4..16 spans rank 1 entirely (6 tokens per rank)
 
 
-def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool) -> None:
+def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool, dtype: torch.dtype = torch.float64) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     H, K, V = 2, 4, 3
@@ -58,14 +59,15 @@ def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool) -> None:
         B, T, cu = 2, 5 * world, None
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{rule}{bonus}{varlen}".encode()))
     N = B if cu is None else len(bounds) - 1
-    full = make_inputs(kind, rule, bonus, 1 if varlen else B, T, H, K, V, dtype=torch.float64, generator=gen,
+    full = make_inputs(kind, rule, bonus, 1 if varlen else B, T, H, K, V, dtype=dtype, generator=gen,
                        initial_state=False)
-    full["initial_state"] = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64)
+    full["initial_state"] = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64).to(max_float(dtype))
     w_out = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
     w_state = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64)
-    case = f"{kind}/{rule}/bonus={bonus}/varlen={varlen}/world={world}"
+    case = f"{kind}/{rule}/bonus={bonus}/varlen={varlen}/world={world}/{dtype}"
 
-    ref_in = {n: x.clone().requires_grad_() for n, x in full.items()}
+    tol = TOL if dtype == torch.float64 else BF16_TOL  # bf16 pieces against the fp32 one-process run
+    ref_in = {n: x.to(max_float(x.dtype)).clone().requires_grad_() for n, x in full.items()}
     o_ref, S_ref = linear_recurrence(**ref_in, output_final_state=True, cu_seqlens=cu, backend="chunk")
     ((o_ref * w_out).sum() + (S_ref * w_state).sum()).backward()
 
@@ -89,14 +91,14 @@ def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool) -> None:
     loss = (o * w_out[:, lo:hi]).sum() + (S[done] * w_state[seq_of][done]).sum()
     loss.backward()
 
-    _check("o", o, o_ref[:, lo:hi], case)
-    _check("final state", S[done], S_ref[seq_of][done], case)
+    _check("o", o, o_ref[:, lo:hi], case, tol)
+    _check("final state", S[done], S_ref[seq_of][done], case, tol)
     for n, x in mine.items():
         if per_token(n, x):
-            _check(f"d{n}", x.grad, ref_in[n].grad[:, lo:hi], case)
+            _check(f"d{n}", x.grad, ref_in[n].grad[:, lo:hi], case, tol)
         else:
-            _check(f"d{n}", _summed(x.grad, x), ref_in[n].grad, case)
-    _check("d initial_state", _summed(init.grad, init), ref_in["initial_state"].grad, case)
+            _check(f"d{n}", _summed(x.grad, x), ref_in[n].grad, case, tol)
+    _check("d initial_state", _summed(init.grad, init), ref_in["initial_state"].grad, case, tol)
 
 
 def recurrence_checks(kinds=("none", "constant", "scalar", "vector", "full")) -> None:
@@ -106,6 +108,8 @@ def recurrence_checks(kinds=("none", "constant", "scalar", "vector", "full")) ->
     for varlen in (False, True):
         recurrence_case("vector", "additive", True, varlen)
         recurrence_case("scalar", "delta", True, varlen)
+        recurrence_case("scalar", "delta", False, varlen, torch.bfloat16)
+        recurrence_case("vector", "additive", False, varlen, torch.bfloat16)
 
 
 def attention_case(forget: bool, window: Optional[int], varlen: bool) -> None:

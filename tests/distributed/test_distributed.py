@@ -32,11 +32,11 @@ from linmem.distributed import (
 )
 from linmem.distributed.attention import causal_attention_lower_right
 from linmem.models import LinmemConfig, LinmemForCausalLM
-from linmem.ops import parallel
-from linmem.ops.attention import cached_attention
+from linmem.ops import linear_recurrence, parallel
+from linmem.ops.attention import cached_attention, forgetting_attention
 from linmem.train.data import ExampleBatches
 
-from . import expert_checks, sequence_checks, training_checks
+from . import expert_checks, model_checks, sequence_checks, training_checks
 from .launch import run_ranks
 
 
@@ -138,3 +138,38 @@ def test_handler_hook() -> None:
             handler.linear_recurrence(torch.randn(1, 6, 1, 2), torch.randn(1, 6, 1, 2), torch.randn(1, 6, 1, 2),
                                       cu_seqlens=torch.tensor([0, 6]))
     assert parallel.sequence_handler() is None
+
+
+class _Recorder:
+    """A sequence handler for one process that runs the ops locally and records which the layers consulted."""
+
+    def __init__(self) -> None:
+        self.consulted: set[str] = set()
+
+    def linear_recurrence(self, q, k, v, **kwargs):
+        self.consulted.add("linear_recurrence")
+        with parallel.local_ops():
+            return linear_recurrence(q, k, v, **kwargs)
+
+    def attention(self, q, k, v, **kwargs):
+        self.consulted.add("attention")
+        with parallel.local_ops():
+            return forgetting_attention(q, k, v, **kwargs)
+
+    def halo(self, x, size, cu_seqlens):
+        self.consulted.add("halo")
+        return x.new_zeros(x.shape[0], size, *x.shape[2:])
+
+
+def test_model_sequence_parallel() -> None:
+    recorder = _Recorder()
+    model = LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="LN",
+                                           attention="fox", kv_shift=True))
+    with parallel.sequence_parallel(recorder):
+        model(torch.randint(0, 32, (1, 8)), use_cache=False)
+    missing = {"linear_recurrence", "attention", "halo"} - recorder.consulted
+    if missing:
+        pytest.skip(f"the layers do not consult linmem.ops.parallel for {sorted(missing)}: whole models are not "
+                    "sequence-parallel yet (the ops are, see the two- and four-rank jobs)")
+    run_ranks(2, model_checks.model_checks)
+    run_ranks(4, model_checks.model_checks)

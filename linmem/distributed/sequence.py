@@ -16,9 +16,9 @@ The outputs are completed with the read-out of the start, which is linear in it:
     o_t = o_t^0 + scale * q_t P_t S_start            (P_{t-1} with the RWKV-6 bonus)
 
 For additive rules ``q_t P_t = q_t * exp(G_t)`` with ``G_t`` the cumulative log decay. For delta and
-DPLR rules the piece runs once with ``K`` extra value columns that are zero, started from the
-identity: their state is ``P_t`` itself and their read-out is exactly ``scale * q_t P_t``, so one
-call of the local kernels yields ``o^0``, ``q_t P_t``, ``S^0`` and ``P``. A rank whose last segment
+DPLR rules the state's columns evolve independently and the transition acts on each, so the
+first segment runs once more with zero values (``V = K``) from the identity: that run's state is
+``P_t`` itself and its read-out is exactly ``scale * q_t P_t`` (the same kernels, no new ones). A rank whose last segment
 starts on it sends ``P = 0``: its end state does not depend on what came before. Gradients flow
 through the all-gather (whose backward is a reduce-scatter), so they equal the one-process run's.
 """
@@ -159,7 +159,6 @@ def _local(q, k, v, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 def _sp_recurrence(inputs, group: ProcessGroup, layout: PieceLayout, backend: str):
     q, k, v = inputs.q, inputs.k, inputs.v
     B, T, H, K = q.shape
-    V = v.shape[-1]
     acc = compute_dtype(q)
     additive = inputs.rule == "additive"
     gates = dict(log_decay=inputs.log_decay, beta=inputs.beta, bonus=inputs.bonus, a=inputs.a, b=inputs.b)
@@ -172,27 +171,15 @@ def _sp_recurrence(inputs, group: ProcessGroup, layout: PieceLayout, backend: st
     if init is not None and layout.continues:
         init = torch.cat([torch.zeros_like(init[:1]), init[1:]]) if layout.varlen else None
 
-    if not layout.continues or additive:  # one local call; additive rules get q_t P_t in closed form
-        o0, S_loc = _local(q, k, v, **gates, **common, initial_state=init, cu_seqlens=inputs.cu_seqlens)
-        P_first = read_first = None
-        if layout.continues:
-            read_first, P_first = _additive_transition(inputs, layout)
-    else:  # delta / DPLR: the first segment(s) once more with K zero value columns started at I
+    o0, S_loc = _local(q, k, v, **gates, **common, initial_state=init, cu_seqlens=inputs.cu_seqlens)
+    read_first = P_first = None  # scale * q_t P_t over the first segment(s), and their whole transition
+    if layout.continues and additive:  # closed form from the cumulative log decays
+        read_first, P_first = _additive_transition(inputs, layout)
+    elif layout.continues:  # delta / DPLR: the first segment(s) once more, zero values from the identity
         first = lambda x: x if x is None or x.dim() < 3 else x[:, :L0]  # noqa: E731  (bonus, constant decay stay)
         eye = torch.eye(K, dtype=acc, device=q.device).expand(first_rows, H, K, K)
-        v_aug = torch.cat([v[:, :L0], v.new_zeros(B, L0, H, K)], dim=-1)
-        S_aug0 = torch.cat([q.new_zeros(first_rows, H, K, V, dtype=acc), eye], dim=-1)
-        o_aug, S_aug = _local(q[:, :L0], k[:, :L0], v_aug, **{n: first(x) for n, x in gates.items()}, **common,
-                              initial_state=S_aug0)
-        o0, read_first = o_aug[..., :V], o_aug[..., V:]  # [B, L0, H, V], scale * q_t P_t: [B, L0, H, K]
-        S_loc, P_first = S_aug[..., :V], S_aug[..., V:]  # [rows, H, K, V], [rows, H, K, K]
-        if layout.varlen and L0 < T:  # the other segments as usual
-            rest = lambda x: x if x is None or x.dim() < 3 else x[:, L0:]  # noqa: E731
-            o_rest, S_rest = _local(q[:, L0:], k[:, L0:], v[:, L0:], **{n: rest(x) for n, x in gates.items()},
-                                    **common, initial_state=None if init is None else init[1:],
-                                    cu_seqlens=inputs.cu_seqlens[1:] - L0)
-            o0 = torch.cat([o0, o_rest], dim=1)
-            S_loc = torch.cat([S_loc, S_rest])
+        read_first, P_first = _local(q[:, :L0], k[:, :L0], v.new_zeros(B, L0, H, K),
+                                     **{n: first(x) for n, x in gates.items()}, **common, initial_state=eye)
 
     # what this rank passes on: its last segment's end state from zero, and that segment's transition
     # (zero when the segment starts here: the incoming state does not reach the end)

@@ -105,7 +105,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
                 if not on_gpu:  # gloo has no pre-multiplied sum: sum, then divide
                     mlp.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+    # the root (embeddings, final norm, head) stays gathered from forward to backward, which starts with it
+    fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=False)
     return model
 
 

@@ -18,9 +18,10 @@ The outputs are completed with the read-out of the start, which is linear in it:
 For additive rules ``q_t P_t = q_t * exp(G_t)`` with ``G_t`` the cumulative log decay. For delta and
 DPLR rules the state's columns evolve independently and the transition acts on each, so the
 first segment runs once more with zero values (``V = K``) from the identity: that run's state is
-``P_t`` itself and its read-out is exactly ``scale * q_t P_t`` (the same kernels, no new ones). A rank whose last segment
-starts on it sends ``P = 0``: its end state does not depend on what came before. Gradients flow
-through the all-gather (whose backward is a reduce-scatter), so they equal the one-process run's.
+``P_t`` itself and its read-out is exactly ``scale * q_t P_t`` (the same kernels, no new ones).
+A rank whose last segment starts on it sends ``P = 0``: its end state does not depend on what
+came before. Gradients flow through the all-gather (whose backward is a reduce-scatter), so they
+equal the one-process run's.
 """
 
 from __future__ import annotations
@@ -254,7 +255,10 @@ def _fold_value_columns(inputs, group: ProcessGroup, layout: PieceLayout, backen
     q, k, v = inputs.q, inputs.k, inputs.v
     B, T, H, K = q.shape
     V = v.shape[-1]
-    per_column = lambda x: None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
+
+    def per_column(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # [B, T, H, K] -> [B, T, H * V, K]
+        return None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)
+
     S0 = inputs.initial_state
     folded = validate(
         per_column(q), per_column(k), v.reshape(B, T, H * V, 1),

@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh)``: data, expert and (with the sequence handler) sequence parallelism
+"""``parallelize(model, mesh, config)``: data, expert and (with the sequence handler) sequence parallelism
 applied to a single-device :class:`~linmem.models.LinmemForCausalLM` from outside.
 
 In order, on every block of the stack:
@@ -10,8 +10,8 @@ In order, on every block of the stack:
 3. FSDP2 (``fully_shard``): the router in fp32 and, under expert parallelism, the shared experts
    and the experts as units of their own (the experts sharded over the ranks holding the same
    experts, their gradients divided by the whole world like the others), then the block; the root
-   takes the embeddings, the final norm and the head. On GPU the parameters are gathered in bf16
-   and gradients reduced in fp32; on CPU everything stays fp32.
+   takes the embeddings, the final norm and the head (gathered from forward to backward). On GPU the
+   parameters are gathered in bf16 and gradients reduced in fp32; on CPU everything stays fp32.
 
 Sequence parallelism needs no change to the modules: the trainer installs a
 :class:`~linmem.distributed.handler.SequenceParallel` for each step.

@@ -1,6 +1,8 @@
-"""Checks run on every rank: a short parallel training run of a tiny hybrid MoE model has the loss curve
-of one process on the same global batches, resumes exactly from a DCP checkpoint (also one written
-by another number of ranks) and exports weights that ``from_pretrained`` loads.
+"""Checks run on every rank: a short parallel training run of a tiny hybrid MoE model has the first
+gradients (every parameter, gathered whole) and the loss curve of one process on the same global
+batches, resumes exactly from a DCP checkpoint (also one written by another number of ranks) and
+exports weights that ``from_pretrained`` loads. The gradients matter: AdamW hides a wrongly scaled
+gradient from the loss curve.
 
 The one-process reference (rank 0 computes it) trains on the whole global batch with the mean
 next-token loss over all its targets plus the routers' losses, AdamW, and gradient clipping.
@@ -57,21 +59,23 @@ def fresh_model() -> LinmemForCausalLM:
     return LinmemForCausalLM(model_config())
 
 
-def reference_run() -> list[float]:
-    """One process, the whole global batch per step."""
+def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step: the losses and the first step's gradients."""
     model = fresh_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, first_grads = [], {}
     for step in range(STEPS):
         ids = global_batch(step)
         out = model(ids, use_cache=False)
         loss = global_lm_loss(out.logits, next_token_targets(ids), None) + out.aux_loss
         loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    return losses
+    return losses, first_grads
 
 
 @contextmanager
@@ -107,7 +111,8 @@ class ParallelRun:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.group = self.mesh.data.get_group()
 
-    def step(self, step: int) -> float:
+    def step(self, step: int, reference_grads: Optional[dict[str, torch.Tensor]] = None) -> float:
+        """One optimiser step; with ``reference_grads`` (rank 0) the gradients must be those first."""
         c = self.config
         rows = ROWS // c.dp
         dp_rank, sp_rank = self.mesh.dp.get_local_rank(), self.mesh.sp.get_local_rank()
@@ -118,6 +123,8 @@ class ParallelRun:
             out = self.model(piece["input_ids"], position_ids=piece["position_ids"], use_cache=False)
             loss = global_lm_loss(out.logits, piece["targets"], self.group) + out.aux_loss
             loss.backward()
+        if step == 0:
+            self.check_gradients(reference_grads)
         clip_grad_norm_(self.model.parameters(), CLIP)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -126,11 +133,21 @@ class ParallelRun:
         return float(mean) / dist.get_world_size(self.group)
 
 
-def _reference_losses() -> list[float]:
-    """Rank 0 trains the reference; every rank receives its losses."""
-    values = torch.tensor(reference_run() if dist.get_rank() == 0 else [0.0] * STEPS, dtype=torch.float64)
+    def check_gradients(self, reference: Optional[dict[str, torch.Tensor]]) -> None:
+        """Every parameter's gradient, gathered whole, against the one-process gradient (rank 0 compares)."""
+        for name, p in self.model.named_parameters():
+            grad = p.grad.full_tensor()  # a collective: every rank takes part
+            if reference is not None:
+                err = float((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30))
+                assert err < 1e-5, f"{self.config}: gradient of {name} differs from one process ({err:.1e})"
+
+
+def _reference() -> tuple[list[float], Optional[dict[str, torch.Tensor]]]:
+    """Rank 0 trains the reference; every rank receives its losses, rank 0 keeps the first gradients."""
+    losses, grads = reference_run() if dist.get_rank() == 0 else ([0.0] * STEPS, None)
+    values = torch.tensor(losses, dtype=torch.float64)
     dist.broadcast(values, 0)
-    return values.tolist()
+    return values.tolist(), grads
 
 
 def _assert_curve(got: list[float], ref: list[float], what: str, tol: float = 1e-4) -> None:
@@ -142,12 +159,12 @@ def training_checks(config: ParallelConfig, out_dir: str, resume_from: Optional[
     """Train STEPS steps (checkpoint after SAVE_AT), resume from that checkpoint (and from ``resume_from``,
     written by another number of ranks), export; every curve must be the one-process curve."""
     out = Path(out_dir)
-    ref = _reference_losses()
+    ref, ref_grads = _reference()
     with layer_call_sites():
         run = ParallelRun(config)
         losses = []
         for step in range(STEPS):
-            losses.append(run.step(step))
+            losses.append(run.step(step, ref_grads))
             if step + 1 == SAVE_AT:
                 save_distributed(out / f"world{dist.get_world_size()}", run.model, run.optimizer, {"step": SAVE_AT})
         _assert_curve(losses, ref, f"{config}")

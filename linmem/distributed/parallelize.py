@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
                     fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
                 fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
                 mlp.set_gradient_divide_factor(float(world))
-                # WORKAROUND(torch 2.13, gloo): one expert holder divides twice when forced to sum; only force it for several
+                # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1
                 if not on_gpu and mesh.expert_data.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide
                     mlp.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Parallel training on one host: checks, sequence-parallel weak scaling, data- and expert-parallel
+# throughput on 1, 2 and 4 GPUs (as many as the host has), one table at the end.
+#   OUT=/path/to/logs dev/gpu/distributed_bench.sh            (defaults: OUT=out, STEPS=3)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-out}"
+STEPS="${STEPS:-3}"
+mkdir -p "$OUT"
+rm -f "$OUT"/distributed_bench_*.json
+GPUS=$(nvidia-smi -L | wc -l)
+for n in 1 2 4; do
+    if [ "$n" -gt "$GPUS" ]; then
+        echo "skipping $n GPUs: the host has $GPUS" | tee -a "$OUT/distributed_bench.log"
+        continue
+    fi
+    torchrun --standalone --nproc-per-node "$n" dev/gpu/distributed_bench.py --out "$OUT" --steps "$STEPS" \
+        2>&1 | tee -a "$OUT/distributed_bench.log"
+done
+python dev/gpu/distributed_bench.py --out "$OUT" --modes table | tee "$OUT/distributed_bench_table.txt"

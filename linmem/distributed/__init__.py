@@ -1,0 +1,53 @@
+"""Training on many ranks: data (FSDP2), sequence and expert parallelism, applied from outside.
+
+Model code is written for one device; this package parallelises it (as torchtitan does):
+
+* :func:`build_mesh` / :class:`ParallelConfig`: the ``parallel`` section (``dp``, ``sp``, ``ep``,
+  ``fsdp``, ``activation_checkpointing``) and its device mesh;
+* :func:`parallelize`: FSDP2 per block, expert-parallel MoE layers, activation checkpointing;
+* :class:`SequenceParallel` + :func:`sequence_parallel`: the handler the ops consult so that
+  memory layers, attention layers and short convolutions run over sequences split between ranks;
+  :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
+* :func:`shard_sequence`, :class:`DataParallelBatches`, :func:`global_lm_loss`: each rank's share
+  of the batch and the loss over the global batch;
+* :func:`save_distributed` / :func:`load_distributed` (DCP, reshardable) and :func:`export_pretrained`.
+
+Launch: ``torchrun --nproc-per-node N ...``; NCCL on GPU, gloo on CPU.
+"""
+
+from .attention import sp_attention
+from .batch import DataParallelBatches, global_lm_loss, next_token_targets, shard_sequence, split_packing
+from .checkpoint import export_pretrained, load_distributed, save_distributed
+from .config import ParallelConfig, ParallelConfigError, ParallelMesh, build_mesh, init_distributed
+from .expert import ExpertParallelMoE, expert_parallel, global_router_stats
+from .handler import SequenceParallel, sequence_parallel
+from .parallelize import check_model, clip_grad_norm_, parallelize
+from .sequence import PieceLayout, sp_halo, sp_linear_recurrence
+
+__all__ = [
+    "DataParallelBatches",
+    "ExpertParallelMoE",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "ParallelMesh",
+    "PieceLayout",
+    "SequenceParallel",
+    "build_mesh",
+    "check_model",
+    "clip_grad_norm_",
+    "expert_parallel",
+    "export_pretrained",
+    "global_lm_loss",
+    "global_router_stats",
+    "init_distributed",
+    "load_distributed",
+    "next_token_targets",
+    "parallelize",
+    "save_distributed",
+    "sequence_parallel",
+    "shard_sequence",
+    "sp_attention",
+    "sp_halo",
+    "sp_linear_recurrence",
+    "split_packing",
+]

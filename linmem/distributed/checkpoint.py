@@ -1,0 +1,121 @@
+"""Checkpoints of parallel runs through ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its shards of the model and the optimizer; DCP records them by their global
+shapes, so a checkpoint loads on another number of ranks or another layout (resharding). The
+trainer's own state (step, data position, RNG) is a JSON file that rank 0 writes beside them.
+A checkpoint directory appears under its final name only once complete (written to a temporary
+name, then renamed by rank 0 after every rank finished). :func:`export_pretrained` gathers the full
+weights to rank 0 and writes a folder that ``from_pretrained`` loads on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["save_distributed", "load_distributed", "export_pretrained"]
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_distributed(
+    path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+    trainer_state: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a checkpoint of ``model`` (and ``optimizer``) at ``path`` from every rank; returns the path.
+
+    Args:
+        path: the checkpoint directory (created; must not exist yet).
+        model, optimizer: the parallelised model and its optimizer.
+        trainer_state: JSON-ready values (step, data source state, ...) written by rank 0.
+    """
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"save_distributed: {path} exists already; a checkpoint is written once")
+    partial = path.with_name(path.name + ".partial")
+    if _is_main() and partial.exists():
+        shutil.rmtree(partial)
+    _barrier()
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    dcp.save(state, checkpoint_id=str(partial))
+    if _is_main():
+        (partial / TRAINER_STATE).write_text(json.dumps(trainer_state or {}))
+    _barrier()
+    if _is_main():
+        partial.rename(path)
+    _barrier()
+    return path
+
+
+def load_distributed(
+    path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_distributed` into ``model`` (and ``optimizer``), whatever
+    the number of ranks or the layout it was written with; returns the trainer state.
+
+    ``model`` must be parallelised (and ``optimizer`` built) as for training before loading.
+    """
+    path = Path(path)
+    if not (path / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"load_distributed: {path} is not a complete checkpoint (no {TRAINER_STATE})")
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def export_pretrained(model: nn.Module, path: Union[str, Path]) -> Optional[Path]:
+    """Gather the full weights on rank 0 and write ``path`` (config + safetensors) for ``from_pretrained``.
+
+    Call on every rank; returns the path on rank 0 and None elsewhere. The folder holds the
+    model's own class (not its FSDP wrapper) with plain tensors.
+    """
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = Path(path)
+    if _is_main():
+        cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        with torch.device("meta"):
+            plain = cls(model.config)
+        plain.load_state_dict(full, assign=True, strict=False)
+        plain.tie_weights()  # a tied head shares the embedding's tensor, which the state dict holds once
+        left = [name for name, p in plain.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"export_pretrained: the gathered state dict lacks {left}")
+        plain.save_pretrained(path)
+    _barrier()
+    return path if _is_main() else None

@@ -1,0 +1,137 @@
+"""The ``parallel`` configuration and the device mesh it builds.
+
+A run on ``world = dp * sp`` ranks: ``dp`` data-parallel ranks (each its own share of the global
+batch) times ``sp`` sequence-parallel ranks (each a contiguous piece of every sequence of its
+share). Expert parallelism splits every MoE layer's experts over ``ep`` of the data-parallel ranks
+(``ep`` divides ``dp``). The mesh has the dimensions ``("edp", "sp", "ep")`` of sizes
+``(dp / ep, sp, ep)`` with ``dp = edp * ep``; FSDP shards the replicated parameters over all ranks
+and the experts over the ``edp * sp`` ranks that hold the same experts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelConfig", "ParallelMesh", "ParallelConfigError", "build_mesh", "init_distributed"]
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot run: sizes that do not fit the ranks, the sequence or the experts."""
+
+
+@dataclass
+class ParallelConfig:
+    """How a run spreads over ranks (the ``parallel`` config section; ignored on one process)."""
+
+    dp: int = 1  # data-parallel ranks: each its own share of the global batch
+    sp: int = 1  # sequence-parallel ranks: each a contiguous piece of every sequence
+    ep: int = 1  # expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts
+    fsdp: bool = True  # shard parameters also between forward and backward (off: keep them gathered)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.sp
+
+    def validate(
+        self,
+        world_size: Optional[int] = None,
+        *,
+        seq_len: Optional[int] = None,
+        num_experts: Optional[int] = None,
+    ) -> "ParallelConfig":
+        """Refuse layouts that cannot run, before any work; returns self.
+
+        Args:
+            world_size: the ranks launched (``torchrun --nproc-per-node``); must be ``dp * sp``.
+            seq_len: tokens per sequence (per packed row); ``sp`` must divide it.
+            num_experts: experts per MoE layer; ``ep`` must divide it.
+        """
+        for name in ("dp", "sp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
+        for name in ("fsdp", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParallelConfigError(f"parallel.{name} must be true or false, got {getattr(self, name)!r}")
+        if world_size is not None and world_size != self.world_size:
+            raise ParallelConfigError(
+                f"parallel.dp * parallel.sp = {self.dp} * {self.sp} = {self.world_size} must equal the number of "
+                f"processes launched, {world_size}"
+            )
+        if self.dp % self.ep:
+            raise ParallelConfigError(f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp} (expert-parallel "
+                                      "ranks are data-parallel ranks)")
+        if seq_len is not None and seq_len % self.sp:
+            raise ParallelConfigError(f"parallel.sp = {self.sp} must divide the sequence length {seq_len} (every rank "
+                                      "holds an equal piece)")
+        if num_experts is not None and num_experts % self.ep:
+            raise ParallelConfigError(f"parallel.ep = {self.ep} must divide the number of experts {num_experts}")
+        return self
+
+
+@dataclass
+class ParallelMesh:
+    """The device meshes of a run (all cut from one root mesh, so DTensors on them compose)."""
+
+    config: ParallelConfig
+    root: DeviceMesh  # ("edp", "sp", "ep")
+    dp: DeviceMesh  # data-parallel ranks (edp * ep): each its own batch share
+    sp: DeviceMesh  # sequence-parallel ranks: pieces of the same sequences
+    ep: DeviceMesh  # expert-parallel ranks: each holds 1/ep of the experts
+    data: DeviceMesh  # every rank (edp * ep * sp): where replicated parameters are sharded and averaged
+    expert_data: DeviceMesh  # the ranks (edp * sp) holding the same experts: where experts are sharded
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+
+def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> ParallelMesh:
+    """The meshes of ``config`` over the launched processes (``torch.distributed`` must be initialised).
+
+    Args:
+        config: the layout; validated against the world size here.
+        device_type: ``"cuda"`` or ``"cpu"``; default CUDA when available (NCCL), else CPU (gloo).
+
+    Example (under ``torchrun --nproc-per-node 4``):
+        >>> mesh = build_mesh(ParallelConfig(dp=2, sp=2))  # doctest: +SKIP
+        >>> mesh.sp.size(), mesh.data.size()  # doctest: +SKIP
+        (2, 4)
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParallelConfigError(
+            "build_mesh: no process group; launch with `torchrun --nproc-per-node N ...` and call "
+            "torch.distributed.init_process_group (or linmem.distributed.init_distributed) first"
+        )
+    config.validate(dist.get_world_size())
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # ep innermost: the experts' meshes (expert_data, ep) then keep the root's dimension order
+    root = init_device_mesh(device_type, (config.dp // config.ep, config.sp, config.ep),
+                            mesh_dim_names=("edp", "sp", "ep"))
+    return ParallelMesh(
+        config=config, root=root, dp=root["edp", "ep"]._flatten("dp"), sp=root["sp"], ep=root["ep"],
+        data=root["edp", "sp", "ep"]._flatten("data"), expert_data=root["edp", "sp"]._flatten("expert_data"),
+    )
+
+
+def init_distributed(device_type: Optional[str] = None) -> None:
+    """Initialise the default process group from torchrun's environment: NCCL on GPU (one device per
+    local rank), gloo on CPU. Does nothing when already initialised."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise ParallelConfigError("init_distributed: no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR); launch "
+                                  "with `torchrun --nproc-per-node N ...`")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")

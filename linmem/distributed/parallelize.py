@@ -1,0 +1,143 @@
+"""``parallelize(model, mesh, config)``: data, expert and (with the sequence handler) sequence parallelism
+applied to a single-device :class:`~linmem.models.LinmemForCausalLM` from outside.
+
+In order, on every block of the stack:
+
+1. MoE feed-forwards become :class:`~linmem.distributed.expert.ExpertParallelMoE` (experts split over
+   ``ep`` ranks; balancing statistics over the global batch) whenever the run has several ranks;
+2. activation checkpointing (``torch.distributed._composable.checkpoint``: the block recomputes its
+   activations in the backward pass; parameter names do not change);
+3. FSDP2 (``fully_shard``): the router in fp32 and, under expert parallelism, the shared experts
+   and the experts as units of their own (the experts sharded over the ranks holding the same
+   experts, their gradients divided by the whole world like the others), then the block; the root
+   takes the embeddings, the final norm and the head (gathered from forward to backward). On GPU the
+   parameters are gathered in bf16 and gradients reduced in fp32; on CPU everything stays fp32.
+
+Sequence parallelism needs no change to the modules: the trainer installs a
+:class:`~linmem.distributed.handler.SequenceParallel` for each step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..layers.moe import MoEFeedForward
+from ..layers.mom import MixtureOfMemories
+from .config import ParallelConfig, ParallelConfigError, ParallelMesh
+from .expert import expert_parallel
+
+__all__ = ["parallelize", "clip_grad_norm_", "check_model"]
+
+
+def check_model(model: nn.Module, config: ParallelConfig) -> None:
+    """Refuse a model the layout cannot serve, before any work (named errors)."""
+    blocks = _blocks(model)
+    moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEFeedForward)]
+    if config.ep > 1 and not moe:
+        raise ParallelConfigError(f"parallel.ep = {config.ep} needs MoE feed-forwards (mlp='moe'); the model has none")
+    for layer in moe:
+        config.validate(num_experts=layer.args.num_experts)
+        if config.ep > 1 and layer.args.capacity_factor is not None:
+            raise ParallelConfigError("parallel.ep > 1 is dropless: set moe_capacity_factor to None, got "
+                                      f"{layer.args.capacity_factor}")
+    if config.sp > 1 and any(isinstance(b.mixer, MixtureOfMemories) for b in blocks):
+        raise ParallelConfigError(
+            "parallel.sp > 1 cannot serve mixtures of memories (memory='mom'): their recurrences run over routed "
+            "segments, not the batch's time axis; use sp = 1"
+        )
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None) -> nn.Module:
+    """Apply ``config`` to ``model`` in place (every rank, same initial weights); returns the model.
+
+    Args:
+        model: a :class:`~linmem.models.LinmemForCausalLM` (or anything with ``model.layers`` of
+            blocks with ``mixer`` and ``mlp``) on this rank's device.
+        mesh: from :func:`~linmem.distributed.config.build_mesh`.
+        config: the layout (default: the one the mesh was built from); its sizes must be the mesh's.
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        config = ParallelConfig(dp=2)
+        model = parallelize(LinmemForCausalLM(model_config).to(device), build_mesh(config), config)
+        optimizer = torch.optim.AdamW(model.parameters())   # after parallelize: DTensor parameters
+    """
+    config = mesh.config if config is None else config.validate()
+    sizes = lambda c: (c.dp, c.sp, c.ep)  # noqa: E731
+    if sizes(config) != sizes(mesh.config):
+        raise ParallelConfigError(f"parallelize: config (dp, sp, ep) = {sizes(config)} differs from the mesh's "
+                                  f"{sizes(mesh.config)}")
+    check_model(model, config)
+    blocks = _blocks(model)
+    world = mesh.data.size()
+    if world > 1:
+        stats_group = mesh.data.get_group()
+        for block in blocks:
+            if isinstance(block.mlp, MoEFeedForward):
+                expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
+    if config.activation_checkpointing:
+        for block in blocks:
+            checkpoint(block)
+    if world == 1:
+        return model
+
+    on_gpu = mesh.device_type == "cuda"
+    compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
+        else MixedPrecisionPolicy()
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    reshard = config.fsdp
+    for block in blocks:
+        mlp = block.mlp
+        if isinstance(mlp, MoEFeedForward):
+            fully_shard(mlp.router, mesh=mesh.data, mp_policy=fp32, reshard_after_forward=reshard)
+            if config.ep > 1:
+                if mlp.shared is not None:
+                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+                fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
+                mlp.set_gradient_divide_factor(float(world))
+                # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1
+                if not on_gpu and mesh.expert_data.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide
+                    mlp.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+    # the root (embeddings, final norm, head) stays gathered from forward to backward, which starts with it
+    fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=False)
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TypeError(f"parallelize: expected a LinmemForCausalLM (model.layers), got {type(model).__name__}")
+    return list(layers)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of (possibly sharded) parameters to a global norm; returns the norm before clipping.
+
+    Gradients that are DTensors on different meshes (the experts and the rest) are normed per mesh,
+    each over all its ranks, then combined: the result is the norm of the full gradient, the same
+    on every rank, as ``torch.nn.utils.clip_grad_norm_`` on one process.
+    """
+    by_mesh: dict[Optional[object], list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    for group in by_mesh.values():  # one mesh at a time: a fused update cannot mix meshes
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

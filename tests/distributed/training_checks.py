@@ -1,0 +1,190 @@
+"""Checks run on every rank: a short parallel training run of a tiny hybrid MoE model has the first
+gradients (every parameter, gathered whole) and the loss curve of one process on the same global
+batches, resumes exactly from a DCP checkpoint (also one written by another number of ranks) and
+exports weights that ``from_pretrained`` loads. The gradients matter: AdamW hides a wrongly scaled
+gradient from the loss curve.
+
+The one-process reference (rank 0 computes it) trains on the whole global batch with the mean
+next-token loss over all its targets plus the routers' losses, AdamW, and gradient clipping.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import linmem.layers.attention as attention_layers
+import linmem.layers.recurrent as recurrent_layers
+from linmem.distributed import (
+    ParallelConfig,
+    SequenceParallel,
+    build_mesh,
+    clip_grad_norm_,
+    export_pretrained,
+    global_lm_loss,
+    load_distributed,
+    next_token_targets,
+    parallelize,
+    save_distributed,
+    sequence_parallel,
+    shard_sequence,
+)
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.ops import parallel
+
+STEPS, SAVE_AT = 4, 2
+LR, CLIP = 1e-2, 0.5
+ROWS, T, VOCAB = 4, 16, 64  # the global batch: ROWS sequences of T tokens
+
+
+def model_config() -> LinmemConfig:
+    return LinmemConfig(
+        vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="LN", memory="gated_deltanet",
+        attention="softmax", use_short_conv=False, mlp="moe", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, intermediate_size=32, num_shared_experts=1, recurrence_backend="chunk",
+    )
+
+
+def global_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, T), generator=torch.Generator().manual_seed(100 + step))
+
+
+def fresh_model() -> LinmemForCausalLM:
+    torch.manual_seed(0)
+    return LinmemForCausalLM(model_config())
+
+
+def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step: the losses and the first step's gradients."""
+    model = fresh_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        ids = global_batch(step)
+        out = model(ids, use_cache=False)
+        loss = global_lm_loss(out.logits, next_token_targets(ids), None) + out.aux_loss
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, first_grads
+
+
+@contextmanager
+def layer_call_sites() -> Iterator[None]:
+    """The memory and attention layers reach the ops through the sequence-handler hook (the call sites of
+    ``linmem.ops.parallel`` in ``linear_recurrence`` and ``forgetting_attention``)."""
+    recurrence, attend = recurrent_layers.linear_recurrence, attention_layers.forgetting_attention
+
+    def recurrence_site(q, k, v, **kwargs):
+        handler = parallel.sequence_handler()
+        return handler.linear_recurrence(q, k, v, **kwargs) if handler else recurrence(q, k, v, **kwargs)
+
+    def attention_site(q, k, v, *, log_forget=None, window=None, scale=None, cu_seqlens=None):
+        handler = parallel.sequence_handler()
+        if handler is None:
+            return attend(q, k, v, log_forget=log_forget, window=window, scale=scale, cu_seqlens=cu_seqlens)
+        return handler.attention(q, k, v, log_forget=log_forget, window=window, scale=scale, cu_seqlens=cu_seqlens)
+
+    recurrent_layers.linear_recurrence, attention_layers.forgetting_attention = recurrence_site, attention_site
+    try:
+        yield
+    finally:
+        recurrent_layers.linear_recurrence, attention_layers.forgetting_attention = recurrence, attend
+
+
+class ParallelRun:
+    """A parallelised copy of the model, its optimizer, and one training step on this rank's share."""
+
+    def __init__(self, config: ParallelConfig) -> None:
+        self.config = config
+        self.mesh = build_mesh(config, "cpu")
+        self.model = parallelize(fresh_model(), self.mesh, config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.group = self.mesh.data.get_group()
+
+    def step(self, step: int, reference_grads: Optional[dict[str, torch.Tensor]] = None) -> float:
+        """One optimiser step; with ``reference_grads`` (rank 0) the gradients must be those first."""
+        c = self.config
+        rows = ROWS // c.dp
+        dp_rank, sp_rank = self.mesh.dp.get_local_rank(), self.mesh.sp.get_local_rank()
+        ids = global_batch(step)[dp_rank * rows:(dp_rank + 1) * rows]
+        piece, layout = shard_sequence({"input_ids": ids, "labels": ids}, sp_rank, c.sp)
+        handler = SequenceParallel(self.mesh.sp.get_group(), layout, None)
+        with sequence_parallel(handler):  # forward and backward: checkpointed blocks recompute in backward
+            out = self.model(piece["input_ids"], position_ids=piece["position_ids"], use_cache=False)
+            loss = global_lm_loss(out.logits, piece["targets"], self.group) + out.aux_loss
+            loss.backward()
+        if step == 0:
+            self.check_gradients(reference_grads)
+        clip_grad_norm_(self.model.parameters(), CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=self.group)
+        return float(mean) / dist.get_world_size(self.group)
+
+
+    def check_gradients(self, reference: Optional[dict[str, torch.Tensor]]) -> None:
+        """Every parameter's gradient, gathered whole, against the one-process gradient (rank 0 compares)."""
+        for name, p in self.model.named_parameters():
+            grad = p.grad.full_tensor()  # a collective: every rank takes part
+            if reference is not None:
+                err = float((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30))
+                assert err < 1e-5, f"{self.config}: gradient of {name} differs from one process ({err:.1e})"
+
+
+def _reference() -> tuple[list[float], Optional[dict[str, torch.Tensor]]]:
+    """Rank 0 trains the reference; every rank receives its losses, rank 0 keeps the first gradients."""
+    losses, grads = reference_run() if dist.get_rank() == 0 else ([0.0] * STEPS, None)
+    values = torch.tensor(losses, dtype=torch.float64)
+    dist.broadcast(values, 0)
+    return values.tolist(), grads
+
+
+def _assert_curve(got: list[float], ref: list[float], what: str, tol: float = 1e-4) -> None:
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert abs(a - b) <= tol * abs(b), f"{what}: step {i + 1} loss {a:.8f}, one process {b:.8f}"
+
+
+def training_checks(config: ParallelConfig, out_dir: str, resume_from: Optional[str] = None) -> None:
+    """Train STEPS steps (checkpoint after SAVE_AT), resume from that checkpoint (and from ``resume_from``,
+    written by another number of ranks), export; every curve must be the one-process curve."""
+    out = Path(out_dir)
+    ref, ref_grads = _reference()
+    with layer_call_sites():
+        run = ParallelRun(config)
+        losses = []
+        for step in range(STEPS):
+            losses.append(run.step(step, ref_grads))
+            if step + 1 == SAVE_AT:
+                save_distributed(out / f"world{dist.get_world_size()}", run.model, run.optimizer, {"step": SAVE_AT})
+        _assert_curve(losses, ref, f"{config}")
+
+        again = ParallelRun(config)
+        start = load_distributed(out / f"world{dist.get_world_size()}", again.model, again.optimizer)["step"]
+        resumed = [again.step(step) for step in range(start, STEPS)]
+        assert resumed == losses[start:], f"{config}: resumed losses {resumed} differ from {losses[start:]}"
+
+        if resume_from is not None:
+            other = ParallelRun(config)
+            start = load_distributed(resume_from, other.model, other.optimizer)["step"]
+            _assert_curve([other.step(step) for step in range(start, STEPS)], ref[start:],
+                          f"{config} resumed from {resume_from}")
+
+        full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        exported = export_pretrained(run.model, out / "export")
+    if exported is not None:  # rank 0: the folder loads on one process with the trained weights
+        loaded = LinmemForCausalLM.from_pretrained(exported)
+        assert type(loaded) is LinmemForCausalLM
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, full[name]), f"{config}: exported {name} differs from the trained weights"
+        assert torch.isfinite(loaded(global_batch(STEPS), use_cache=False).logits).all()

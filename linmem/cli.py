@@ -32,8 +32,11 @@ USAGE_ERROR = 2  # exit status of a refused command (argparse's)
 def _train(args: argparse.Namespace) -> int:
     from .train import Trainer, load_config
     from .train.rundir import check_run_directory
+    from .train.trainer import check_single_process, resolve_device
 
     config = load_config(args.config, recipe=args.recipe, overrides=args.overrides)
+    check_single_process()
+    resolve_device(config.run.device)
     finished = check_run_directory(config)
     if finished is not None:
         print(f"{config.run.out_dir} holds a finished run ({finished['step']} steps); nothing to do. "
@@ -269,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print("\nlinmem: stopped at once (second interrupt), nothing saved since the last checkpoint", file=sys.stderr)
+        print("\nlinmem: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
         return 130
     except Exception as err:
         if _train_error(err, "Interrupted"):  # a checkpoint was saved

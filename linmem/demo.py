@@ -241,7 +241,11 @@ def run_demo(out: Path, *, quick: bool = False) -> None:
     jobs = mqar_jobs(out, quick=quick, threads=threads)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         text = pool.submit(text_run, out, quick=quick, threads=threads)  # the longest run: first
-        rows = mqar_study(out, pool, jobs, others={text: _print_text})
+        try:
+            rows = mqar_study(out, pool, jobs, others={text: _print_text})
+        except KeyboardInterrupt:  # Ctrl-C: the runs under way stop after their step, no new one starts
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         print_table(rows)
         print(f"plots: {out / 'mqar_accuracy.png'}, {out / 'mqar_loss.png'}", flush=True)
     print(f"\ndone in {time.perf_counter() - started:.0f} s")

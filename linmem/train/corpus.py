@@ -80,6 +80,8 @@ class TextSplits:
 
 def text_splits(text: TextSection, seed: int) -> TextSplits:
     """The (unread) texts of ``text``'s source, split into training and validation."""
+    if text.max_files is not None and text.max_files < 1:
+        raise ValueError(f"max_files must be >= 1 or None, got {text.max_files}")
     if text.dataset is not None:
         splits = local_dataset_splits(text.dataset, text_field=text.text_field)
         if "train" not in splits:

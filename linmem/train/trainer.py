@@ -272,42 +272,17 @@ class Trainer:
             if self.config.run.resume:
                 self._resume()
             write_atomically(self.out_dir / CONFIG, self.config.to_yaml())
-            with _StopSignals() as signals:
-                return self._train(signals, stop_at)
+            return self._train(stop_at)
 
-    def _train(self, signals: _StopSignals, stop_at: Optional[int]) -> TrainResult:
+    def _train(self, stop_at: Optional[int]) -> TrainResult:
         cfg, run = self.config, self.config.run
         log = MetricsLog(self.out_dir, run.tensorboard)
         log.truncate_after(self.step)
         result = TrainResult(out_dir=self.out_dir, steps=self.step)
-        batches = iter(self.task.train_batches)
-        self.model.train()
         progress = _progress(self.step, cfg.schedule.steps, run.progress)
-        started, tokens_at_start = time.perf_counter(), self.tokens_seen
         try:
-            while self.step < cfg.schedule.steps:
-                loss, grad_norm, router = self._optimizer_step(batches)
-                self.step += 1
-                result.losses[self.step] = loss
-                elapsed = time.perf_counter() - started
-                tok_s = (self.tokens_seen - tokens_at_start) / max(elapsed, 1e-9)
-                progress.update(1)
-                progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
-                if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
-                    log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                                          "tokens": self.tokens_seen, "tok_s": tok_s,
-                                          "skipped_steps": self.skipped_steps, **router})
-                if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
-                    result.metrics = self.evaluate()
-                    log.write(self.step, result.metrics)
-                if stop_at is not None and self.step >= stop_at:
-                    break
-                if run.save_every and self.step % run.save_every == 0 and self.step < cfg.schedule.steps:
-                    self.save()
-                if signals.received is not None:
-                    if self.saved_step != self.step:
-                        self.save()
-                    raise Interrupted(self.step, signals.received)
+            with _StopSignals() as signals:  # the final save and evaluation below stop at once on Ctrl-C
+                self._steps(result, log, progress, signals, stop_at)
             progress.close()
             if self.step >= cfg.schedule.steps:
                 if self.saved_step != self.step:
@@ -320,6 +295,38 @@ class Trainer:
             log.close()
         result.steps, result.skipped_steps = self.step, self.skipped_steps
         return result
+
+    def _steps(self, result: TrainResult, log: MetricsLog, progress: Any, signals: _StopSignals,
+               stop_at: Optional[int]) -> None:
+        """Optimiser steps until schedule.steps (or ``stop_at``), logging, evaluating and saving as
+        the config says; after a signal, save and raise :class:`Interrupted`."""
+        cfg, run = self.config, self.config.run
+        batches = iter(self.task.train_batches)
+        self.model.train()
+        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+        while self.step < cfg.schedule.steps:
+            loss, grad_norm, router = self._optimizer_step(batches)
+            self.step += 1
+            result.losses[self.step] = loss
+            elapsed = time.perf_counter() - started
+            tok_s = (self.tokens_seen - tokens_at_start) / max(elapsed, 1e-9)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
+                log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                                      "tokens": self.tokens_seen, "tok_s": tok_s,
+                                      "skipped_steps": self.skipped_steps, **router})
+            if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
+                result.metrics = self.evaluate()
+                log.write(self.step, result.metrics)
+            if stop_at is not None and self.step >= stop_at:
+                break
+            if run.save_every and self.step % run.save_every == 0 and self.step < cfg.schedule.steps:
+                self.save()
+            if signals.received is not None:
+                if self.saved_step != self.step:
+                    self.save()
+                raise Interrupted(self.step, signals.received)
 
     def _optimizer_step(self, batches) -> tuple[float, float, dict[str, float]]:
         """One optimiser step over grad_accum micro-batches; non-finite steps are skipped and counted.

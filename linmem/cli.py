@@ -1,11 +1,17 @@
-"""Command line: ``linmem train | eval | generate | bench | demo``.
+"""Command line: ``linmem train | eval | generate | data prepare | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
     linmem eval runs/gdn
-    linmem generate runs/text --prompt "def main(" --max-new-tokens 200
+    linmem generate runs/text --prompt "def main(" --max-new-tokens 200 --top-p 0.9 --stop "def "
+    linmem data prepare data/stdlib                 # tokenize once into memory-mapped shards
+    linmem train data.task=text data.text.prepared=data/stdlib
     linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
-    linmem demo                      # the built-in default job (CPU, ~10 minutes)
+    linmem demo                      # the built-in default job (CPU, ~10 minutes; --quick: 1 minute)
+
+Errors in what was asked (a config key, a path, a device, a missing optional package) print
+one line and exit with status 2; -v prints the traceback too. Only the subcommand that runs
+imports torch, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -14,47 +20,111 @@ import argparse
 import logging
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import __version__
+
+USAGE_ERROR = 2  # exit status of a refused command (argparse's)
 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import Trainer, load_config
+    from .train.rundir import check_run_directory
+    from .train.trainer import check_single_process, resolve_device
 
     config = load_config(args.config, recipe=args.recipe, overrides=args.overrides)
+    check_single_process()
+    resolve_device(config.run.device)
+    finished = check_run_directory(config)
+    if finished is not None:
+        print(f"{config.run.out_dir} holds a finished run ({finished['step']} steps); nothing to do. "
+              f"Final metrics: {_metrics_line(finished['metrics'])}. To train longer, raise schedule.steps.")
+        return 0
     print(config.to_yaml())
+    _quiet_transformers()
     trainer = Trainer(config)
-    print(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}")
+    print(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}", flush=True)
     result = trainer.train()
-    print(f"done: {result.steps} steps, skipped {result.skipped_steps}; metrics: {result.metrics}")
+    if result.already_finished:  # another process finished it in the meantime
+        print(f"{config.run.out_dir} holds a finished run ({result.steps} steps); nothing to do.")
+        return 0
+    print(f"done: {result.steps} steps, skipped {result.skipped_steps}; metrics: {_metrics_line(result.metrics)}")
     return 0
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars of transformers' save/load between linmem's own lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _metrics_line(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4f}" for name, value in metrics.items()) or "none"
+
+
+def _existing_run_dir(path: str) -> Path:
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} not found")
+    return run_dir
+
+
 def _eval(args: argparse.Namespace) -> int:
+    run_dir = _existing_run_dir(args.run_dir)
     from .train.runs import load_run
 
-    run = load_run(Path(args.run_dir), overrides=args.overrides)
-    metrics = run.task.evaluate(run.model, run.device)
+    _quiet_transformers()
+    run = load_run(run_dir, overrides=args.overrides)
+    metrics = run.task.evaluate(run.model, run.device, progress=sys.stderr.isatty())
     for name, value in metrics.items():
         print(f"{name:<28}{value:.4f}")
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .train.runs import load_run
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = args.prompt[err.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"--prompt is not valid UTF-8 (byte {byte!r} at character {err.start})") from None
+    run_dir = _existing_run_dir(args.run_dir)
+    from .train.runs import check_generation_args, load_run
 
-    run = load_run(Path(args.run_dir), overrides=args.overrides)
-    if not hasattr(run.task, "encode"):
-        raise SystemExit(f"{args.run_dir} was trained on {run.task.describe()}, which has no text to generate")
-    print(run.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed))
+    check_generation_args(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p)
+    _quiet_transformers()
+    run = load_run(run_dir, overrides=args.overrides)
+    print(args.prompt, end="", flush=True)
+    run.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, stop=args.stop, seed=args.seed,
+                 stream=lambda piece: print(piece, end="", flush=True))
+    print()
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from .train.config import TextSection
+    from .train.prepared import prepare_corpus
+
+    text = TextSection(paths=list(args.paths), dataset=args.dataset, text_field=args.text_field,
+                       tokenizer=args.tokenizer, max_files=args.max_files, val_fraction=args.val_fraction,
+                       errors=args.errors)
+    manifest = prepare_corpus(text, Path(args.out), seed=args.seed, shard_tokens=args.shard_tokens)
+    for name, split in manifest["splits"].items():
+        print(f"{name:<11}{split['documents']:>10,} documents {split['tokens']:>14,} tokens in "
+              f"{len(split['shards'])} shard(s); {split['empty']} empty skipped")
+    print(f"wrote {args.out} ({manifest['dtype']}, vocab {manifest['vocab_size']}, validation "
+          f"{manifest['validation']}); train on it with: linmem train data.task=text data.text.prepared={args.out}")
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import mom_study, print_table, run_demo
 
+    _quiet_transformers()
     if args.mom:
         print_table(mom_study(Path(args.out), device=args.device, width=args.width, quick=args.quick))
     else:
@@ -84,35 +154,58 @@ def _bench_ops(args: argparse.Namespace) -> int:
 
 
 def _bench_layers(args: argparse.Namespace) -> int:
-    from .bench.layers import run
+    from .bench.layers import main
 
-    return run(args)
+    return main(args.passed_on)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linmem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"linmem {__version__}")
+    common = argparse.ArgumentParser(add_help=False)  # -v after the subcommand too
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model from a config file or recipe")
+    train = sub.add_parser("train", parents=[common], help="train a model from a config file or recipe")
     train.add_argument("--config", help="a YAML config file")
-    train.add_argument("--recipe", help="a named recipe in recipes/")
+    train.add_argument("--recipe", help="a named recipe shipped in linmem/recipes/")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(func=_train)
 
-    evaluate = sub.add_parser("eval", help="evaluate a saved run directory")
+    evaluate = sub.add_parser("eval", parents=[common], help="evaluate a saved run directory")
     evaluate.add_argument("run_dir")
     evaluate.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. data.mqar.eval_settings=...)")
     evaluate.set_defaults(func=_eval)
 
-    generate = sub.add_parser("generate", help="sample text from a saved run directory")
+    generate = sub.add_parser("generate", parents=[common], help="sample text from a saved run directory (streamed)")
     generate.add_argument("run_dir")
     generate.add_argument("--prompt", default="")
     generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    generate.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this probability")
+    generate.add_argument("--stop", help="stop before this string (e.g. $'\\n\\n')")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("overrides", nargs="*")
     generate.set_defaults(func=_generate)
+
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser("prepare", parents=[common],
+                                  help="tokenize local text or a local dataset once into memory-mapped token shards")
+    prepare.add_argument("out", help="the folder to write (new or empty)")
+    prepare.add_argument("paths", nargs="*", help="text files and folders (default: the Python standard library)")
+    prepare.add_argument("--dataset", help="a local Hugging Face dataset folder or json/jsonl/parquet file(s)")
+    prepare.add_argument("--text-field", default="text", help="the dataset column holding the text")
+    prepare.add_argument("--tokenizer", help="a local tokenizer folder (default: UTF-8 bytes)")
+    prepare.add_argument("--max-files", type=int, help="read at most this many files")
+    prepare.add_argument("--val-fraction", type=float, default=0.02,
+                         help="documents held out for validation (unless the dataset has a validation split)")
+    prepare.add_argument("--seed", type=int, default=0, help="which documents are held out (as data.seed does)")
+    prepare.add_argument("--errors", default="replace", choices=["replace", "strict"], help="invalid UTF-8 in files")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (about)")
+    prepare.set_defaults(func=_data_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -137,13 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
     ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads_key=8x2,output=8x2 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
-    layers = bench_sub.add_parser("layers", help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
-    from .bench.layers import add_arguments
+    layers = bench_sub.add_parser("layers", add_help=False,  # its options and --help: linmem.bench.layers
+                                  help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
+    layers.set_defaults(func=_bench_layers, passes_on=True)
 
-    add_arguments(layers)
-    layers.set_defaults(func=_bench_layers)
-
-    demo = sub.add_parser("demo", help="the built-in default job: MQAR study + a small hybrid on text (CPU)")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="the built-in default job: MQAR study + a small hybrid on text (CPU)")
     demo.add_argument("--out", default="runs/demo", help="where runs, table and plots go")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
     demo.add_argument("--mom", action="store_true",
@@ -154,10 +246,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train_error(err: BaseException, *names: str) -> bool:
+    """Whether ``err`` is one of linmem.train's errors ``names`` (only a subcommand that imported
+    linmem.train can raise them, so nothing is imported here)."""
+    if "linmem.train" not in sys.modules:
+        return False
+    from . import train
+
+    return isinstance(err, tuple(getattr(train, name) for name in names))
+
+
+def _is_usage_error(err: BaseException) -> bool:
+    """Errors in what the user asked for (printed as one line), as opposed to faults of linmem."""
+    return isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, ImportError)) or _train_error(
+        err, "CheckpointError", "RunError")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on and not getattr(args, "passes_on", False):
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+    args.passed_on = passed_on
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\nlinmem: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if _train_error(err, "Interrupted"):  # a checkpoint was saved
+            print(f"linmem: {err}", file=sys.stderr)
+            return err.exit_code
+        if not _is_usage_error(err):
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        message = " ".join(str(err).split())
+        hint = "" if args.verbose else " (-v for the traceback)"
+        print(f"linmem: error: {message}{hint}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

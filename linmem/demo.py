@@ -17,10 +17,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -62,6 +62,11 @@ def _overrides(prefix: str, values: dict[str, Any]) -> list[str]:
     return [f"{prefix}.{key}={value}" for key, value in values.items()]
 
 
+def _log_every(quick: bool) -> int:
+    """Steps between metric lines: every step of the short --quick runs, so each loss curve has points."""
+    return 1 if quick else 10
+
+
 def _mqar_overrides(steps: int, quick: bool, warmup: int = 50) -> list[str]:
     """The MQAR data, optimiser and run settings every demo model shares."""
     return [
@@ -69,8 +74,16 @@ def _mqar_overrides(steps: int, quick: bool, warmup: int = 50) -> list[str]:
         f"data.mqar.vocab_size={MQAR_VOCAB}", f"data.mqar.train_examples={500 if quick else 20000}",
         f"data.mqar.eval_examples={64 if quick else 500}",
         "data.batch_size=64", f"schedule.steps={steps}", f"schedule.warmup_steps={min(warmup, steps)}",
-        "optim.weight_decay=0.1", "run.log_every=10", "run.save_every=0", "run.progress=false",
+        "optim.weight_decay=0.1", f"run.log_every={_log_every(quick)}", "run.save_every=0", "run.progress=false",
     ]
+
+
+def _worker_setup(threads: int) -> None:
+    """A worker's torch threads, and no per-file progress bars of transformers between the result lines."""
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ class MQARJob:
 
 def train_mqar(job: MQARJob) -> tuple[dict[str, float], float]:
     """Run one job (in a worker process); return its final metrics and its seconds."""
-    torch.set_num_threads(job.threads)
+    _worker_setup(job.threads)
     config = load_config(overrides=list(job.overrides))
     started = time.perf_counter()
     result = Trainer(config).train()
@@ -132,13 +145,21 @@ def _report(job: MQARJob, metrics: dict[str, float], seconds: float) -> list[dic
     return rows
 
 
-def mqar_study(out: Path, pool: Executor, jobs: list[MQARJob]) -> list[dict]:
+def mqar_study(out: Path, pool: Executor, jobs: list[MQARJob],
+               others: Optional[dict[Future, Callable[[Any], None]]] = None) -> list[dict]:
     """Train the jobs on the pool (the slowest first), print each result as it comes, write the
-    plots; return rows of (model, width, seq_len, kv, accuracy) in the order of ``jobs``."""
+    plots; return rows of (model, width, seq_len, kv, accuracy) in the order of ``jobs``.
+
+    ``others``: futures already on the pool, each with what to do with its result when it comes
+    (between the MQAR results, in the order they finish)."""
     order = sorted(jobs, key=lambda j: -STEP_COST.get(j.model, 1.0) * j.width * j.steps)
     futures = {pool.submit(train_mqar, job): job for job in order}
+    others = others or {}
     rows_of = {}
-    for future in as_completed(futures):
+    for future in as_completed([*futures, *others]):
+        if future in others:
+            others[future](future.result())
+            continue
         job = futures[future]
         rows_of[job] = _report(job, *future.result())
     rows = [row for job in jobs for row in rows_of[job]]
@@ -178,7 +199,7 @@ def text_run(out: Path, *, quick: bool, threads: Optional[int] = None) -> list[s
     """A small hybrid on bytes of the Python standard library; returns the lines to print
     (data, size, held-out perplexity and a sample). ``threads``: torch threads (a worker's)."""
     if threads is not None:
-        torch.set_num_threads(threads)
+        _worker_setup(threads)
     run_dir = out / "text-hybrid"
     config = load_config(overrides=[
         "data.task=text", "data.tokens_per_batch=2048", "data.max_document_tokens=256",
@@ -186,7 +207,7 @@ def text_run(out: Path, *, quick: bool, threads: Optional[int] = None) -> list[s
         "model.layer_pattern=LLN", "model.memory=gated_deltanet", "model.attention=softmax",
         "model.hidden_size=96", "model.num_heads=2",
         f"schedule.steps={10 if quick else TEXT_STEPS}", "schedule.warmup_steps=10", "optim.lr=3e-3",
-        "run.log_every=10", f"run.save_every={0 if quick else 200}", "run.progress=false",
+        f"run.log_every={_log_every(quick)}", f"run.save_every={0 if quick else 200}", "run.progress=false",
         f"run.out_dir={run_dir}", "run.resume=false",
     ])
     started = time.perf_counter()
@@ -200,11 +221,16 @@ def text_run(out: Path, *, quick: bool, threads: Optional[int] = None) -> list[s
     return lines
 
 
+def _print_text(lines: list[str]) -> None:
+    print("  " + "\n".join(lines), flush=True)
+
+
 def run_demo(out: Path, *, quick: bool = False) -> None:
     """The whole default job; everything it writes goes under ``out``.
 
     The MQAR runs and the text run are independent, so they share a pool of worker processes
-    (:func:`parallelism`); results are printed as runs finish, the table when all MQAR runs are in.
+    (:func:`parallelism`); each result is printed as its run finishes, the table when all MQAR runs
+    are in.
     """
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -215,8 +241,11 @@ def run_demo(out: Path, *, quick: bool = False) -> None:
     jobs = mqar_jobs(out, quick=quick, threads=threads)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         text = pool.submit(text_run, out, quick=quick, threads=threads)  # the longest run: first
-        rows = mqar_study(out, pool, jobs)
+        try:
+            rows = mqar_study(out, pool, jobs, others={text: _print_text})
+        except KeyboardInterrupt:  # Ctrl-C: the runs under way stop after their step, no new one starts
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         print_table(rows)
-        print(f"plots: {out / 'mqar_accuracy.png'}, {out / 'mqar_loss.png'}\n", flush=True)
-        print("\n".join(text.result()))
+        print(f"plots: {out / 'mqar_accuracy.png'}, {out / 'mqar_loss.png'}", flush=True)
     print(f"\ndone in {time.perf_counter() - started:.0f} s")

@@ -2,6 +2,7 @@
 the text model is evaluated and sampled (the full job is the README's first command)."""
 
 from linmem.demo import EVAL_SETTINGS, MQAR_MODELS, run_demo
+from linmem.train.metrics import read_metrics
 
 
 def test_quick_demo_writes_table_plots_and_sample(tmp_path, capsys):
@@ -15,3 +16,5 @@ def test_quick_demo_writes_table_plots_and_sample(tmp_path, capsys):
     runs = sum(len(m.widths) for m in MQAR_MODELS)
     assert len(list((tmp_path / "mqar").iterdir())) == runs
     assert len(EVAL_SETTINGS) == 3
+    for metrics in [*(tmp_path / "mqar").glob("*/metrics.jsonl"), tmp_path / "text-hybrid" / "metrics.jsonl"]:
+        assert len([row for row in read_metrics(metrics) if "loss" in row]) == 10  # a point per step of the curves

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import matplotlib
 
+from ..train.metrics import read_metrics
+
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(path: Path) -> list[dict]:
-    """Lines of a run's metrics.jsonl."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+__all__ = ["plot_loss_curves", "plot_mqar_accuracy", "read_metrics"]
 
 
 def plot_loss_curves(runs: dict[str, Path], out: Path, *, title: str = "training loss") -> Path:

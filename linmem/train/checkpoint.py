@@ -3,9 +3,11 @@
 A checkpoint is a folder ``step_XXXXXXXX`` holding the model (safetensors), the
 optimiser state and RNG states (``torch.load(weights_only=True)``: nothing is
 unpickled), the trainer state (JSON) and a manifest of sizes and SHA-256 sums written
-last. It is written under a temporary name and renamed into place, so a crash leaves
-either the whole checkpoint or none; loading verifies the manifest first, so a
-truncated or corrupted checkpoint is refused with an error that names the file.
+last. It is written under a temporary name (``.step_XXXXXXXX.tmp-PID``) and renamed into
+place, so a crash leaves either the whole checkpoint or none (the temporary folders of
+processes that died are removed by the next save or resume); loading verifies the
+manifest first (exactly the expected files, sizes and sums), so a truncated or corrupted
+checkpoint is refused with an error that names the file.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ logger = logging.getLogger("linmem.train")
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json")  # what the manifest lists
 
 
 class CheckpointError(RuntimeError):
@@ -60,6 +63,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` into ``directory`` atomically; keep the newest ``keep``."""
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory)
     final = directory / f"{PREFIX}{step:08d}"
     tmp = directory / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -84,6 +88,31 @@ def save_checkpoint(
     return final
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove ``.step_*.tmp-PID`` folders of processes no longer running (a kill during a save); returns them."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in directory.glob(f".{PREFIX}*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("removed %s, left by process %s that stopped during a save", path, pid)
+            removed.append(path)
+    return removed
+
+
 def _prune(directory: Path, keep: int) -> None:
     for old in list_checkpoints(directory)[:-keep]:
         shutil.rmtree(old)
@@ -105,8 +134,14 @@ def verify_checkpoint(path: Path) -> None:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupted ({err})") from err
+    if not isinstance(manifest, dict) or set(manifest) != set(FILES):
+        listed = sorted(manifest) if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists {listed}, expected {sorted(FILES)}")
     for name, entry in manifest.items():
         file = path / name
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(
+                entry.get("sha256"), str):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry of {name} is corrupted")
         if not file.exists():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
         size = file.stat().st_size
@@ -117,13 +152,21 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def latest_valid_checkpoint(directory: Path) -> Optional[Path]:
-    """The newest checkpoint that verifies; invalid newer ones are reported and left in place."""
+    """The newest checkpoint that verifies; invalid newer ones are reported and left in place.
+
+    None when there is no checkpoint; a CheckpointError listing each checkpoint and why it
+    failed when there are checkpoints but none verifies.
+    """
+    failures = []
     for path in reversed(list_checkpoints(directory)):
         try:
             verify_checkpoint(path)
             return path
         except CheckpointError as err:
             logger.warning("skipping %s", err)
+            failures.append(str(err))
+    if failures:
+        raise CheckpointError(f"no checkpoint in {directory} verifies: {'; '.join(failures)}")
     return None
 
 

@@ -1,8 +1,8 @@
 """Typed run configuration: model, data, optimiser, schedule and run sections.
 
-A config comes from defaults, a YAML file or a named recipe (``recipes/<name>.yaml``),
-then ``key.sub=value`` overrides from the command line; it is validated before
-anything runs and printed with the run.
+A config comes from defaults, a YAML file or a named recipe (``linmem/recipes/<name>.yaml``,
+shipped with the package), then ``key.sub=value`` overrides from the command line; it is
+validated before anything runs and printed with the run.
 
 Example:
     >>> cfg = load_config(overrides=["model.memory=gla", "schedule.steps=10"])
@@ -13,6 +13,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.resources
+import inspect
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -21,7 +24,16 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+#: The named recipes, shipped inside the package (found in a source checkout and an installed wheel alike).
+RECIPES = importlib.resources.files("linmem") / "recipes"
+
+#: Keys that may differ from a run directory's saved config when the run resumes: how long to train
+#: (the cosine schedule is recomputed for the new total), how often to log / evaluate / save, where and
+#: how to run. Any other difference is refused, since the checkpoint would not match the new config.
+RESUMABLE_KEYS = (
+    "schedule.steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
+    "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.resume", "run.out_dir",
+)
 
 
 class ConfigError(ValueError):
@@ -56,7 +68,9 @@ class TextSection:
     text_field: str = "text"  # column holding the text
     tokenizer: Optional[str] = None  # local tokenizer folder; None: bytes (vocab 256)
     max_files: Optional[int] = None  # cap on stdlib / folder files read
-    val_fraction: float = 0.02  # documents held out for perplexity
+    val_fraction: float = 0.02  # documents held out for perplexity (unless the dataset has a validation split)
+    errors: str = "replace"  # invalid UTF-8 in text files: replace (with U+FFFD, counted in the log) or strict
+    prepared: Optional[str] = None  # a folder written by `linmem data prepare` (replaces paths/dataset/tokenizer)
 
 
 @dataclass
@@ -130,6 +144,9 @@ class TrainConfig:
             (0 <= self.schedule.warmup_steps, "schedule.warmup_steps must be >= 0"),
             (0 <= self.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
             (self.schedule.grad_accum >= 1, "schedule.grad_accum must be >= 1"),
+            (self.schedule.warmup_steps <= self.schedule.steps,
+             f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be <= schedule.steps "
+             f"({self.schedule.steps}): the learning rate would never reach optim.lr"),
             (self.run.dtype in ("auto", "bf16", "fp32"), f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
             (self.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1"),
             (all(len(s) == 2 for s in self.data.mqar.settings + self.data.mqar.eval_settings),
@@ -137,11 +154,78 @@ class TrainConfig:
             (bool(self.data.mqar.settings), "data.mqar.settings must not be empty"),
             (self.data.text.dataset is None or self.data.text.tokenizer is not None,
              "data.text.dataset needs data.text.tokenizer (a local tokenizer folder)"),
+            (self.data.text.errors in ("replace", "strict"),
+             f"data.text.errors must be replace or strict, got {self.data.text.errors!r}"),
+            (self.data.text.prepared is None or not (self.data.text.paths or self.data.text.dataset
+                                                     or self.data.text.tokenizer or self.data.text.max_files),
+             "data.text.prepared replaces data.text.paths, dataset, tokenizer and max_files "
+             "(the prepared folder records them): unset those"),
+            (0 <= self.data.text.val_fraction < 1, "data.text.val_fraction must lie in [0, 1)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        _check_model_options(self.model)
         return self
+
+
+def _model_fields() -> list[str]:
+    """The keyword arguments of LinmemConfig that ``model.options`` may set."""
+    from ..models import LinmemConfig
+
+    parameters = inspect.signature(LinmemConfig.__init__).parameters.values()
+    return [p.name for p in parameters if p.name not in ("self", "vocab_size") and p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+def _check_model_options(model: "ModelSection") -> None:
+    """Refuse options that LinmemConfig does not know (with a close match) or that the section sets itself."""
+    valid = _model_fields()
+    for key in model.options:
+        if key == "vocab_size":
+            raise ConfigError("model.options.vocab_size is set by the task (MQAR vocabulary, tokenizer or bytes)")
+        if key not in valid:
+            raise ConfigError(f"unknown key 'model.options.{key}'{_did_you_mean(key, valid)}; "
+                              f"valid: {', '.join(valid)}")
+        if model.recipe is None and key in _SECTION_FIELDS:
+            raise ConfigError(f"model.options.{key} duplicates model.{key}: set model.{key} instead")
+
+
+_SECTION_FIELDS = ("hidden_size", "num_heads", "layer_pattern", "memory", "attention")
+
+
+def _did_you_mean(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_key(where: str, key: str, valid: Sequence[str]) -> ConfigError:
+    """The error for ``where + key`` not being a field: a close match, and for model fields of
+    LinmemConfig a pointer to ``model.options``."""
+    if where == "model." and key in _model_fields():
+        return ConfigError(f"unknown key 'model.{key}': {key} is a LinmemConfig field, set it as model.options.{key}")
+    return ConfigError(f"unknown key '{where}{key}'{_did_you_mean(key, valid)}; valid: {', '.join(valid)}")
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (lists stay values)."""
+    if not isinstance(data, dict):
+        return {prefix[:-1]: data}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def config_differences(saved: dict[str, Any], config: TrainConfig) -> list[str]:
+    """Keys whose value in ``config`` differs from the ``saved`` config dict (a run directory's
+    config.yaml), other than :data:`RESUMABLE_KEYS`, as ``"key (saved X, now Y)"`` strings. A key
+    the saved config lacks (written before the key existed) counts as its default."""
+    old = {**_flatten(yaml.safe_load(TrainConfig().to_yaml())), **_flatten(saved)}
+    new = _flatten(yaml.safe_load(config.to_yaml()))  # the same YAML round trip the saved one went through
+    missing = "<unset>"
+    return [f"{key} (saved {old.get(key, missing)!r}, now {new.get(key, missing)!r})"
+            for key in sorted(set(old) | set(new))
+            if key not in RESUMABLE_KEYS and old.get(key, missing) != new.get(key, missing)]
 
 
 def _type_hints(cls: type) -> dict[str, Any]:
@@ -156,7 +240,7 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; valid: {', '.join(names)}")
+        raise _unknown_key(where, unknown[0], names)
     values = {}
     for name, value in data.items():
         hint = hints[name]
@@ -216,28 +300,33 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
             if isinstance(target, dict):
                 target = target.setdefault(part, {})
                 continue
-            if not hasattr(target, part):
-                valid = [f.name for f in dataclasses.fields(target)]
-                raise ConfigError(f"unknown key {'.'.join(parts[:depth + 1])!r}; valid: {', '.join(valid)}")
+            valid = [f.name for f in dataclasses.fields(target)] if dataclasses.is_dataclass(target) else []
+            if part not in valid:
+                raise _unknown_key("".join(p + "." for p in parts[:depth]), part, valid)
             target = getattr(target, part)
         leaf = parts[-1]
-        if isinstance(target, dict):  # free-form model options: YAML-typed values
+        if isinstance(target, dict):  # model options: YAML-typed values, names checked by validate()
             target[leaf] = yaml.safe_load(text)
             continue
-        if not dataclasses.is_dataclass(target) or leaf not in {f.name for f in dataclasses.fields(target)}:
-            valid = [f.name for f in dataclasses.fields(target)] if dataclasses.is_dataclass(target) else []
-            raise ConfigError(f"unknown key {path!r}; valid: {', '.join(valid)}")
+        valid = [f.name for f in dataclasses.fields(target)] if dataclasses.is_dataclass(target) else []
+        if leaf not in valid:
+            raise _unknown_key("".join(p + "." for p in parts[:-1]), leaf, valid)
         setattr(target, leaf, _parse_override(text, _type_hints(type(target))[leaf], path))
     return config
 
 
-def recipe_path(name: str) -> Path:
-    """recipes/<name>.yaml; unknown names are refused with the list of recipes."""
-    path = RECIPES_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown recipe {name!r}; valid: {', '.join(known)}")
-    return path
+def recipe_names() -> list[str]:
+    """Names of the shipped recipes (``linmem/recipes/*.yaml``), sorted."""
+    return sorted(entry.name[:-len(".yaml")] for entry in RECIPES.iterdir() if entry.name.endswith(".yaml"))
+
+
+def recipe_text(name: str) -> str:
+    """The YAML of recipe ``name``; unknown names are refused with the list of recipes."""
+    entry = RECIPES / f"{name}.yaml"
+    if not entry.is_file():
+        raise ConfigError(f"unknown recipe {name!r}{_did_you_mean(name, recipe_names())}; "
+                          f"valid: {', '.join(recipe_names())}")
+    return entry.read_text()
 
 
 def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
@@ -245,7 +334,15 @@ def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
     """Defaults <- YAML file or recipe <- overrides; validated."""
     if path is not None and recipe is not None:
         raise ConfigError("give a config file or a recipe, not both")
-    source = Path(path) if path is not None else (recipe_path(recipe) if recipe is not None else None)
-    data = yaml.safe_load(source.read_text()) if source is not None else {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} not found")
+        text = Path(path).read_text()
+    else:
+        text = recipe_text(recipe) if recipe is not None else ""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path or recipe} is not valid YAML: {err}".replace("\n", " ")) from err
     config = _from_dict(TrainConfig, data or {}, "")
     return apply_overrides(config, overrides).validate()

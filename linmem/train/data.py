@@ -5,16 +5,20 @@ ignore); a packed batch adds ``"cu_seqlens": [N + 1] int32`` and has B == 1. A b
 source is an infinite iterator; ``state_dict()`` (plain ints and strings, JSON-ready)
 loaded into a fresh source makes it continue exactly at the next batch.
 
-Nothing here downloads: datasets and tokenizers come from local paths only.
+Nothing here downloads: datasets and tokenizers come from local paths only. A file that
+cannot be read as what it should be raises :class:`DataError` naming the file.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sysconfig
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -31,6 +35,47 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 _DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+logger = logging.getLogger("linmem.train")
+
+
+class DataError(ValueError):
+    """A data source (text file, dataset, tokenizer, prepared folder) that cannot be used; names it."""
+
+
+@dataclass
+class TokenDocuments:
+    """Documents as one token array and their lengths: the form packing reads.
+
+    tokens: anything with ``len()`` whose slices ``tokens[a:b]`` are 1-D integer numpy arrays
+    (an ``np.ndarray``, an ``np.memmap`` or :class:`~linmem.train.prepared.ShardedTokens`);
+    document d is ``tokens[starts[d]:starts[d] + lengths[d]]`` with starts the exclusive
+    cumulative sum of lengths [D]. ``fingerprint`` identifies the data in a state_dict.
+
+    Example:
+        >>> docs = TokenDocuments(np.arange(5), np.array([2, 3]))
+        >>> docs.num_tokens, len(docs)
+        (5, 2)
+    """
+
+    tokens: Any  # [sum(lengths)] token ids
+    lengths: np.ndarray  # [D] int64 tokens per document
+    fingerprint: Optional[str] = None  # e.g. the SHA-256 of a prepared folder
+
+    def __post_init__(self) -> None:
+        self.lengths = np.asarray(self.lengths, dtype=np.int64)
+        if self.lengths.ndim != 1 or (self.lengths < 0).any():
+            raise ValueError("lengths must be a 1-D array of non-negative document lengths")
+        if int(self.lengths.sum()) != len(self.tokens):
+            raise ValueError(f"document lengths sum to {int(self.lengths.sum())} "
+                             f"but there are {len(self.tokens)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 class BatchSource(Protocol):
@@ -137,7 +182,8 @@ class ExampleBatches:
 class PackedBatches:
     """Documents packed into rows of exactly ``tokens_per_batch`` tokens, infinite over epochs.
 
-    documents: sequences of token ids (lists or 1-D tensors). A document longer than
+    documents: sequences of token ids (lists or 1-D tensors), or :class:`TokenDocuments`
+    (e.g. memory-mapped shards, read a piece at a time). A document longer than
     ``max_document_tokens`` (and always one longer than ``tokens_per_batch``) is cut into
     pieces. Each epoch shuffles the documents (seed, epoch) and streams their pieces in
     order; rows are consecutive windows of that stream, one epoch flowing into the next,
@@ -153,17 +199,21 @@ class PackedBatches:
         (torch.Size([1, 4]), torch.int32)
     """
 
-    def __init__(self, documents: Sequence[Union[Sequence[int], torch.Tensor]], tokens_per_batch: int, *,
-                 seed: int, max_document_tokens: Optional[int] = None) -> None:
+    def __init__(self, documents: Union[TokenDocuments, Sequence[Union[Sequence[int], torch.Tensor]]],
+                 tokens_per_batch: int, *, seed: int, max_document_tokens: Optional[int] = None) -> None:
         if tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         if max_document_tokens is not None and max_document_tokens < 1:
             raise ValueError(f"max_document_tokens must be >= 1 or None, got {max_document_tokens}")
         _check_seed(seed)
-        self.tokens, lengths = _flatten_documents(documents)
+        if not isinstance(documents, TokenDocuments):
+            documents = _flatten_documents(documents)
+        if documents.num_tokens == 0:
+            raise ValueError("documents hold no tokens")
+        self.tokens, self.fingerprint = documents.tokens, documents.fingerprint
         self.tokens_per_batch, self.seed = tokens_per_batch, seed
         self.piece_tokens = min(tokens_per_batch, max_document_tokens or tokens_per_batch)
-        self._cut_pieces(lengths)
+        self._cut_pieces(documents.lengths)
         self.epoch, self.piece, self.offset = 0, 0, 0
         self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
@@ -201,7 +251,7 @@ class PackedBatches:
             self.offset += take
             if self.offset == self.piece_lengths[p]:
                 self.piece, self.offset = self.piece + 1, 0
-        input_ids = torch.from_numpy(np.concatenate(segments))[None]
+        input_ids = torch.from_numpy(np.concatenate(segments).astype(np.int64))[None]
         cu_seqlens = torch.tensor([0] + [len(s) for s in segments], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return {"input_ids": input_ids, "labels": input_ids.clone(), "cu_seqlens": cu_seqlens}
 
@@ -217,7 +267,7 @@ class PackedBatches:
     def _settings(self) -> dict:
         return {"kind": "PackedBatches", "seed": self.seed, "tokens_per_batch": self.tokens_per_batch,
                 "piece_tokens": self.piece_tokens, "num_documents": len(self.doc_pieces),
-                "num_tokens": len(self.tokens)}
+                "num_tokens": len(self.tokens), "fingerprint": self.fingerprint}
 
     def state_dict(self) -> dict:
         """Settings and stream position: {..., "epoch", "piece" (index in the epoch's order), "offset"}."""
@@ -225,6 +275,7 @@ class PackedBatches:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the batch after the one where ``state`` was taken (same documents and settings)."""
+        state = {"fingerprint": None, **state}  # states of in-memory documents saved before fingerprints
         _check_state(state, self._settings(), ("epoch", "piece", "offset"))
         epoch, piece, offset = int(state["epoch"]), int(state["piece"]), int(state["offset"])
         if epoch < 0 or not 0 <= piece <= len(self.piece_lengths) or offset < 0:
@@ -235,18 +286,16 @@ class PackedBatches:
         self.epoch, self.piece, self.offset = epoch, piece, offset
 
 
-def _flatten_documents(documents: Sequence[Union[Sequence[int], torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
+def _flatten_documents(documents: Sequence[Union[Sequence[int], torch.Tensor]]) -> TokenDocuments:
     """All tokens in one int64 array [sum of lengths] and the document lengths [D]."""
     arrays = [np.asarray(doc, dtype=np.int64) for doc in documents]
     bad = [i for i, a in enumerate(arrays) if a.ndim != 1]
     if bad:
         raise ValueError(f"documents must be 1-D sequences of token ids; document {bad[0]} is not")
     tokens = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
-    if tokens.size == 0:
-        raise ValueError("documents hold no tokens")
-    if tokens.min() < 0:
+    if tokens.size and tokens.min() < 0:
         raise ValueError(f"token ids must be >= 0, found {int(tokens.min())}")
-    return tokens, np.array([len(a) for a in arrays], dtype=np.int64)
+    return TokenDocuments(tokens, np.array([len(a) for a in arrays], dtype=np.int64))
 
 
 def byte_tokenize(text: str) -> list[int]:
@@ -285,7 +334,7 @@ def stdlib_corpus(max_files: Optional[int] = None) -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise FileNotFoundError(f"standard library folder not found: {root}")
-    texts = (text for text in map(_read_text, _stdlib_files(root)) if text.strip())
+    texts = (text for text in FileTexts(_stdlib_files(root)) if text.strip())
     corpus = list(islice(texts, max_files))
     if not corpus:
         raise FileNotFoundError(f"no Python sources found under {root}")
@@ -301,24 +350,71 @@ def _stdlib_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def text_files(paths: Sequence[PathLike], suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[str]:
-    """Texts of the given files, and of the files with one of ``suffixes`` inside the given folders.
+def list_text_files(paths: Sequence[PathLike], suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Path]:
+    """The given files, and the files with one of ``suffixes`` inside the given folders.
 
     Folders are searched recursively in sorted order, skipping hidden entries
     (e.g. ``.git``); paths keep the order given.
 
     Example:
-        >>> docs = text_files(["README.md", "docs/"])  # doctest: +SKIP
+        >>> files = list_text_files(["README.md", "docs/"])  # doctest: +SKIP
     """
-    texts = []
+    files = []
     for path in map(_existing, paths):
         if path.is_file():
-            texts.append(_read_text(path))
+            files.append(path)
             continue
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        texts.extend(_read_text(p) for p in files)
-    return texts
+        files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+    return files
+
+
+def text_files(paths: Sequence[PathLike], suffixes: Sequence[str] = TEXT_SUFFIXES, *,
+               errors: str = "replace") -> list[str]:
+    """Texts of :func:`list_text_files` (see :class:`FileTexts` for ``errors``).
+
+    Example:
+        >>> docs = text_files(["README.md", "docs/"])  # doctest: +SKIP
+    """
+    return list(FileTexts(list_text_files(paths, suffixes), errors=errors))
+
+
+class FileTexts:
+    """The texts of ``files``, read one at a time as they are iterated.
+
+    Invalid UTF-8 is replaced by U+FFFD (``errors="replace"``; how many files held some is
+    logged at the end of each pass) or refused with a :class:`DataError` naming the file and
+    the byte (``errors="strict"``).
+
+    Example:
+        >>> texts = FileTexts([Path("a.txt"), Path("b.txt")])  # doctest: +SKIP
+        >>> len(texts), next(iter(texts))  # doctest: +SKIP
+    """
+
+    def __init__(self, files: Sequence[Path], *, errors: str = "replace", name: str = "text files") -> None:
+        if errors not in ("replace", "strict"):
+            raise ValueError(f"errors must be 'replace' or 'strict', got {errors!r}")
+        self.files, self.errors, self.name = list(files), errors, name
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __iter__(self) -> Iterator[str]:
+        replaced = []
+        for path in self.files:
+            data = path.read_bytes()
+            try:
+                yield data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if self.errors == "strict":
+                    raise DataError(f"{path} is not valid UTF-8 (byte {err.start}); "
+                                    f"data.text.errors=replace replaces such bytes with U+FFFD") from err
+                replaced.append(path)
+                yield data.decode("utf-8", errors="replace")
+        if replaced:
+            names = ", ".join(str(p) for p in replaced[:3]) + (", ..." if len(replaced) > 3 else "")
+            logger.warning("%s: %d of %d files held invalid UTF-8, replaced by U+FFFD (%s); "
+                           "data.text.errors=strict refuses them", self.name, len(replaced), len(self.files), names)
 
 
 def split_documents(docs: Sequence[Item], val_fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
@@ -352,20 +448,62 @@ def load_local_dataset(path: PathLike, *, text_field: str = "text", split: str =
     Example:
         >>> texts = load_local_dataset("data/corpus.jsonl")  # doctest: +SKIP
     """
+    splits = local_dataset_splits(path, text_field=text_field, split=split)
+    if split not in splits:
+        raise DataError(f"split {split!r} not in {path}; it has {list(splits)}")
+    return list(splits[split][text_field])
+
+
+def local_dataset_splits(path: PathLike, *, text_field: str = "text", split: str = "train") -> dict[str, Any]:
+    """The splits of a local dataset as ``datasets.Dataset`` objects (memory-mapped, not read yet).
+
+    A ``DatasetDict.save_to_disk`` folder gives all its splits; a ``Dataset`` folder or data
+    files give ``{split: ...}`` (files: ``split`` may slice, e.g. "train[:1000]"). Every split
+    is checked to hold ``text_field``; unreadable files raise :class:`DataError` naming them.
+
+    Example:
+        >>> splits = local_dataset_splits("data/corpus")  # doctest: +SKIP
+        >>> sorted(splits)  # doctest: +SKIP
+        ['train', 'validation']
+    """
     datasets = _import_datasets()
     path = _existing(path)
     if path.is_dir() and any((path / marker).exists() for marker in _SAVED_DATASET_MARKERS):
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ValueError(f"split {split!r} not in {path}; it has {list(loaded)}")
-            loaded = loaded[split]
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as err:  # datasets raises many kinds for damaged folders
+            raise DataError(f"cannot load the dataset folder {path}: {type(err).__name__}: {err}") from err
+        splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {split: loaded}
     else:
         builder, files = _data_files(path)
-        loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split)
-    if text_field not in loaded.column_names:
-        raise ValueError(f"text_field {text_field!r} not in the columns {loaded.column_names} of {path}")
-    return list(loaded[text_field])
+        if builder == "json":
+            for file in files:
+                _check_json_lines(file)
+        try:
+            splits = {split: datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split)}
+        except Exception as err:
+            names = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+            raise DataError(f"cannot read {names} as {builder} data: {type(err).__name__}: {err}") from err
+    for name, part in splits.items():
+        if text_field not in part.column_names:
+            raise DataError(f"text_field {text_field!r} not in the columns {part.column_names} of {path} ({name})")
+    return splits
+
+
+def _check_json_lines(path: Path) -> None:
+    """Name the first line of a .jsonl file that is not a JSON object (a .json file may be one document)."""
+    if path.suffix != ".jsonl":
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {number} is not valid JSON: {err.msg} (column {err.colno})") from err
+            if not isinstance(record, dict):
+                raise DataError(f"{path} line {number} is a JSON {type(record).__name__}, not an object")
 
 
 def load_tokenizer(folder: PathLike) -> "PreTrainedTokenizerBase":
@@ -379,7 +517,10 @@ def load_tokenizer(folder: PathLike) -> "PreTrainedTokenizerBase":
         raise NotADirectoryError(f"a tokenizer is a folder written by save_pretrained; got the file {folder}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, JSON and tokenizers errors here
+        raise DataError(f"cannot load a tokenizer from {folder}: {type(err).__name__}: {err}") from err
 
 
 def tokenize_documents(texts: Sequence[str], tokenizer: "PreTrainedTokenizerBase",
@@ -404,7 +545,7 @@ def _import_datasets():
         import datasets
     except ImportError as error:
         raise ImportError("loading a Hugging Face dataset needs the optional package `datasets`: "
-                          "pip install datasets") from error
+                          "pip install datasets (or linmem[data])") from error
     return datasets
 
 
@@ -415,16 +556,12 @@ def _existing(path: PathLike) -> Path:
     return path
 
 
-def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
 def _data_files(path: Path) -> tuple[str, list[Path]]:
     """The ``datasets`` builder ("json" or "parquet") and the data files of a file or folder."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _DATA_FORMATS)
     formats = {_DATA_FORMATS.get(p.suffix) for p in files}
     if not files or None in formats:
-        raise ValueError(f"{path} is neither a save_to_disk folder nor {sorted(_DATA_FORMATS)} data")
+        raise DataError(f"{path} is neither a save_to_disk folder nor {sorted(_DATA_FORMATS)} data")
     if len(formats) > 1:
-        raise ValueError(f"{path} mixes data formats {sorted(formats)}; point at one kind of file")
+        raise DataError(f"{path} mixes data formats {sorted(formats)}; point at one kind of file")
     return formats.pop(), files

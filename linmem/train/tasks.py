@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from ..eval.mqar import generate_mqar, mqar_hits, shift_labels_right
 from .config import DataSection
-from .data import (ExampleBatches, PackedBatches, byte_detokenize, byte_tokenize, load_local_dataset,
-                   load_tokenizer, split_documents, stdlib_corpus, text_files, tokenize_documents)
+from .corpus import Codec, load_corpus, section_codec
+from .data import ExampleBatches, PackedBatches
 
 Batch = dict[str, torch.Tensor]
 EVAL_SEED_OFFSET = 1_000_003  # evaluation examples never share the training seeds
@@ -47,10 +48,11 @@ class RoundRobin:
 class Task(ABC):
     vocab_size: int
     train_batches: Any  # iterable of Batch with state_dict / load_state_dict
+    codec: Optional[Codec] = None  # text tasks: how text becomes tokens (saved with the model)
 
     @abstractmethod
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """Metrics of ``model`` on held-out data."""
+    def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
+        """Metrics of ``model`` on held-out data (with a progress bar of its own if ``progress``)."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -76,16 +78,18 @@ class MQARTask(Task):
                                                           power_a=m.power_a, seed=EVAL_SEED_OFFSET + data.seed * 1000 + i)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
         metrics = {}
+        bar = _EvalProgress(sum(-(-len(x) // self.batch_size) for x, _ in self.eval_sets.values()), progress)
         for (seq_len, kv), (x, y) in self.eval_sets.items():
             correct = total = 0
-            for start in range(0, len(x), self.batch_size):
+            for start in bar.wrap(range(0, len(x), self.batch_size)):
                 xb, yb = x[start : start + self.batch_size].to(device), y[start : start + self.batch_size].to(device)
                 logits = model(input_ids=xb, use_cache=False).logits.float()
                 hits, n = mqar_hits(logits, yb)
                 correct, total = correct + hits, total + n
             metrics[f"mqar_acc/L{seq_len}_kv{kv}"] = correct / max(total, 1)
+        bar.close()
         return metrics
 
     def describe(self) -> str:
@@ -93,56 +97,72 @@ class MQARTask(Task):
 
 
 class TextTask(Task):
-    """Next-token prediction on local text (bytes by default), scored by perplexity."""
+    """Next-token prediction on local text (bytes by default), scored by perplexity.
+
+    The documents come from a prepared folder (``data.text.prepared``, memory-mapped) or are
+    read and tokenized into memory (:func:`~linmem.train.corpus.load_corpus`).
+    """
 
     def __init__(self, data: DataSection) -> None:
         t = data.text
-        if t.dataset is not None:
-            texts = load_local_dataset(t.dataset, text_field=t.text_field)
-        elif t.paths:
-            texts = text_files(t.paths)
+        if t.prepared is not None:
+            from .prepared import open_prepared
+
+            corpus: Any = open_prepared(t.prepared)
         else:
-            texts = stdlib_corpus(max_files=t.max_files)
-        if t.paths and t.max_files is not None:
-            texts = texts[: t.max_files]
-        if not texts:
-            raise ValueError("the text corpus is empty: check data.text.paths / data.text.dataset")
-        if t.tokenizer is not None:
-            tokenizer = load_tokenizer(t.tokenizer)
-            self.vocab_size = len(tokenizer)
-            docs = tokenize_documents(texts, tokenizer)
-            self.decode: Callable[[Sequence[int]], str] = lambda ids: tokenizer.decode(list(ids))
-            self.encode: Callable[[str], list[int]] = lambda s: tokenizer(s)["input_ids"]
-        else:
-            self.vocab_size = 256
-            docs = [byte_tokenize(s) for s in texts]
-            self.decode, self.encode = byte_detokenize, byte_tokenize
-        train_docs, self.val_docs = split_documents(docs, t.val_fraction, data.seed)
-        self.tokens_per_batch = data.tokens_per_batch
-        self.train_tokens = sum(len(d) for d in train_docs)
-        self.train_batches = PackedBatches(train_docs, data.tokens_per_batch, seed=data.seed,
+            corpus = load_corpus(t, data.seed)
+        self.codec, self.vocab_size = corpus.codec, corpus.codec.vocab_size
+        self.source, self.val_docs = corpus.description, corpus.validation
+        self.tokens_per_batch, self.max_document_tokens = data.tokens_per_batch, data.max_document_tokens
+        self.train_tokens, self.train_documents = corpus.train.num_tokens, len(corpus.train)
+        self.train_batches = PackedBatches(corpus.train, data.tokens_per_batch, seed=data.seed,
                                            max_document_tokens=data.max_document_tokens)
-        self.max_document_tokens = data.max_document_tokens
+
+    def encode(self, text: str) -> list[int]:
+        return self.codec.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.codec.decode(ids)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        if not self.val_docs:
+    def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
+        if len(self.val_docs) == 0:
             return {}
         batches = PackedBatches(self.val_docs, self.tokens_per_batch, seed=0,
                                 max_document_tokens=self.max_document_tokens)
-        count = max(1, sum(len(d) for d in self.val_docs) // self.tokens_per_batch)
+        count = max(1, self.val_docs.num_tokens // self.tokens_per_batch)
         total_loss = total_tokens = 0.0
-        for _, batch in zip(range(count), batches):
+        bar = _EvalProgress(count, progress)
+        for _, batch in bar.wrap(zip(range(count), batches)):
             batch = {k: v.to(device) for k, v in batch.items()}
             out = model(**batch, use_cache=False)
             predicted = _predicted_tokens(batch["labels"], batch.get("cu_seqlens"))
             total_loss += float(out.loss) * predicted
             total_tokens += predicted
+        bar.close()
         loss = total_loss / max(total_tokens, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def describe(self) -> str:
-        return f"text: {self.train_tokens:,} training tokens, {len(self.val_docs)} held-out documents, vocab {self.vocab_size}"
+        return (f"text ({self.source}): {self.train_tokens:,} training tokens in {self.train_documents:,} documents, "
+                f"{len(self.val_docs):,} held-out documents, vocab {self.vocab_size}")
+
+
+class _EvalProgress:
+    """A tqdm bar named "eval" around an iterable, or nothing when disabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, disable=not enabled, desc="eval", unit="batch", dynamic_ncols=True, leave=False)
+
+    def wrap(self, iterable):
+        for item in iterable:
+            yield item
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _predicted_tokens(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
@@ -155,3 +175,17 @@ def _predicted_tokens(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) 
 
 def build_task(data: DataSection) -> Task:
     return MQARTask(data) if data.task == "mqar" else TextTask(data)
+
+
+def text_codec(data: DataSection, model_dir: Path) -> Codec:
+    """How a saved text run turns text into tokens, without reading its corpus: the tokenizer
+    saved in ``model_dir``, else the prepared folder's, else the section's (a tokenizer or bytes)."""
+    from .corpus import tokenizer_codec
+
+    if (model_dir / "tokenizer_config.json").exists():
+        return tokenizer_codec(model_dir)
+    if data.text.prepared is not None:
+        from .prepared import open_prepared
+
+        return open_prepared(data.text.prepared).codec
+    return section_codec(data.text)

@@ -1,6 +1,7 @@
 """Data pipeline: exact resume, packing invariants, text sources, local HF datasets and tokenizers."""
 
 import json
+import logging
 import sys
 from itertools import islice
 
@@ -9,8 +10,12 @@ import pytest
 import torch
 
 import linmem.train.data as data
+from linmem.train.config import TextSection
+from linmem.train.corpus import load_corpus, text_splits
 from linmem.train.data import (
+    DataError,
     ExampleBatches,
+    FileTexts,
     PackedBatches,
     byte_detokenize,
     byte_tokenize,
@@ -305,3 +310,64 @@ def test_local_tokenizer_loads_and_tokenizes(tmp_path):
     assert batch["input_ids"].shape == (1, 4)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- faults of real corpora
+
+def _write(folder, files):
+    for name, content in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    return folder
+
+
+def test_empty_documents_are_skipped_and_counted_and_an_empty_split_is_refused(tmp_path, caplog):
+    docs = {f"d{i}.txt": f"document {i} " * 5 for i in range(6)}
+    corpus = _write(tmp_path / "corpus", {**docs, "__init__.py": "", "pkg/__init__.py": ""})
+    with caplog.at_level(logging.INFO, logger="linmem.train"):
+        loaded = load_corpus(TextSection(paths=[str(corpus)], val_fraction=0.25), seed=0)
+    counts = loaded.counts
+    assert counts["train"].empty + counts["validation"].empty == 2
+    assert len(loaded.train) + len(loaded.validation) == 6 and all(loaded.train.lengths > 0)
+    assert "skipped" in caplog.text and "empty document" in caplog.text
+    only_empty = _write(tmp_path / "empty", {"a.txt": "", "b.txt": ""})
+    with pytest.raises(DataError, match=r"the train split of .*empty holds no tokens \(2 empty documents"):
+        load_corpus(TextSection(paths=[str(only_empty)], val_fraction=0.0), seed=0)
+    one = _write(tmp_path / "one", {"a.txt": "text"})
+    with pytest.raises(DataError, match=r"the validation split .* holds no tokens .*data.text.val_fraction=0"):
+        load_corpus(TextSection(paths=[str(one)], val_fraction=0.5), seed=0)
+    assert len(load_corpus(TextSection(paths=[str(one)], val_fraction=0.0), seed=0).validation) == 0
+
+
+def test_invalid_utf8_is_counted_or_refused(tmp_path, caplog):
+    corpus = _write(tmp_path, {"a.txt": b"caf\xe9 au lait", "b.txt": "ok"})
+    with caplog.at_level(logging.WARNING, logger="linmem.train"):
+        assert list(FileTexts([corpus / "a.txt", corpus / "b.txt"])) == ["caf\ufffd au lait", "ok"]
+    assert "1 of 2 files held invalid UTF-8" in caplog.text and "a.txt" in caplog.text
+    with pytest.raises(DataError, match=r"a.txt is not valid UTF-8 \(byte 3\)"):
+        list(FileTexts([corpus / "a.txt"], errors="strict"))
+
+
+def test_malformed_files_are_named(tmp_path, hf_datasets):
+    bad_json = _write(tmp_path, {"bad.jsonl": '{"text": "a"}\n{"text": \n'}) / "bad.jsonl"
+    with pytest.raises(DataError, match=r"bad.jsonl line 2 is not valid JSON"):
+        load_local_dataset(bad_json)
+    folder = tmp_path / "saved"
+    hf_datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(folder))
+    (folder / "state.json").write_text("{broken")
+    with pytest.raises(DataError, match=r"cannot load the dataset folder .*saved"):
+        load_local_dataset(folder)
+    tokenizer = _write(tmp_path / "tok", {"tokenizer.json": "{not json", "tokenizer_config.json": "{}"})
+    with pytest.raises(DataError, match=r"cannot load a tokenizer from .*tok"):
+        load_tokenizer(tokenizer)
+
+
+def test_a_dataset_dict_with_a_validation_split_uses_it(tmp_path, hf_datasets):
+    held_out = ["held out one", "held out two"]
+    hf_datasets.DatasetDict({"train": hf_datasets.Dataset.from_dict({"text": TEXTS}),
+                             "validation": hf_datasets.Dataset.from_dict({"text": held_out})}
+                            ).save_to_disk(str(tmp_path / "splits"))
+    splits = text_splits(TextSection(dataset=str(tmp_path / "splits"), tokenizer="unused"), seed=0)
+    assert list(splits.train) == TEXTS and list(splits.validation) == held_out
+    assert splits.validation_source == "the dataset's 'validation' split"

@@ -1,5 +1,5 @@
 """The trainer: exact resume, refusal of corrupt checkpoints, skipped non-finite steps,
-configs from YAML / recipes / overrides, and eval / generate on a saved run directory."""
+configs from YAML / recipes / overrides, recipes shipped inside the package."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from linmem.cli import main
 from linmem.train import CheckpointError, ConfigError, Trainer, load_config
 from linmem.train.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint
-from linmem.train.config import RECIPES_DIR
+from linmem.train.config import recipe_names
 
 
 def tiny_mqar(out_dir: Path, *extra: str):
@@ -53,6 +52,7 @@ def test_truncated_or_corrupted_checkpoint_is_refused_and_the_previous_survives(
     with caplog.at_level(logging.WARNING, logger="linmem.train"):
         assert latest_valid_checkpoint(tmp_path / "run" / "checkpoints") == ckpts[0]
     assert "corrupted" in caplog.text and ckpts[0].exists()
+    (tmp_path / "run" / "finished.json").unlink()  # as if the process died in its final evaluation
     result = Trainer(tiny_mqar(tmp_path / "run", "schedule.steps=8")).train()
     assert sorted(result.losses) == [5, 6, 7, 8]  # resumed from the surviving step-4 checkpoint
 
@@ -86,14 +86,14 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
 
 
 def test_config_sources_and_errors(tmp_path):
-    for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
-        load_config(recipe=recipe.stem)  # every shipped recipe validates
+    for recipe in recipe_names():
+        load_config(recipe=recipe)  # every shipped recipe validates
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  memory: gla\nschedule:\n  steps: 7\n")
-    cfg = load_config(str(path), overrides=["schedule.steps=9"])
+    cfg = load_config(str(path), overrides=["schedule.steps=9", "schedule.warmup_steps=2"])
     assert cfg.model.memory == "gla" and cfg.schedule.steps == 9
     path.write_text("model:\n  memroy: gla\n")
-    with pytest.raises(ConfigError, match="memroy.*valid: recipe, hidden_size"):
+    with pytest.raises(ConfigError, match="memroy.*did you mean 'memory'.*valid: recipe, hidden_size"):
         load_config(str(path))
     with pytest.raises(ConfigError, match="valid: .*mqar-attention"):
         load_config(recipe="nope")
@@ -101,18 +101,10 @@ def test_config_sources_and_errors(tmp_path):
         load_config(overrides=["schedule.steps=0"])
 
 
-def test_train_eval_generate_from_the_command_line(tmp_path, capsys):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(12):
-        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 8)
-    run_dir = tmp_path / "run"
-    assert main(["train", "data.task=text", f"data.text.paths=[{str(corpus)!r}]", "data.text.val_fraction=0.2",
-                 "data.tokens_per_batch=256", "data.max_document_tokens=128", "model.hidden_size=16",
-                 "model.layer_pattern=LN", "schedule.steps=6", "run.progress=false", "run.tensorboard=false",
-                 f"run.out_dir={run_dir}"]) == 0
-    assert (run_dir / "model" / "model.safetensors").exists()
-    assert main(["eval", str(run_dir)]) == 0
-    assert "val_ppl" in capsys.readouterr().out
-    assert main(["generate", str(run_dir), "--prompt", "the quick", "--max-new-tokens", "12"]) == 0
-    assert capsys.readouterr().out.startswith("the quick")
+def test_recipes_ship_inside_the_package():
+    import linmem
+
+    folder = Path(linmem.__file__).parent / "recipes"
+    assert sorted(p.stem for p in folder.glob("*.yaml")) == recipe_names() and len(recipe_names()) >= 4
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert 'linmem = ["recipes/*.yaml"]' in pyproject  # package data: installed wheels carry them

@@ -1,0 +1,103 @@
+"""Prepared token shards (``linmem data prepare``): the in-memory run's batches from memory-mapped
+files, exact resume, a damaged folder named, and the tokenizer saved with the model."""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from linmem.cli import main
+from linmem.train import DataError, Trainer, load_config
+from linmem.train.config import TextSection
+from linmem.train.corpus import load_corpus
+from linmem.train.data import PackedBatches
+from linmem.train.prepared import open_prepared, prepare_corpus
+from linmem.train.runs import load_run
+
+WORDS = "the cat sat on a mat while dog ran far away and bird flew over green hills".split()
+
+
+def _corpus(folder, documents=14, seed=0):
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    for i in range(documents):
+        words = rng.choice(WORDS, size=int(rng.integers(3, 40)))
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words) + ".\n")
+    (folder / "__init__.py").write_text("")  # an empty document, skipped and counted
+    return folder
+
+
+def test_prepared_shards_give_the_batches_of_the_in_memory_run(tmp_path):
+    section = TextSection(paths=[str(_corpus(tmp_path / "corpus"))], val_fraction=0.2)
+    manifest = prepare_corpus(section, tmp_path / "prepared", seed=3, shard_tokens=300)
+    train = manifest["splits"]["train"]
+    assert len(train["shards"]) > 1 and manifest["dtype"] == "uint16"
+    assert train["empty"] + manifest["splits"]["validation"]["empty"] == 1
+    prepared, in_memory = open_prepared(tmp_path / "prepared"), load_corpus(section, seed=3)
+    assert all(isinstance(shard, np.memmap) for shard in prepared.train.tokens.shards)
+    assert np.array_equal(prepared.validation.lengths, in_memory.validation.lengths)
+    make = lambda docs: PackedBatches(docs, 64, seed=1, max_document_tokens=40)  # noqa: E731
+    expected = list(islice(make(in_memory.train), 40))  # several epochs
+    source = make(prepared.train)
+    got = list(islice(source, 17))
+    state = json.loads(json.dumps(source.state_dict()))
+    assert state["fingerprint"] == manifest["sha256"]
+    resumed = make(open_prepared(tmp_path / "prepared").train)
+    resumed.load_state_dict(state)
+    got += list(islice(resumed, 23))
+    for a, b in zip(expected, got):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="different source"):
+        make(in_memory.train).load_state_dict(state)
+    with pytest.raises(DataError, match="already exists"):
+        prepare_corpus(section, tmp_path / "prepared")
+    shard = tmp_path / "prepared" / train["shards"][0]["tokens_file"]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"tokens_train_00000.bin holds \d+ bytes, the manifest says"):
+        open_prepared(tmp_path / "prepared")
+
+
+def _tokenizer(folder):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    special = ["[UNK]", "<pad>", "<s>", "</s>"]
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=special)
+    word_level.train_from_iterator([" ".join(WORDS) + " ."], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="[UNK]", pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def test_a_run_on_prepared_shards_resumes_exactly_and_saves_its_tokenizer(tmp_path, capsys):
+    tokenizer = _tokenizer(tmp_path / "tok")
+    corpus = _corpus(tmp_path / "corpus")
+    assert main(["data", "prepare", str(tmp_path / "prepared"), str(corpus), "--tokenizer", str(tmp_path / "tok"),
+                 "--val-fraction", "0.2"]) == 0
+    assert "data.text.prepared=" in capsys.readouterr().out
+
+    def config(name, *extra):
+        return load_config(overrides=[
+            "data.task=text", f"data.text.prepared={tmp_path / 'prepared'}", "data.tokens_per_batch=32",
+            "model.hidden_size=16", "model.layer_pattern=LN", "schedule.steps=6", "schedule.warmup_steps=1",
+            "run.save_every=2", "run.log_every=1", "run.progress=false", "run.tensorboard=false",
+            f"run.out_dir={tmp_path / name}", *extra])
+
+    whole = Trainer(config("whole")).train()
+    assert Trainer(config("cut")).train(stop_at=5).steps == 5  # a crash after step 5; checkpoint at 4
+    resumed = Trainer(config("cut")).train()
+    assert sorted(resumed.losses) == [5, 6] and all(resumed.losses[s] == whole.losses[s] for s in (5, 6))
+    assert "val_loss" in whole.metrics
+    model_dir = tmp_path / "whole" / "model"
+    assert (model_dir / "tokenizer.json").exists()
+    saved = json.loads((model_dir / "config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    text = load_run(tmp_path / "whole").generate("the cat", max_new_tokens=3, temperature=0)
+    assert text.startswith("the cat")

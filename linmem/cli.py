@@ -7,6 +7,8 @@
     linmem train data.task=text data.text.prepared=data/stdlib
     linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
+    linmem bench models --peers      # whole models' training tokens/s and memory beside HF Llama and fla (CUDA)
+    linmem bench decode --peers      # ms per generated token and memory versus context beside HF Llama and fla
     linmem demo                      # the built-in default job (CPU, ~10 minutes; --quick: 1 minute)
 
 Errors in what was asked (a config key, a path, a device, a missing optional package) print
@@ -159,6 +161,18 @@ def _bench_layers(args: argparse.Namespace) -> int:
     return main(args.passed_on)
 
 
+def _bench_models(args: argparse.Namespace) -> int:
+    from .bench.models import main
+
+    return main(args.passed_on)
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from .bench.decode import main
+
+    return main(args.passed_on)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linmem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks of errors")
@@ -233,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     layers = bench_sub.add_parser("layers", add_help=False,  # its options and --help: linmem.bench.layers
                                   help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
     layers.set_defaults(func=_bench_layers, passes_on=True)
+    models = bench_sub.add_parser("models", add_help=False,  # its options and --help: linmem.bench.models
+                                  help="whole models' training tokens/s and peak memory beside HF Llama and fla (CUDA)")
+    models.set_defaults(func=_bench_models, passes_on=True)
+    decode = bench_sub.add_parser("decode", add_help=False,  # its options and --help: linmem.bench.decode
+                                  help="ms per generated token and memory versus context beside HF Llama and fla")
+    decode.set_defaults(func=_bench_decode, passes_on=True)
 
     demo = sub.add_parser("demo", parents=[common],
                           help="the built-in default job: MQAR study + a small hybrid on text (CPU)")

@@ -12,8 +12,10 @@ Forward, per token (``u = P^- k``, ``s = k.u + r``, gain ``g = u / s``)::
     M   = M^- + g e^T
     P   = P^- - g u^T - u g^T + s g g^T      (the Joseph form, expanded; = P^- - u u^T / s)
 
-The Joseph form keeps P symmetric bit for bit and cancels the first-order error of a rounded gain
-(the simple form ``P^- - u u^T / s`` carries it), at three outer products instead of one.
+The Joseph form keeps P symmetric up to the rounding of each update (the compiler may contract the
+products into FMAs in either order, so the stored final P is symmetrised) and cancels the first-order
+error of a rounded gain (the simple form ``P^- - u u^T / s`` carries it), at three outer products
+instead of one.
 
 Backward. The adjoints of M and P (D and G) run backwards through the transposed transitions, which
 need only the per-token vectors u, s and e that the forward saved, not the states::
@@ -138,6 +140,7 @@ def filter_fwd_kernel(q, k, v, g, r, w, M0, P0, o, var, MT, PT, U, S, E, QPQ, cu
                     tl.store(QPQ + tok, qpq)
     tl.store(MT + nh.to(tl.int64) * K * V + kr[:, None] * V + vr[None, :], M, mask=mk[:, None] & mv[None, :])
     if lead:
+        P = 0.5 * (P + tl.trans(P))  # symmetric bit for bit, whatever the contraction of the updates into FMAs
         tl.store(PT + nh.to(tl.int64) * K * K + kr[:, None] * K + kr[None, :], P, mask=mk[:, None] & mk[None, :])
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
+from linmem.eval.niah import build_prompt
 from linmem.tokenizer import (TokenizerError, add_tokenizer_arguments, byte_codec, load_codec, run_tokenizer_command,
                               train_tokenizer)
 from linmem.train.data import load_tokenizer
@@ -26,6 +28,8 @@ def test_trained_tokenizer_round_trips_and_has_its_special_tokens(tmp_path):
     assert codec.decode(ids) == text and max(ids) < 300
     assert len(codec.encode("alpha beta gamma delta")) < len(byte_codec().encode("alpha beta gamma delta"))
     assert codec.prefix_token_id == codec.eos_token_id == tokenizer.eos_token_id
+    prompt = build_prompt("niah_single_1", 600, 50.0, codec.encode, max_new_tokens=10, rng=np.random.default_rng(0))
+    assert 500 < len(prompt.ids) + 10 <= 600 and codec.decode(prompt.ids) == prompt.text
 
 
 def test_tokenizer_command_and_its_errors(tmp_path, capsys):

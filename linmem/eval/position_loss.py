@@ -176,7 +176,7 @@ def plot_position_loss(
     """Loss against position, one curve per run (its longest window length); a dashed line at ``train_length``.
 
     Example:
-        >>> runs = {"fox": fox_curves, "transformer": transformer_curves}
+        >>> runs = {"fox": fox_curves, "transformer": transformer_curves}  # doctest: +SKIP
         >>> plot_position_loss(runs, "pos.png", train_length=512)  # doctest: +SKIP
     """
     from .plots import plt

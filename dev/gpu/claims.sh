@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The seed papers' claims at small scale on one GPU (about 8 minutes): trains the claims-* recipes,
+# evaluates them (perplexity, per-position loss, needle in a haystack) and writes tables, plots and
+# claims.md into $OUT. Extra arguments go to dev/gpu/claims.py (e.g. --claims b --steps 600).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/claims-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no nvidia-smi: running where torch finds a device"
+python dev/gpu/claims.py --out "$OUT" "$@" 2>&1 | tee "$OUT/claims.log"

@@ -1,7 +1,10 @@
-"""Command line: ``linmem train | eval | generate | data prepare | bench | demo``.
+"""Command line: ``linmem train | eval | generate | data prepare | tokenizer train | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
-    linmem eval runs/gdn
+    linmem eval runs/gdn                            # the run's own metric
+    linmem eval runs/text --suite niah,position-loss --lengths 1024,2048,4096
+    linmem eval runs/text --harness my_task --include-path tasks/   # lm-evaluation-harness (linmem[eval])
+    linmem tokenizer train --out tok --vocab-size 8192             # BPE on local text (stdlib by default)
     linmem generate runs/text --prompt "def main(" --max-new-tokens 200 --top-p 0.9 --stop "def "
     linmem data prepare data/stdlib                 # tokenize once into memory-mapped shards
     linmem train data.task=text data.text.prepared=data/stdlib
@@ -75,15 +78,17 @@ def _existing_run_dir(path: str) -> Path:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    run_dir = _existing_run_dir(args.run_dir)
-    from .train.runs import load_run
+    _existing_run_dir(args.run_dir)
+    from .eval.command import run_eval_command
 
     _quiet_transformers()
-    run = load_run(run_dir, overrides=args.overrides)
-    metrics = run.task.evaluate(run.model, run.device, progress=sys.stderr.isatty())
-    for name, value in metrics.items():
-        print(f"{name:<28}{value:.4f}")
-    return 0
+    return run_eval_command(args)
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from .tokenizer import run_tokenizer_command
+
+    return run_tokenizer_command(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -174,6 +179,9 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.command import add_eval_arguments
+    from .tokenizer import add_tokenizer_arguments
+
     parser = argparse.ArgumentParser(prog="linmem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks of errors")
     parser.add_argument("--version", action="version", version=f"linmem {__version__}")
@@ -187,10 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(func=_train)
 
-    evaluate = sub.add_parser("eval", parents=[common], help="evaluate a saved run directory")
-    evaluate.add_argument("run_dir")
-    evaluate.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. data.mqar.eval_settings=...)")
+    evaluate = sub.add_parser("eval", parents=[common],
+                              help="evaluate a saved run directory (its own metric, NIAH, per-position loss, lm-eval)")
+    add_eval_arguments(evaluate)
     evaluate.set_defaults(func=_eval)
+
+    tokenizer = sub.add_parser("tokenizer", parents=[common], help="train a byte-level BPE tokenizer on local text")
+    add_tokenizer_arguments(tokenizer)
+    tokenizer.set_defaults(func=_tokenizer)
 
     generate = sub.add_parser("generate", parents=[common], help="sample text from a saved run directory (streamed)")
     generate.add_argument("run_dir")

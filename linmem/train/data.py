@@ -54,8 +54,8 @@ class TokenDocuments:
 
     Example:
         >>> docs = TokenDocuments(np.arange(5), np.array([2, 3]))
-        >>> docs.num_tokens, len(docs)
-        (5, 2)
+        >>> docs.num_tokens, len(docs), docs[1].tolist()
+        (5, 2, [2, 3, 4])
     """
 
     tokens: Any  # [sum(lengths)] token ids
@@ -72,6 +72,20 @@ class TokenDocuments:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Document ``index`` as a 1-D array of token ids."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"document {index} of {len(self)}")
+        index %= len(self)
+        start = int(self.lengths[:index].sum())
+        return np.asarray(self.tokens[start:start + int(self.lengths[index])])
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        start = 0
+        for length in self.lengths.tolist():
+            yield np.asarray(self.tokens[start:start + length])
+            start += length
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import LOG2E, exp2, total
+from ...recurrence.triton.common import LOG2E, exp2, rounded, total
 from .common import (
     dot,
     first_kept_tile,
@@ -97,8 +97,8 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, DQ, BOUND, cu_seqlens, scale, l
             ds = p * (dot(do, vT, DT) - delta[:, None])
             dq += dot(ds, k, DT)
             drift += total(ds, 1)
-        tl.store(DQ + qrow * (H * D) + h * D + r[:, None] * (H * D) + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=valid[:, None])
+        tl.store(DQ + qrow * (H * D) + h * D + r[:, None] * (H * D) + d[None, :],
+                 rounded(dq * scale, DQ.dtype.element_ty), mask=valid[:, None])
         tl.store(DELTA + qrow * H + h + r * H, delta + drift, mask=valid)
 
 
@@ -171,6 +171,6 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, DK, DVAL, DC, BOUND, cu_seqlens,
             if HAS_FORGET:
                 tl.store(DC + krow * H + h + c * H, dc, mask=kvalid)
         tl.store(DK + krow * (Hkv * D) + kvh * D + c[:, None] * (Hkv * D) + d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=kvalid[:, None])
+                 rounded(dk * scale, DK.dtype.element_ty), mask=kvalid[:, None])
         tl.store(DVAL + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :],
-                 dval.to(DVAL.dtype.element_ty), mask=kvalid[:, None])
+                 rounded(dval, DVAL.dtype.element_ty), mask=kvalid[:, None])

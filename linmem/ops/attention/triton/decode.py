@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import LOG2E, exp2, total
+from ...recurrence.triton.common import LOG2E, exp2, rounded, total
 from .common import NO_MAX, dot, row_max
 
 #: the most splits (the combine kernel's block)
@@ -92,7 +92,7 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
         tl.store(PACC + part * DV + r[:, None] * DV + dv[None, :], acc)
     else:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(O + qrow0 * (H * DV) + (t * H + h)[:, None] * DV + dv[None, :], o.to(O.dtype.element_ty),
+        tl.store(O + qrow0 * (H * DV) + (t * H + h)[:, None] * DV + dv[None, :], rounded(o, O.dtype.element_ty),
                  mask=rvalid[:, None])
 
 
@@ -114,4 +114,4 @@ def combine_kernel(PM, PL, PACC, O, splits, Tq, H, G: tl.constexpr, DV: tl.const
     b = bk // Hkv
     h = (bk % Hkv) * G + r // Tq
     row = (b.to(tl.int64) * Tq + r % Tq) * H + h
-    tl.store(O + row * DV + dv, (acc / tl.where(l > 0, l, 1.0)).to(O.dtype.element_ty))
+    tl.store(O + row * DV + dv, rounded(acc / tl.where(l > 0, l, 1.0), O.dtype.element_ty))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import LOG2E, exp2, total
+from ...recurrence.triton.common import LOG2E, exp2, rounded, total
 from .common import (
     NO_MAX,
     dot,
@@ -88,6 +88,6 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
             m = m_new
         l = tl.where(l > 0, l, 1.0)  # rows past the sequence end (not stored)
         o = acc / l[:, None]
-        tl.store(O + qrow * (H * DV) + h * DV + r[:, None] * (H * DV) + dv[None, :], o.to(O.dtype.element_ty),
-                 mask=qvalid[:, None])
+        tl.store(O + qrow * (H * DV) + h * DV + r[:, None] * (H * DV) + dv[None, :],
+                 rounded(o, O.dtype.element_ty), mask=qvalid[:, None])
         tl.store(LSE + qrow * H + h + r * H, m + tl.log2(l), mask=qvalid)

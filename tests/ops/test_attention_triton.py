@@ -85,8 +85,9 @@ def test_fp32_matches_the_reference(case):
     assert_close(got, ref, FP32_TOL)
 
 
-def test_bf16_matches_the_reference():
-    x = make(T=50, Hkv=1, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_matches_the_reference(dtype):
+    x = make(T=50, Hkv=1, dtype=dtype)
     x["log_forget"] = x["log_forget"].float()
     got = run(forgetting_attention, x, window=24, backend="triton")
     ref = run(forgetting_attention, widened(x, torch.float32), window=24, backend="reference")

@@ -7,6 +7,7 @@ monotone) run on CPU tensors, and on device tensors only when the debug checks o
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -97,12 +98,29 @@ def check_window(op: str, window: Optional[int]) -> None:
 
 
 def resolve_scale(op: str, scale: Optional[float], head_dim: int) -> float:
-    """The score scale: ``scale`` or ``head_dim ** -0.5``."""
+    """The score scale: ``scale`` (a finite number > 0) or ``head_dim ** -0.5``."""
     if scale is None:
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: `scale` must be a Python float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{op}: `scale` must be a finite number > 0, got {scale}")
     return float(scale)
+
+
+def check_backend(op: str, backend: str, valid: tuple[str, ...]) -> None:
+    if not isinstance(backend, str) or backend not in valid:
+        raise ValueError(f"{op}: unknown `backend` {backend!r}; valid: {', '.join(valid)}")
+
+
+def check_prune_tolerance(op: str, tolerance: Optional[float]) -> None:
+    """None, or the softmax mass pruning may drop per query: a float in (0, 1)."""
+    if tolerance is None:
+        return
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise TypeError(f"{op}: `prune_tolerance` must be a Python float or None, got {type(tolerance).__name__}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"{op}: `prune_tolerance` must lie in (0, 1), got {tolerance}")
 
 
 def check_cu_seqlens(op: str, cu: torch.Tensor, q: torch.Tensor, Tk: int) -> None:

@@ -1,0 +1,176 @@
+"""Launchers of the forgetting-attention kernels: tensors in, tensors out, no autograd.
+
+Every launcher takes contiguous ``[B, T, heads, D]`` activations, ``c`` (the cumulative log
+forget values, fp32 ``[B, T, H]``) or None, ``key_mask`` (uint8 ``[B, Tk]``) or None, and the
+packed ``cu_seqlens`` or None. Sizes are shape arithmetic: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from . import backward, decode, forward
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tile shape and launch of one kernel."""
+
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    warps: int  # warps per program
+    stages: int  # software-pipelining stages of the tile loop
+
+
+#: per kernel and head dim on CUDA. forward and dq: a program owns block_m queries and walks key tiles of
+#: block_n (block_m a multiple of block_n); dkdv: a program owns block_n keys and walks query tiles of block_m
+#: (block_n a multiple of block_m); decode: block_n keys per tile (block_m unused: the rows are the queries).
+#: Not yet timed on a GPU (``dev/gpu/fox_bench.py --sweep`` times the candidates): the forward takes the flash
+#: tutorial's 128 x 64 tiles; the others the candidates that compile for sm_90 without spills (Triton 3.9,
+#: ``dev/gpu/fox_compile.py``; e.g. at D = 128 dq 128 x 32 at 8 warps spills 40 bytes, 64 x 64 at 4 warps 1.9 KB;
+#: dkdv 32 x 64 at 8 warps 16 bytes, at 4 warps 576).
+TILES: dict[str, dict[int, Tiles]] = {
+    "forward": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 64, 8, 3)},
+    "dq": {64: Tiles(64, 32, 4, 2), 128: Tiles(128, 32, 8, 2)},
+    "dkdv": {64: Tiles(32, 64, 4, 2), 128: Tiles(32, 64, 8, 2)},
+    "decode": {64: Tiles(16, 64, 4, 2), 128: Tiles(16, 64, 8, 2)},
+}
+#: per kernel for fp32 inputs (any head dim): fp32 tiles take twice the registers and shared memory
+FP32_TILES: dict[str, Tiles] = {
+    "forward": Tiles(32, 32, 4, 2), "dq": Tiles(64, 32, 4, 2), "dkdv": Tiles(16, 32, 4, 2),
+    "decode": Tiles(16, 32, 4, 2),
+}
+#: in the Triton interpreter (CPU tests): small tiles, so that short sequences cross several of them
+INTERPRETER_TILES: dict[str, Tiles] = {
+    "forward": Tiles(32, 16, 1, 1), "dq": Tiles(32, 16, 1, 1), "dkdv": Tiles(16, 32, 1, 1),
+    "decode": Tiles(16, 16, 1, 1),
+}
+#: streaming multiprocessors assumed in the interpreter (how many splits decoding takes)
+INTERPRETER_SMS = 4
+
+
+def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
+    """The tiles of ``kernel`` for these inputs (by dtype and the larger head dim on CUDA)."""
+    if q.device.type != "cuda":
+        return INTERPRETER_TILES[kernel]
+    if q.dtype == torch.float32:
+        return FP32_TILES[kernel]
+    return TILES[kernel][max(q.shape[-1], v.shape[-1])]
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_sms(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], block: int, heads: int) -> tuple[tuple[int, int], int]:
+    """(grid, N sequences) of a kernel with one program per block of ``block`` tokens and head: fixed length
+    (blocks per sequence, B * heads); varlen (slots, heads), block i of sequence n in slot ``bos // block + n``."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return (triton.cdiv(T, block), B * heads), B
+    N = cu_seqlens.shape[0] - 1
+    return (T // block + N, heads), N
+
+
+def _flags(c, key_mask, cu_seqlens, window, tol) -> dict:
+    return dict(IS_VARLEN=cu_seqlens is not None, HAS_FORGET=c is not None, HAS_WINDOW=window is not None,
+                HAS_KEY_MASK=key_mask is not None, PRUNE=tol is not None)
+
+
+def _scalars(window: Optional[int], tol: Optional[float]) -> tuple[int, float]:
+    return (window if window is not None else 0), (math.log(tol) if tol is not None else 0.0)
+
+
+def attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale: float, window: Optional[int],
+                      tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> o: [B, Tq, H, Dv] (q's dtype), lse: [B, Tq, H] fp32 (log2 units). ``bound``: [H] fp32 with ``tol``."""
+    B, Tq, H, D = q.shape
+    Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
+    cfg = tiles("forward", q, v)
+    o = q.new_empty(B, Tq, H, DV)
+    lse = q.new_empty(B, Tq, H, dtype=torch.float32)
+    grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
+    win, log_tol = _scalars(window, tol)
+    forward.forward_kernel[grid](
+        q, k, v, c, key_mask, o, lse, bound, cu_seqlens, scale, log_tol, win, N, Tq, Tk, H,
+        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return o, lse
+
+
+def attention_backward(q, k, v, c, key_mask, cu_seqlens, bound, o, lse, do, scale: float, window: Optional[int],
+                       tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """-> dq, dk, dv (the inputs' dtypes) and dc: [B, T, H] fp32 (None without c). Needs Tq == Tk."""
+    B, T, H, D = q.shape
+    Hkv, DV = k.shape[2], v.shape[-1]
+    flags = _flags(c, key_mask, cu_seqlens, window, tol)
+    win, log_tol = _scalars(window, tol)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dc = torch.empty_like(c) if c is not None else None
+    delta = torch.empty_like(lse)
+    cfg = tiles("dq", q, v)
+    grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
+    backward.dq_kernel[grid](
+        q, k, v, c, key_mask, o, do, lse, delta, dq, bound, cu_seqlens, scale, log_tol, win, N, T, H,
+        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **flags, num_warps=cfg.warps, num_stages=cfg.stages)
+    cfg = tiles("dkdv", q, v)
+    grid, N = _grid(q, cu_seqlens, cfg.block_n, Hkv)
+    backward.dkdv_kernel[grid](
+        q, k, v, c, key_mask, do, lse, delta, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
+        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **flags, num_warps=cfg.warps, num_stages=cfg.stages)
+    return dq, dk, dv, dc
+
+
+def decode_splits(q: torch.Tensor, keys: int, block_n: int) -> int:
+    """How many parallel splits a decoding call cuts its ``keys`` into: about two programs per SM, at least
+    four tiles per split, at most ``decode.MAX_SPLITS``."""
+    B, Hkv = q.shape[0], q.shape[2]
+    programs = B * Hkv
+    wanted = triton.cdiv(2 * sm_count(q.device), programs)
+    return max(1, min(wanted, triton.cdiv(keys, 4 * block_n), decode.MAX_SPLITS))
+
+
+def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], splits: Optional[int] = None
+                     ) -> torch.Tensor:
+    """q: [B, Tq, H, D] against k: [B, Tk, Hkv, D], v: [B, Tk, Hkv, Dv] -> o: [B, Tq, H, Dv].
+
+    ``splits``: how many parts the keys are cut into (default :func:`decode_splits`)."""
+    B, Tq, H, D = q.shape
+    Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    cfg = tiles("decode", q, v)
+    BR = max(16, triton.next_power_of_2(G * Tq))
+    keys = Tk if window is None else min(Tk, Tq - 1 + window)
+    splits = splits if splits is not None else decode_splits(q, keys, cfg.block_n)
+    chunk = triton.cdiv(triton.cdiv(keys, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(keys, chunk)
+    o = q.new_empty(B, Tq, H, DV)
+    flags = dict(HAS_FORGET=c is not None, HAS_WINDOW=window is not None, HAS_KEY_MASK=key_mask is not None)
+    win = window if window is not None else 0
+    if splits == 1:
+        decode.decode_kernel[(1, B * Hkv)](q, k, v, c, key_mask, o, None, None, None, scale, win, chunk, Tq, Tk, H,
+                                           G=G, D=D, DV=DV, BR=BR, BN=cfg.block_n, **flags, SPLIT=False,
+                                           num_warps=cfg.warps, num_stages=cfg.stages)
+        return o
+    pm = q.new_empty(splits, B * Hkv, BR, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = q.new_empty(splits, B * Hkv, BR, DV, dtype=torch.float32)
+    decode.decode_kernel[(splits, B * Hkv)](q, k, v, c, key_mask, o, pm, pl, pacc, scale, win, chunk, Tq, Tk, H,
+                                            G=G, D=D, DV=DV, BR=BR, BN=cfg.block_n, **flags, SPLIT=True,
+                                            num_warps=cfg.warps, num_stages=cfg.stages)
+    decode.combine_kernel[(B * Hkv, G * Tq)](pm, pl, pacc, o, splits, Tq, H, G=G, DV=DV, BR=BR,
+                                             BS=decode.MAX_SPLITS)
+    return o

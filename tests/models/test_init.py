@@ -15,7 +15,7 @@ VOCAB = 64
 PRO = dict(qk_norm=True, output_gate=True, output_norm=True, kv_shift=True)
 CONFIGS = {f"{memory}+softmax-pro": dict(memory=memory, attention="softmax", use_short_conv=True, **PRO)
            for memory in mixer_names("memory")}
-CONFIGS["mom-gla+moe"] = dict(memory="mom", mom_memory="gla", mlp="moe", num_experts=4, num_shared_experts=1)
+CONFIGS["mom-kda+moe"] = dict(memory="mom", mom_memory="kda", mlp="moe", num_experts=4, num_shared_experts=1)
 CONFIGS["fox-data_independent"] = dict(attention="fox", forget_gate="data_independent", **PRO)
 
 

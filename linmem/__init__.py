@@ -8,7 +8,6 @@ transformers' ``AutoConfig`` is imported, before or after linmem.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import sys
 from importlib import import_module
@@ -47,8 +46,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once a given module has been executed (the first time it is imported)."""
+class _AfterImport:
+    """A meta path finder that runs a callback once a given module has been executed (its first import)."""
 
     def __init__(self, module: str, callback: Callable[[], None]) -> None:
         self.module, self.callback = module, callback
@@ -63,10 +62,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _CallbackLoader(importlib.abc.Loader):
+class _CallbackLoader:
     """A module's own loader, followed by a callback once the module has run."""
 
-    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[], None]) -> None:
+    def __init__(self, loader: Any, callback: Callable[[], None]) -> None:
         self.loader, self.callback = loader, callback
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:

@@ -25,7 +25,7 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, ShortConvs, low_rank, mamba2_a_log, mamba2_dt_bias
+from .modules import GatedRMSNorm, ShortConvs, init_mamba2_gate_, low_rank
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
@@ -57,8 +57,7 @@ class KimiDeltaAttention(MemoryMixer):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.A_log.copy_(mamba2_a_log(self.A_log.shape, device=self.A_log.device))
-        self.dt_bias.copy_(mamba2_dt_bias(self.dt_bias.shape, device=self.dt_bias.device))
+        init_mamba2_gate_(self.A_log, self.dt_bias)
 
     def recurrence_inputs(
         self,

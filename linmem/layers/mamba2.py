@@ -32,7 +32,7 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvolution, mamba2_a_log, mamba2_dt_bias
+from .modules import RMSNorm, ShortConvolution, init_mamba2_gate_
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
@@ -64,8 +64,7 @@ class Mamba2(MemoryMixer):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.A_log.copy_(mamba2_a_log(self.A_log.shape, device=self.A_log.device))
-        self.dt_bias.copy_(mamba2_dt_bias(self.dt_bias.shape, device=self.dt_bias.device))
+        init_mamba2_gate_(self.A_log, self.dt_bias)
         nn.init.ones_(self.D)
 
     def recurrence_inputs(

@@ -99,6 +99,13 @@ def mamba2_a_log(shape: tuple[int, ...] | int, device: Optional[torch.device] = 
     return torch.empty(shape, device=device).uniform_(*A_INIT_RANGE).log()
 
 
+@torch.no_grad()
+def init_mamba2_gate_(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """Mamba-2's init of a decay ``-exp(A_log) * softplus(. + dt_bias)`` (Mamba-2, Gated DeltaNet, KDA)."""
+    A_log.copy_(mamba2_a_log(A_log.shape, device=A_log.device))
+    dt_bias.copy_(mamba2_dt_bias(dt_bias.shape, device=dt_bias.device))
+
+
 # ---------------------------------------------------------------- norms
 
 

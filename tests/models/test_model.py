@@ -212,8 +212,8 @@ def saved_activation_bytes_and_gradients(model: LinmemForCausalLM, ids: torch.Te
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_less_memory():
     """Per block, from the config or transformers' gradient_checkpointing_enable(); the routers' losses
     (MoM, MoE) still reach their weights."""
-    over = dict(mlp="moe", num_experts=4, moe_intermediate_size=32)
-    ids = torch.randint(0, VOCAB, (2, 24))
+    over = dict(mom_memory="gla", mlp="moe", num_experts=4, moe_intermediate_size=32)
+    ids = torch.randint(0, VOCAB, (2, 16))
     loss, grads, memory = saved_activation_bytes_and_gradients(tiny("LN", "mom", "softmax", **over).train(), ids)
     hf = tiny("LN", "mom", "softmax", **over).train()
     with warnings.catch_warnings():

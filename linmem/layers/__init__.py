@@ -6,7 +6,7 @@ Every mixer registers itself by name; :func:`build_mixer` builds one from :class
 import importlib
 import pkgutil
 
-from .base import LayerState, Mixer, MixerArgs, build_mixer, mixer_names, register_mixer
+from .base import LayerState, Mixer, MixerArgs, build_mixer, mixer_class, mixer_names, register_mixer
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 # every module of this package registers its mixers when imported
@@ -20,6 +20,7 @@ __all__ = [
     "MemoryMixer",
     "RecurrenceArgs",
     "build_mixer",
+    "mixer_class",
     "mixer_names",
     "register_mixer",
 ]

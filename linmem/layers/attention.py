@@ -1,11 +1,25 @@
 """Softmax-attention mixers of hybrid models: full (``softmax``), sliding-window (``swa``) and
-the Forgetting Transformer (``fox``, Lin et al. 2025, arXiv 2503.02130).
+the Forgetting Transformer (``fox``, Lin et al. 2025, "Forgetting Transformer: Softmax Attention
+with a Forget Gate", arXiv 2503.02130).
 
-    o_i = sum_{j <= i} softmax_j(q_i . k_j / sqrt(D) + c_i - c_j) v_j,    c_i = sum_{l <= i} log f_l
+    o_i = sum_{j <= i, i - W < j} softmax_j(q_i . k_j / sqrt(D) + c_i - c_j) v_j,    c_i = sum_{l <= i} log f_l
 
-``softmax`` and ``swa`` use RoPE and no forget gate (c = 0); ``swa`` and a windowed ``fox``
-only see the last ``window`` keys. FoX has no RoPE; its gate is ``f_t = sigmoid(w^T x_t + b)``
-per head, and its "Pro" options are QK-norm, an output gate, an output norm and KV-shift.
+``softmax`` and ``swa`` use RoPE and no forget gate (c = 0); FoX has no RoPE. ``window`` W
+(``MixerArgs.window``) makes any of them local; ``swa`` requires it. FoX's forget gate
+(``MixerArgs.forget_gate``, the variants of the paper's Fig. 7):
+
+    data_dependent     f_t = sigmoid(w_h^T x_t + b_h)          (the default)
+    data_independent   f_t = sigmoid(b_h), b_h learnt per head
+    fixed              f_t = sigmoid(b_h), b_h fixed per head
+
+The per-head constants start at (and, fixed, stay at) b_h = -log(exp(1 / t_h) - 1), so that
+-1 / log f_h = t_h: decay times t_h spread log-uniformly over :data:`DECAY_TIME_RANGE` tokens.
+
+The FoX paper's "Pro" block options apply to every attention mixer (the paper's "Transformer
+(Pro)" baseline is ``softmax`` with them): ``qk_norm`` (per-head RMSNorm of q and k, before RoPE),
+``kv_shift`` (k~_t = a_t k_{t-1} + (1 - a_t) k_t with a_t = sigmoid(W_s x_t) per KV head, the same
+for v with its own gate), ``output_norm`` (per-head RMSNorm of o) and ``output_gate``
+(o * sigmoid(W_g x)).
 
 Decoding cache (a :class:`LayerState`), one entry per key, batch-first and in time order:
 ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``, ``key_mask [B, S]`` (False at padding and at
@@ -17,6 +31,7 @@ call (padding included): it is the position of the next token and the ring's wri
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -28,13 +43,15 @@ from ..ops.attention import cached_attention, cumulative_forget, forgetting_atte
 from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
 from .modules import RMSNorm, RotaryEmbedding, positions_in_sequence
 
+#: FoX's data-independent and fixed gates: decay times (tokens) of the first and the last head at init
+DECAY_TIME_RANGE = (2.0, 128.0)
 
-class HeadRMSNorm(RMSNorm):
-    """RMSNorm over the head dim of ``x: [B, T, H, D]`` with its own scale per head (weight ``[H, D]``)."""
 
-    def __init__(self, num_heads: int, dim: int, eps: float = 1e-6) -> None:
-        super().__init__(dim, eps)
-        self.weight = nn.Parameter(torch.ones(num_heads, dim))
+def decay_time_logits(num_heads: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """[H] gate logits b_h with -1 / log(sigmoid(b_h)) = t_h, t_h log-spaced over :data:`DECAY_TIME_RANGE`."""
+    low, high = (math.log(t) for t in DECAY_TIME_RANGE)
+    times = torch.exp(torch.linspace(low, high, num_heads, device=device))
+    return -torch.log(torch.expm1(1.0 / times))
 
 
 def previous_real_token(
@@ -104,25 +121,44 @@ def extend_cache(cache: LayerState, new: dict[str, torch.Tensor], slots: Optiona
 
 
 class _Attention(Mixer):
-    """Causal softmax attention with q/k/v/o projections (no bias) and GQA; subclasses choose
-    the window, RoPE and the forget gate."""
+    """Causal softmax attention with q/k/v/o projections (no bias), GQA, an optional window and the
+    "Pro" options; subclasses choose RoPE and the forget gate."""
 
     kind = "attention"
+    #: rotate q, k by position (softmax, swa)
+    rotary: bool = True
+    #: has a forget gate (fox)
+    forgets: bool = False
 
-    def __init__(self, args: MixerArgs, window: Optional[int]) -> None:
+    def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
         D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
         Hkv = args.num_kv_heads if args.num_kv_heads is not None else H
-        if Hkv < 1 or H % Hkv:
-            raise ValueError(f"{self.name}: `num_heads` = {H} must be a multiple of `num_kv_heads` = {Hkv}")
-        if window is not None and window < 1:
-            raise ValueError(f"{self.name}: `window` must be >= 1, got {window}")
         self.num_kv_heads = Hkv
-        self.window = window
+        self.window = args.window
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, Hkv * K, bias=False)
         self.v_proj = nn.Linear(D, Hkv * V, bias=False)
         self.o_proj = nn.Linear(H * V, D, bias=False)
+        if self.rotary:
+            self.rope = RotaryEmbedding(K, theta=args.rope_theta)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(K, eps=args.norm_eps, num_heads=H)
+            self.k_norm = RMSNorm(K, eps=args.norm_eps, num_heads=Hkv)
+        if args.kv_shift:
+            self.k_shift_proj = nn.Linear(D, Hkv, bias=False)
+            self.v_shift_proj = nn.Linear(D, Hkv, bias=False)
+        if args.output_norm:
+            self.o_norm = RMSNorm(V, eps=args.norm_eps, num_heads=H)
+        if args.output_gate:
+            self.g_proj = nn.Linear(D, H * V, bias=False)
+
+    @classmethod
+    def validate_args(cls, args: MixerArgs) -> None:
+        super().validate_args(args)
+        if args.forget_gate != "data_dependent" and not cls.forgets:
+            raise ValueError(f"{cls.name}: has no forget gate, so `forget_gate` = {args.forget_gate!r} would be "
+                             f"ignored; forget gates belong to fox")
 
     def forward(
         self,
@@ -134,9 +170,10 @@ class _Attention(Mixer):
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         check_cache_and_varlen(cache, cu_seqlens)
-        q, k, v, log_forget = self.project(hidden, cache=cache, token_mask=token_mask,
-                                           position_ids=position_ids, cu_seqlens=cu_seqlens)
-        o = self.attend(q, k, v, log_forget, cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens)
+        q, k, v = self.project(hidden, cache=cache, token_mask=token_mask, position_ids=position_ids,
+                               cu_seqlens=cu_seqlens)
+        o = self.attend(q, k, v, self.log_forget(hidden), cache=cache, token_mask=token_mask,
+                        cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.seen_tokens += hidden.shape[1]
         return self.output(o, hidden)
@@ -149,15 +186,50 @@ class _Attention(Mixer):
         token_mask: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
         cu_seqlens: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V], log_forget [B, T, H] or None."""
-        return (*self.heads(self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), None)
-
-    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Split the projections into heads: [B, T, heads * d] -> [B, T, heads, d]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V]."""
         H, Hkv = self.args.num_heads, self.num_kv_heads
-        return (rearrange(q, "b t (h d) -> b t h d", h=H), rearrange(k, "b t (h d) -> b t h d", h=Hkv),
-                rearrange(v, "b t (h d) -> b t h d", h=Hkv))
+        k, v = self.k_proj(hidden), self.v_proj(hidden)
+        if self.args.kv_shift:
+            shift = dict(cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens)
+            k = self.shift(k, self.k_shift_proj(hidden), "shift_k", **shift)
+            v = self.shift(v, self.v_shift_proj(hidden), "shift_v", **shift)
+        q = rearrange(self.q_proj(hidden), "b t (h d) -> b t h d", h=H)
+        k, v = (rearrange(x, "b t (h d) -> b t h d", h=Hkv) for x in (k, v))
+        if self.args.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            if position_ids is None:
+                position_ids = self.default_positions(hidden, cache, cu_seqlens)
+            q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        return q, k, v
+
+    def log_forget(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """[B, T, H] fp32 log forget gates, or None (no forget gate)."""
+        return None
+
+    def shift(
+        self,
+        x: torch.Tensor,
+        gate_logit: torch.Tensor,
+        key: str,
+        *,
+        cache: Optional[LayerState],
+        token_mask: Optional[torch.Tensor],
+        cu_seqlens: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """KV-shift: x [B, T, Hkv * d], gate_logit [B, T, Hkv] -> a x_{t-1} + (1 - a) x_t.
+
+        x_{t-1} is the previous real token of the same sequence (``cache[key]`` across calls).
+        """
+        history = cache.get(key) if cache is not None else None
+        previous, newest = previous_real_token(x, token_mask, history=history, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.set(key, newest.detach())
+        a = torch.sigmoid(gate_logit.float())[..., None]  # [B, T, Hkv, 1]
+        split = lambda t: rearrange(t.float(), "b t (h d) -> b t h d", h=self.num_kv_heads)  # noqa: E731
+        mixed = a * split(previous) + (1 - a) * split(x)
+        return rearrange(mixed, "b t h d -> b t (h d)").to(x.dtype)
 
     def attend(
         self,
@@ -185,30 +257,12 @@ class _Attention(Mixer):
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
+        if self.args.output_norm:
+            o = self.o_norm(o)
+        if self.args.output_gate:
+            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+            o = o * torch.sigmoid(gate)
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-
-
-class _RotaryAttention(_Attention):
-    """Attention with rotary positions on q and k."""
-
-    def __init__(self, args: MixerArgs, window: Optional[int]) -> None:
-        super().__init__(args, window)
-        self.rotary = RotaryEmbedding(args.key_dim, theta=args.rope_theta)
-
-    def project(
-        self,
-        hidden: torch.Tensor,
-        *,
-        cache: Optional[LayerState],
-        token_mask: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor],
-        cu_seqlens: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        q, k, v, _ = super().project(hidden, cache=cache, token_mask=token_mask, position_ids=position_ids,
-                                     cu_seqlens=cu_seqlens)
-        if position_ids is None:
-            position_ids = self.default_positions(hidden, cache, cu_seqlens)
-        return self.rotary(q, position_ids), self.rotary(k, position_ids), v, None
 
     @staticmethod
     def default_positions(
@@ -221,97 +275,50 @@ class _RotaryAttention(_Attention):
 
 
 @register_mixer("softmax")
-class SoftmaxAttention(_RotaryAttention):
-    """Causal multi-head (or grouped-query) softmax attention with RoPE and a growing KV cache."""
-
-    def __init__(self, args: MixerArgs) -> None:
-        super().__init__(args, window=None)
+class SoftmaxAttention(_Attention):
+    """Causal multi-head (or grouped-query) softmax attention with RoPE; a growing KV cache, or a ring
+    of ``window`` slots when ``window`` is set."""
 
 
 @register_mixer("swa")
-class SlidingWindowAttention(_RotaryAttention):
+class SlidingWindowAttention(_Attention):
     """Sliding-window attention with RoPE: query i sees keys i - window < j <= i; its KV cache
     is a ring of ``window`` slots."""
 
-    def __init__(self, args: MixerArgs) -> None:
+    @classmethod
+    def validate_args(cls, args: MixerArgs) -> None:
+        super().validate_args(args)
         if args.window is None:
-            raise ValueError("swa: `window` must be set in MixerArgs (the number of keys a query sees)")
-        super().__init__(args, window=args.window)
+            raise ValueError("swa: `window` must be set (an integer >= 1, the number of keys a query sees)")
 
 
 @register_mixer("fox")
 class ForgettingAttention(_Attention):
-    """Forgetting Transformer: softmax attention biased by cumulative log forget gates, no RoPE.
+    """Forgetting Transformer: softmax attention biased by cumulative log forget gates, no RoPE."""
 
-    MixerArgs switches the "Pro" block on: ``qk_norm`` (per-head RMSNorm of q and k),
-    ``output_norm`` (per-head RMSNorm of o), ``output_gate`` (o * sigmoid(W_g x)) and
-    ``kv_shift`` (k~_t = a_t k_{t-1} + (1 - a_t) k_t with a_t = sigmoid(W_s x_t) per KV
-    head; the same for v with its own gate). ``window`` makes it local.
-    """
+    rotary = False
+    forgets = True
 
     def __init__(self, args: MixerArgs) -> None:
-        super().__init__(args, window=args.window)
-        D, H, K, V, Hkv = args.hidden_size, args.num_heads, args.key_dim, args.value_dim, self.num_kv_heads
-        self.f_proj = nn.Linear(D, H, bias=True)
-        if args.qk_norm:
-            self.q_norm = HeadRMSNorm(H, K, eps=args.norm_eps)
-            self.k_norm = HeadRMSNorm(Hkv, K, eps=args.norm_eps)
-        if args.kv_shift:
-            self.k_shift_proj = nn.Linear(D, Hkv, bias=False)
-            self.v_shift_proj = nn.Linear(D, Hkv, bias=False)
-        if args.output_norm:
-            self.o_norm = HeadRMSNorm(H, V, eps=args.norm_eps)
-        if args.output_gate:
-            self.g_proj = nn.Linear(D, H * V, bias=False)
+        super().__init__(args)
+        H = args.num_heads
+        if args.forget_gate == "data_dependent":
+            self.f_proj = nn.Linear(args.hidden_size, H, bias=True)
+        elif args.forget_gate == "data_independent":
+            self.f_bias = nn.Parameter(torch.empty(H))
+            self.reset_parameters()
 
-    def project(
-        self,
-        hidden: torch.Tensor,
-        *,
-        cache: Optional[LayerState],
-        token_mask: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor],
-        cu_seqlens: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        k, v = self.k_proj(hidden), self.v_proj(hidden)
-        if self.args.kv_shift:
-            k = self.shift(k, self.k_shift_proj(hidden), "shift_k", cache=cache, token_mask=token_mask,
-                           cu_seqlens=cu_seqlens)
-            v = self.shift(v, self.v_shift_proj(hidden), "shift_v", cache=cache, token_mask=token_mask,
-                           cu_seqlens=cu_seqlens)
-        q, k, v = self.heads(self.q_proj(hidden), k, v)
-        if self.args.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        log_forget = F.logsigmoid(self.f_proj(hidden).float())  # [B, T, H]
-        return q, k, v, log_forget
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.args.forget_gate == "data_independent":
+            self.f_bias.copy_(decay_time_logits(self.args.num_heads, self.f_bias.device))
 
-    def shift(
-        self,
-        x: torch.Tensor,
-        gate_logit: torch.Tensor,
-        key: str,
-        *,
-        cache: Optional[LayerState],
-        token_mask: Optional[torch.Tensor],
-        cu_seqlens: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """KV-shift: x [B, T, Hkv * d], gate_logit [B, T, Hkv] -> a x_{t-1} + (1 - a) x_t.
-
-        x_{t-1} is the previous real token of the same sequence (``cache[key]`` across calls).
-        """
-        history = cache.get(key) if cache is not None else None
-        previous, newest = previous_real_token(x, token_mask, history=history, cu_seqlens=cu_seqlens)
-        if cache is not None:
-            cache.set(key, newest.detach())
-        a = torch.sigmoid(gate_logit.float())[..., None]  # [B, T, Hkv, 1]
-        split = lambda t: rearrange(t.float(), "b t (h d) -> b t h d", h=self.num_kv_heads)  # noqa: E731
-        mixed = a * split(previous) + (1 - a) * split(x)
-        return rearrange(mixed, "b t h d -> b t (h d)").to(x.dtype)
-
-    def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if self.args.output_norm:
-            o = self.o_norm(o)
-        if self.args.output_gate:
-            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
-            o = o * torch.sigmoid(gate)
-        return super().output(o, hidden)
+    def log_forget(self, hidden: torch.Tensor) -> torch.Tensor:
+        B, T = hidden.shape[:2]
+        gate = self.args.forget_gate
+        if gate == "data_dependent":
+            logits = self.f_proj(hidden).float()  # [B, T, H]
+        else:
+            bias = self.f_bias if gate == "data_independent" else decay_time_logits(self.args.num_heads, hidden.device)
+            logits = bias.float().expand(B, T, -1)
+        return F.logsigmoid(logits)

@@ -15,9 +15,10 @@ A mixer maps ``hidden: [B, T, D] -> [B, T, D]``::
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Callable, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -54,6 +55,10 @@ class LayerState:
         return f"LayerState(seen_tokens={self.seen_tokens}, {shapes})"
 
 
+#: the forget gates of the ``fox`` mixer (``MixerArgs.forget_gate``)
+FORGET_GATES = ("data_dependent", "data_independent", "fixed")
+
+
 @dataclass
 class MixerArgs:
     """Hyper-parameters a mixer may read; each mixer uses the fields of its family."""
@@ -67,12 +72,13 @@ class MixerArgs:
     conv_size: int = 4  # kernel of the short convolution
     feature_map: Optional[str] = None  # linear attention feature map; None = the mixer's default
     gate_low_rank: int = 16  # GLA / RWKV low-rank gate projection rank
-    window: Optional[int] = None  # sliding-window size (swa; fox when set)
+    window: Optional[int] = None  # attention: keys a query sees (required by swa; softmax and fox when set)
     rope_theta: float = 10000.0  # rotary base (softmax, swa)
-    qk_norm: bool = False  # attention: per-head RMS norm on q, k (FoX Pro)
-    output_gate: bool = False  # attention: sigmoid output gate (FoX Pro)
-    output_norm: bool = False  # attention: per-head output RMSNorm (FoX Pro)
-    kv_shift: bool = False  # attention: data-dependent KV shift (FoX Pro)
+    qk_norm: bool = False  # attention: per-head RMS norm on q, k ("Pro")
+    output_gate: bool = False  # attention: sigmoid output gate ("Pro")
+    output_norm: bool = False  # attention: per-head output RMSNorm ("Pro")
+    kv_shift: bool = False  # attention: data-dependent KV shift ("Pro")
+    forget_gate: str = "data_dependent"  # fox: data_dependent, data_independent (learnt per head) or fixed
     norm_eps: float = 1e-6  # RMSNorm epsilon
     backend: str = "auto"  # linear_recurrence backend
     layer_idx: int = 0  # position in the stack
@@ -90,16 +96,103 @@ class MixerArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    def validate(self, owner: str = "MixerArgs") -> None:
+        """Refuse a field of the wrong type or outside its range, naming the field and the range."""
+        for name in ("hidden_size", "num_heads", "conv_size", "gate_low_rank", "num_layers"):
+            check_int(owner, name, getattr(self, name), minimum=1)
+        for name in ("head_dim", "num_kv_heads", "window"):
+            check_int(owner, name, getattr(self, name), minimum=1, optional=True)
+        check_int(owner, "layer_idx", self.layer_idx, minimum=0)
+        if self.layer_idx >= self.num_layers:
+            raise ValueError(f"{owner}: `layer_idx` must lie in [0, num_layers = {self.num_layers}), "
+                             f"got {self.layer_idx}")
+        check_bool(owner, "use_short_conv", self.use_short_conv, optional=True)
+        for name in ("qk_norm", "output_gate", "output_norm", "kv_shift"):
+            check_bool(owner, name, getattr(self, name))
+        check_float(owner, "expand_v", self.expand_v, minimum=0.0)
+        check_float(owner, "rope_theta", self.rope_theta, minimum=0.0)
+        check_float(owner, "norm_eps", self.norm_eps, minimum=0.0)
+        check_choice(owner, "forget_gate", self.forget_gate, FORGET_GATES)
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"{owner}: `hidden_size` = {self.hidden_size} is not divisible by `num_heads` = "
+                             f"{self.num_heads}; set `head_dim`")
+        value_dim = self.key_dim * self.expand_v
+        if value_dim < 1 or value_dim != int(value_dim):
+            raise ValueError(f"{owner}: head_dim * `expand_v` = {self.key_dim} * {self.expand_v} must be a whole "
+                             f"number >= 1, got {value_dim}")
+        kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"{owner}: `num_heads` = {self.num_heads} must be a multiple of `num_kv_heads` = {kv}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(owner: str, name: str, value: object, *, minimum: int, optional: bool = False) -> None:
+    """Refuse anything but an integer >= ``minimum`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < minimum:
+        rule = f"an integer >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{owner}: `{name}` must be {rule}, got {value!r}")
+
+
+def check_float(owner: str, name: str, value: object, *, minimum: float, inclusive: bool = False,
+                optional: bool = False) -> None:
+    """Refuse anything but a finite number > ``minimum`` (>= with ``inclusive``; or None when ``optional``)."""
+    if optional and value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+        rule = f"a finite number {'>=' if inclusive else '>'} {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{owner}: `{name}` must be {rule}, got {value!r}")
+
+
+def check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    """Refuse anything but True or False (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: `{name}` must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value: object, choices: Sequence[str]) -> None:
+    """Refuse a value outside ``choices``, listing them."""
+    if value not in choices:
+        raise ValueError(f"{owner}: unknown `{name}` {value!r}; valid: {', '.join(choices)}")
+
 
 class Mixer(nn.Module, ABC):
-    """Base of every token mixer; see the module docstring for the call contract."""
+    """Base of every token mixer; see the module docstring for the call contract.
+
+    A mixer class owns its metadata: its :class:`MixerArgs` class (:attr:`args_class`), how a model's
+    settings become those arguments (:meth:`args_from`) and which values it accepts
+    (:meth:`validate_args`), so the model never special-cases a mixer by name.
+    """
 
     #: "memory" (constant-size state) or "attention" (KV cache)
     kind: str = "memory"
+    #: the arguments this mixer takes
+    args_class: ClassVar[type[MixerArgs]] = MixerArgs
+    #: the registered name (set by :func:`register_mixer`)
+    name: ClassVar[str] = ""
 
     def __init__(self, args: MixerArgs) -> None:
         super().__init__()
+        self.validate_args(args)
         self.args = args
+
+    @classmethod
+    def args_from(cls, values: Mapping[str, Any]) -> MixerArgs:
+        """This mixer's arguments from a model's settings: every field of :attr:`args_class` in ``values``."""
+        names = {f.name for f in fields(cls.args_class)}
+        return cls.args_class(**{n: v for n, v in values.items() if n in names})
+
+    @classmethod
+    def validate_args(cls, args: MixerArgs) -> None:
+        """Refuse arguments this mixer cannot serve (ValueError naming the field and the valid range)."""
+        args.validate(cls.name or cls.__name__)
 
     @abstractmethod
     def forward(
@@ -130,11 +223,16 @@ def register_mixer(name: str) -> Callable[[type[Mixer]], type[Mixer]]:
     return add
 
 
-def build_mixer(name: str, args: MixerArgs) -> Mixer:
-    """Build a registered mixer; unknown names are refused with the list of valid ones."""
+def mixer_class(name: str) -> type[Mixer]:
+    """The class of a registered mixer; unknown names are refused with the list of valid ones."""
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; valid: {', '.join(sorted(MIXERS))}")
-    return MIXERS[name](args)
+    return MIXERS[name]
+
+
+def build_mixer(name: str, args: MixerArgs) -> Mixer:
+    """Build a registered mixer; unknown names are refused with the list of valid ones."""
+    return mixer_class(name)(args)
 
 
 def mixer_names(kind: Optional[str] = None) -> list[str]:

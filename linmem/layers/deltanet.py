@@ -10,7 +10,6 @@ and an output gate: o = RMSNorm(o) * silu(W_g x).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -19,15 +18,8 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, init_mamba2_gate_
 from .recurrent import MemoryMixer, RecurrenceArgs
-
-
-def mamba2_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
-    """Inverse-softplus of dt drawn log-uniformly in [dt_min, dt_max] (Mamba-2 initialisation)."""
-    dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-    dt = dt.clamp(min=1e-4)
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 class _DeltaRule(MemoryMixer):
@@ -47,19 +39,31 @@ class _DeltaRule(MemoryMixer):
             self.v_conv = ShortConvolution(H * V, args.conv_size)
         if self.gated:
             self.a_proj = nn.Linear(D, H, bias=False)
-            self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
-            self.dt_bias = nn.Parameter(mamba2_dt_bias(H))
+            self.A_log = nn.Parameter(torch.empty(H))
+            self.dt_bias = nn.Parameter(torch.empty(H))
             self.g_proj = nn.Linear(D, H * V, bias=False)
             self.o_norm = GatedRMSNorm(V, eps=args.norm_eps)
         else:
             self.o_norm = RMSNorm(V, eps=args.norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.gated:
+            init_mamba2_gate_(self.A_log, self.dt_bias)
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         H = self.args.num_heads
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = self.q_proj(hidden)
+        k, v = self.project("k_proj", hidden, projected), self.project("v_proj", hidden, projected)
         if self.use_short_conv:
             q = self.q_conv(q, cache=cache, key="conv_q", cu_seqlens=cu_seqlens)
             k = self.k_conv(k, cache=cache, key="conv_k", cu_seqlens=cu_seqlens)
@@ -68,10 +72,10 @@ class _DeltaRule(MemoryMixer):
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q, k, v = (rearrange(x, "b t (h d) -> b t h d", h=H) for x in (q, k, v))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = torch.sigmoid(self.b_proj(hidden).float())
+        beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())
         log_decay = None
         if self.gated:
-            dt = F.softplus(self.a_proj(hidden).float() + self.dt_bias)
+            dt = F.softplus(self.project("a_proj", hidden, projected).float() + self.dt_bias)
             log_decay = -torch.exp(self.A_log.float()) * dt  # [B, T, H]
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay, beta=beta)
 
@@ -88,9 +92,12 @@ class _DeltaRule(MemoryMixer):
 class DeltaNet(_DeltaRule):
     """DeltaNet: the delta rule with no decay."""
 
+    memory_projections = ("k_proj", "v_proj", "b_proj")
+
 
 @register_mixer("gated_deltanet")
 class GatedDeltaNet(_DeltaRule):
     """Gated DeltaNet: the delta rule with a Mamba-2 scalar decay and an output gate."""
 
     gated = True
+    memory_projections = ("k_proj", "v_proj", "b_proj", "a_proj")

@@ -17,53 +17,51 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .linear_attention import ShortConvs
-from .modules import GatedRMSNorm
+from .modules import GatedRMSNorm, Linear, ShortConvs, low_rank, xavier_init
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: GLA divides the log-sigmoid gate by this, so log alpha lies in (-inf, 0] / 16 and starts near 0
 GATE_LOGIT_NORMALIZER = 16
-
-
-def init_linear_xavier_(module: nn.Module, gain: float = 2 ** -2.5) -> None:
-    """Xavier-uniform weights (default gain 2^-2.5) and zero biases for every nn.Linear in ``module``."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.xavier_uniform_(m.weight, gain=gain)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+#: gain of the xavier-uniform init of every GLA linear map (the paper's code)
+XAVIER_GAIN = 2 ** -2.5
 
 
 @register_mixer("gla")
 class GatedLinearAttention(MemoryMixer):
     """GLA: additive write, per-key-channel decay from a low-rank gate, swish-gated RMSNorm output."""
 
+    memory_projections = ("k_proj", "v_proj", "gk_proj")
+
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
         D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * V, bias=False)
-        self.gk_proj = nn.Sequential(nn.Linear(D, args.gate_low_rank, bias=False),
-                                     nn.Linear(args.gate_low_rank, H * K, bias=True))
-        self.g_proj = nn.Linear(D, H * V, bias=False)
+        init = xavier_init(XAVIER_GAIN)
+        self.q_proj = Linear(D, H * K, init=init)
+        self.k_proj = Linear(D, H * K, init=init)
+        self.v_proj = Linear(D, H * V, init=init)
+        self.gk_proj = low_rank(D, args.gate_low_rank, H * K, bias=True, init=init)
+        self.g_proj = Linear(D, H * V, init=init)
         self.convs = ShortConvs({"q": H * K, "k": H * K, "v": H * V}, args)
         self.o_norm = GatedRMSNorm(V, eps=args.norm_eps)
-        self.o_proj = nn.Linear(H * V, D, bias=False)
-        init_linear_xavier_(self)
+        self.o_proj = Linear(H * V, D, init=init)
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         H = self.args.num_heads
         q, k, v = (
-            rearrange(self.convs(n, proj(hidden), cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d", h=H)
-            for n, proj in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj))
+            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d", h=H)
+            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
+                         ("v", self.project("v_proj", hidden, projected)))
         )
-        gate = rearrange(self.gk_proj(hidden).float(), "b t (h k) -> b t h k", h=H)
+        gate = rearrange(self.project("gk_proj", hidden, projected).float(), "b t (h k) -> b t h k", h=H)
         log_decay = F.logsigmoid(gate) / GATE_LOGIT_NORMALIZER  # [B, T, H, K] fp32
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay)
 

@@ -20,8 +20,7 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .linear_attention import ShortConvs
-from .modules import RMSNorm
+from .modules import RMSNorm, ShortConvs
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
@@ -37,6 +36,8 @@ def hgrn2_log_forget(logits: torch.Tensor, lower_bound: float) -> torch.Tensor:
 class HGRN2(MemoryMixer):
     """HGRN-2: vector-decay linear RNN with state expansion and a key tied to 1 - forget."""
 
+    memory_projections = ("f_proj", "i_proj")
+
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
         D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
@@ -49,12 +50,17 @@ class HGRN2(MemoryMixer):
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         split = lambda x: rearrange(x, "b t (h d) -> b t h d", h=self.args.num_heads)  # noqa: E731
         q = split(self.convs("q", self.q_proj(hidden), cache=cache, cu_seqlens=cu_seqlens, activation=F.silu))
-        i = split(self.convs("i", self.i_proj(hidden), cache=cache, cu_seqlens=cu_seqlens))
-        log_forget = split(hgrn2_log_forget(self.f_proj(hidden), self.lower_bound))  # [B, T, H, K] fp32
+        i = split(self.convs("i", self.project("i_proj", hidden, projected), cache=cache, cu_seqlens=cu_seqlens))
+        log_forget = split(hgrn2_log_forget(self.project("f_proj", hidden, projected), self.lower_bound))
         k = (-torch.expm1(log_forget)).to(q.dtype)  # 1 - f_t
         return RecurrenceArgs(q=q, k=k, v=i, log_decay=log_forget, scale=1.0)
 

@@ -29,7 +29,7 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvolution
+from .modules import RMSNorm, ShortConvs
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: Based / ReBased: per-head dimension of the q, k projections the quadratic features expand
@@ -89,36 +89,18 @@ class FeatureMap(nn.Module):
         return _PARAMETER_FREE[self.name](x)
 
 
-class ShortConvs(nn.ModuleDict):
-    """Optional short causal convolutions (each ending in a SiLU) on named projections.
-
-    When ``MixerArgs.use_short_conv`` (or ``default`` where it is None) is off there are none,
-    and ``activation`` is applied in their place. The decoding history of projection ``name``
-    lives in ``cache["conv_<name>"]``.
-    """
-
-    def __init__(self, channels: dict[str, int], args: MixerArgs, default: bool = False) -> None:
-        enabled = default if args.use_short_conv is None else args.use_short_conv
-        super().__init__({n: ShortConvolution(c, args.conv_size) for n, c in channels.items()} if enabled else {})
-
-    def forward(
-        self,
-        name: str,
-        x: torch.Tensor,
-        *,
-        cache: Optional[LayerState],
-        cu_seqlens: Optional[torch.Tensor],
-        activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    ) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]."""
-        if name in self:
-            return self[name](x, cache=cache, key=f"conv_{name}", cu_seqlens=cu_seqlens)
-        return x if activation is None else activation(x)
-
-
 @register_mixer("linear_attention")
 class LinearAttention(MemoryMixer):
     """Linear attention with a feature map on q, k, normalised by phi(q_t) . sum_s phi(k_s)."""
+
+    memory_projections = ("k_proj", "v_proj")
+
+    @classmethod
+    def validate_args(cls, args: MixerArgs) -> None:
+        super().validate_args(args)
+        if args.feature_map is not None and args.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"linear_attention: unknown `feature_map` {args.feature_map!r}; "
+                             f"valid: {', '.join(FEATURE_MAPS)}")
 
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
@@ -134,12 +116,18 @@ class LinearAttention(MemoryMixer):
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         q, k, v = (
-            rearrange(self.convs(n, proj(hidden), cache=cache, cu_seqlens=cu_seqlens),
-                      "b t (h d) -> b t h d", h=self.args.num_heads)
-            for n, proj in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj))
+            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d",
+                      h=self.args.num_heads)
+            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
+                         ("v", self.project("v_proj", hidden, projected)))
         )
         q, k = self.feature_map(q), self.feature_map(k)
         if not self.feature_map.normalised:

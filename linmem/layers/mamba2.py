@@ -32,12 +32,8 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .deltanet import mamba2_dt_bias
-from .modules import RMSNorm, ShortConvolution
+from .modules import RMSNorm, ShortConvolution, init_mamba2_gate_
 from .recurrent import MemoryMixer, RecurrenceArgs
-
-#: range of the initial A = exp(A_log), drawn uniformly per head (Mamba-2's A_init_range)
-A_INIT_RANGE = (1.0, 16.0)
 
 
 @register_mixer("mamba2")
@@ -46,7 +42,10 @@ class Mamba2(MemoryMixer):
 
     hidden ``[B, T, D]`` -> ``[B, T, D]``; the recurrence sees q = C, k = B ``[B, T, H, N]``
     (expanded from one group), v = dt * x ``[B, T, H, P]``, log_decay ``[B, T, H]`` (fp32).
+    A mixture of memories gives each memory its own fused input projection (z, x, B, C, dt).
     """
+
+    memory_projections = ("in_proj",)
 
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
@@ -56,17 +55,28 @@ class Mamba2(MemoryMixer):
         self.use_short_conv = True if args.use_short_conv is None else args.use_short_conv
         if self.use_short_conv:
             self.conv = ShortConvolution(self.inner + 2 * N, args.conv_size)
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(*A_INIT_RANGE).log())
-        self.dt_bias = nn.Parameter(mamba2_dt_bias(H))
-        self.D = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
         self.norm = RMSNorm(self.inner, eps=args.norm_eps)
         self.out_proj = nn.Linear(self.inner, D, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init_mamba2_gate_(self.A_log, self.dt_bias)
+        nn.init.ones_(self.D)
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         H, N = self.args.num_heads, self.args.key_dim
-        z, xBC, dt = self.in_proj(hidden).split([self.inner, self.inner + 2 * N, H], dim=-1)
+        z, xBC, dt = self.project("in_proj", hidden, projected).split([self.inner, self.inner + 2 * N, H], dim=-1)
         if self.use_short_conv:
             xBC = self.conv(xBC, cache=cache, key="conv_xBC", cu_seqlens=cu_seqlens)
         else:

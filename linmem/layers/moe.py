@@ -1,5 +1,8 @@
-"""Feed-forward layers: the dense SwiGLU MLP and the mixture of SwiGLU experts (DESIGN.md section 4,
-"Mixture of experts"; Linear-MoE, arXiv 2503.05447).
+"""Feed-forward layers: the dense SwiGLU MLP and the mixture of SwiGLU experts (Linear-MoE, Sun et al.
+2025, arXiv 2503.05447).
+
+Every feed-forward takes ``(x [B, T, D], token_mask [B, T] or None)`` and returns ``[B, T, D]``; the
+mixture also leaves ``router_stats`` after each call and reports ``inactive_parameter_count()``.
 
     y = sum_{e in top-k(x)} w_e(x) SwiGLU_e(x)  +  SwiGLU_shared(x)
     SwiGLU(x) = W_down (silu(W_gate x) * W_up x)
@@ -35,10 +38,11 @@ from ..ops.routing import (
     router_stats,
     top_k_routing,
 )
+from .modules import Linear, normal_init
 
 
 class SwiGLU(nn.Module):
-    """down(silu(x W_gate) * x W_up): x ``[..., D]`` -> ``[..., D]``.
+    """down(silu(x W_gate) * x W_up): x ``[..., D]`` -> ``[..., D]``, weights N(0, std^2).
 
     Example:
         >>> SwiGLU(16, 32, std=0.02)(torch.randn(2, 5, 16)).shape
@@ -47,12 +51,11 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, std: float) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-        for linear in (self.gate_up, self.down):
-            nn.init.normal_(linear.weight, std=std)
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, init=normal_init(std))
+        self.down = Linear(intermediate_size, hidden_size, init=normal_init(std))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: ``[..., D]``; ``token_mask`` is accepted for the feed-forward interface (a dense MLP needs none)."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -103,14 +106,17 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.args = args.validate()
         E, D, Fw = args.num_experts, args.hidden_size, args.intermediate_size
-        self.router = nn.Linear(D, E, bias=False)
+        self.router = Linear(D, E, init=normal_init(args.init_std))
         self.gate_up = nn.Parameter(torch.empty(E, 2 * Fw, D))  # per expert: [gate; up] rows, nn.Linear layout
         self.down = nn.Parameter(torch.empty(E, D, Fw))
-        for weight in (self.router.weight, self.gate_up, self.down):
-            nn.init.normal_(weight, std=args.init_std)
         shared = args.num_shared_experts * Fw
         self.shared = SwiGLU(D, shared, args.init_std) if shared else None
         self.router_stats: Optional[RouterStats] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight in (self.gate_up, self.down):
+            nn.init.normal_(weight, std=self.args.init_std)
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: ``[B, T, D]``; token_mask: ``[B, T]`` bool, False at padding (routed nowhere, left out of the stats)."""

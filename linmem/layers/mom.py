@@ -7,12 +7,13 @@ arXiv 2502.13685) over the update rules of the unified recurrence.
     y_t = the rule's output stage (norm, output gate, o_proj) applied to o_t
 
 The rule is one of the memory mixers (``mom_memory``): MoM builds it once and replaces the
-projections listed in :data:`MEMORY_PROJECTIONS` by :class:`MemoryLinear` (one weight per memory,
-stacked); the query, the convolution weights, decay constants and the output stage stay shared,
-computed by the rule's own code. Mixing the read-outs before the output stage reads the mixed memory
-``sum_m w_m S^m``, as the paper defines it (for normalised linear attention the numerators and the
-normaliser are mixed alike). Tensors the rule hands from its inputs to its output stage (Mamba-2's
-x and z) are mixed with the same weights.
+projections the rule declares in ``memory_projections`` by :class:`MemoryLinear` (one weight per
+memory, stacked), computes them per memory and hands their outputs to the rule
+(``recurrence_inputs(..., projected=...)``); the query, the convolution weights, decay constants and
+the output stage stay shared, computed by the rule's own code. Mixing the read-outs before the output
+stage reads the mixed memory ``sum_m w_m S^m``, as the paper defines it (for normalised linear
+attention the numerators and the normaliser are mixed alike). Tensors the rule hands from its inputs
+to its output stage (Mamba-2's x and z) are mixed with the same weights.
 
 Routing (:mod:`linmem.ops.routing`): every token gets k + 1 slots (its top-k memories and the shared
 one), the (token, slot) assignments are sorted by (memory, sequence, time), and the runs of every
@@ -23,12 +24,14 @@ once with ``cu_seqlens`` over all pairs. With a cache, each pair keeps its state
 convolutions continue exactly; only the pairs that receive tokens are computed and written, the
 others stay bit-identical.
 
-Rules left out: retention (its rotary positions would restart on every memory's stream), RWKV-6/7
-(their per-memory parts are LoRA token-shift mixes, and RWKV-7's output stage reads q, k, v).
+Rules left out (they declare no memory projections): retention (its rotary positions would restart
+on every memory's stream), RWKV-6/7 (their per-memory parts are LoRA token-shift mixes, and RWKV-7's
+output stage reads q, k, v).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -49,28 +52,33 @@ from ..ops.routing import (
     segment_tails,
     top_k_routing,
 )
-from .base import LayerState, Mixer, MixerArgs, build_mixer, check_cache_and_varlen, register_mixer
+from .base import (
+    MIXERS,
+    LayerState,
+    Mixer,
+    MixerArgs,
+    build_mixer,
+    check_bool,
+    check_cache_and_varlen,
+    check_choice,
+    check_int,
+    register_mixer,
+)
 from .modules import ShortConvolution
-from .recurrent import RecurrenceArgs, activation_dtype
+from .recurrent import MemoryMixer, RecurrenceArgs, activation_dtype
 
-#: per update rule, the projections every memory owns (paths inside the rule's mixer); all else is shared.
-#: Mamba-2 fuses z, x, B, C, dt into one projection, so each of its memories owns all five.
-MEMORY_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "deltanet": ("k_proj", "v_proj", "b_proj"),
-    "gated_deltanet": ("k_proj", "v_proj", "b_proj", "a_proj"),
-    "gla": ("k_proj", "v_proj", "gk_proj.0", "gk_proj.1"),
-    "hgrn2": ("f_proj", "i_proj"),
-    "lightning": ("k_proj", "v_proj"),
-    "linear_attention": ("k_proj", "v_proj"),
-    "mamba2": ("in_proj",),
-}
+
+def mom_rules() -> list[str]:
+    """The memory mixers a mixture of memories can use as its rule: those that declare memory projections."""
+    return sorted(name for name, cls in MIXERS.items()
+                  if issubclass(cls, MemoryMixer) and cls.memory_projections)
 
 
 @dataclass
 class MoMArgs(MixerArgs):
     """:class:`MixerArgs` plus the mixture's own fields."""
 
-    mom_memory: str = "gated_deltanet"  # update rule of every memory: a key of MEMORY_PROJECTIONS
+    mom_memory: str = "gated_deltanet"  # update rule of every memory: one of mom_rules()
     num_memories: int = 4  # routed memories M
     top_k: int = 2  # memories each token is routed to
     shared_memory: bool = True  # one more memory that every token writes (weight 1)
@@ -86,48 +94,77 @@ class MoMArgs(MixerArgs):
         """The arguments of the rule's mixer (the MixerArgs fields)."""
         return MixerArgs(**{name: getattr(self, name) for name in MixerArgs.field_names()})
 
-    def validate(self) -> "MoMArgs":
+    def validate(self, owner: str = "mom") -> None:
         """Refuse an unknown rule or a top_k outside [1, num_memories], naming the valid choices."""
-        if self.mom_memory not in MEMORY_PROJECTIONS:
-            raise ValueError(f"unknown mom_memory {self.mom_memory!r}; valid: {', '.join(MEMORY_PROJECTIONS)}")
-        if self.num_memories < 1:
-            raise ValueError(f"num_memories must be >= 1, got {self.num_memories}")
-        if not 1 <= self.top_k <= self.num_memories:
-            raise ValueError(f"top_k = {self.top_k} must lie in [1, num_memories = {self.num_memories}]")
-        return self
+        super().validate(owner)
+        check_choice(owner, "mom_memory", self.mom_memory, mom_rules())
+        check_int(owner, "num_memories", self.num_memories, minimum=1)
+        check_int(owner, "top_k", self.top_k, minimum=1)
+        if self.top_k > self.num_memories:
+            raise ValueError(f"{owner}: `top_k` = {self.top_k} must lie in [1, num_memories = {self.num_memories}]")
+        check_bool(owner, "shared_memory", self.shared_memory)
 
 
 class MemoryLinear(nn.Module):
     """One linear map per memory, applied to rows sorted by memory with one grouped GEMM.
 
-    ``weight: [M, out, in]`` (and ``bias: [M, out]``) stack the given ``nn.Linear`` layers. The
-    owner sets ``group_sizes`` (``[M]`` rows per memory) around each call; x ``[..., in]`` -> ``[..., out]``.
+    ``weight: [M, out, in]`` (and ``bias: [M, out]``) stack the given ``nn.Linear`` layers, and start
+    as they do: ``init`` (a :class:`~linmem.layers.modules.Linear`'s) for every memory, else torch's
+    default. x ``[A, in]`` (rows sorted by memory, ``group_sizes: [M]`` rows each) -> ``[A, out]``.
     """
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         super().__init__()
+        self.init = getattr(linears[0], "init", None)
         self.weight = nn.Parameter(torch.stack([linear.weight.detach() for linear in linears]))
         has_bias = linears[0].bias is not None
         self.bias = nn.Parameter(torch.stack([linear.bias.detach() for linear in linears])) if has_bias else None
-        self.group_sizes: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group_sizes is None:
-            raise RuntimeError("MemoryLinear runs inside MixtureOfMemories, which sets `group_sizes` first")
-        rows = x.reshape(-1, x.shape[-1])
-        y = grouped_linear(rows, self.weight, self.group_sizes)
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for m in range(self.weight.shape[0]):
+            if self.init is not None:
+                self.init(self.weight[m])
+                if self.bias is not None:
+                    nn.init.zeros_(self.bias[m])
+                continue
+            nn.init.kaiming_uniform_(self.weight[m], a=math.sqrt(5))  # as nn.Linear.reset_parameters
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.weight.shape[2])
+                nn.init.uniform_(self.bias[m], -bound, bound)
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        y = grouped_linear(x, self.weight, group_sizes)
         if self.bias is not None:
-            y = y + torch.repeat_interleave(self.bias, self.group_sizes, dim=0, output_size=rows.shape[0]).to(y.dtype)
-        return y.view(*x.shape[:-1], -1)
+            y = y + torch.repeat_interleave(self.bias, group_sizes, dim=0, output_size=x.shape[0]).to(y.dtype)
+        return y
 
     def per_memory_parameters(self) -> int:
         """Parameters of one memory's map."""
         return self.weight[0].numel() + (self.bias[0].numel() if self.bias is not None else 0)
 
 
+def stack_memories(modules: Sequence[nn.Module]) -> nn.Module:
+    """One module per memory -> their stack: ``nn.Linear`` -> :class:`MemoryLinear`, ``nn.Sequential`` of
+    linear maps -> ``nn.Sequential`` of stacks."""
+    first = modules[0]
+    if isinstance(first, nn.Linear):
+        return MemoryLinear(modules)
+    if isinstance(first, nn.Sequential) and all(isinstance(layer, nn.Linear) for layer in first):
+        return nn.Sequential(*(MemoryLinear([m[i] for m in modules]) for i in range(len(first))))
+    raise TypeError(f"a memory projection must be nn.Linear or nn.Sequential of nn.Linear, got {type(first).__name__}")
+
+
+def apply_per_memory(stack: nn.Module, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """A stack of :func:`stack_memories` on rows ``[A, in]`` sorted by memory -> ``[A, out]``."""
+    for layer in (stack if isinstance(stack, nn.Sequential) else [stack]):
+        rows = layer(rows, group_sizes)
+    return rows
+
+
 @register_mixer("mom")
 class MixtureOfMemories(Mixer):
-    """MoM over any rule of :data:`MEMORY_PROJECTIONS`: hidden ``[B, T, D]`` -> ``[B, T, D]``.
+    """MoM over any rule of :func:`mom_rules`: hidden ``[B, T, D]`` -> ``[B, T, D]``.
 
     The cache holds per (sequence, memory) ``recurrent: [B, M', H, K, V]`` (fp32), and when the rule
     has short convolutions ``history: [B, M', conv_size - 1, D]`` with ``history_len: [B, M']``;
@@ -143,16 +180,17 @@ class MixtureOfMemories(Mixer):
     """
 
     kind = "memory"
+    args_class = MoMArgs
 
     def __init__(self, args: MixerArgs) -> None:
-        args = MoMArgs.of(args).validate()
+        args = MoMArgs.of(args)
         super().__init__(args)
         self.num_states = args.num_memories + int(args.shared_memory)  # M'
         rule_args = args.rule_args()
         self.memory = build_mixer(args.mom_memory, rule_args)
         others = [build_mixer(args.mom_memory, rule_args) for _ in range(self.num_states - 1)]
-        for path in MEMORY_PROJECTIONS[args.mom_memory]:
-            self.memory.set_submodule(path, MemoryLinear([m.get_submodule(path) for m in (self.memory, *others)]))
+        for name in self.memory.memory_projections:
+            self.memory.set_submodule(name, stack_memories([m.get_submodule(name) for m in (self.memory, *others)]))
         self.router = nn.Linear(args.hidden_size, args.num_memories, bias=False)
         convs = [m.size for m in self.memory.modules() if isinstance(m, ShortConvolution)]
         self.context = max(convs, default=1) - 1  # past inputs a memory's convolutions read
@@ -176,7 +214,7 @@ class MixtureOfMemories(Mixer):
                      keep=None if valid is None else valid[:, None].expand_as(memories))
         if cache is None:
             args = self._recurrence_inputs(flat[d.token], d.cu_seqlens, d.group_sizes)
-            o, _ = linear_recurrence(args.q, args.k, args.v, **_op_kwargs(args), cu_seqlens=d.cu_seqlens,
+            o, _ = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(), cu_seqlens=d.cu_seqlens,
                                      backend=self.args.backend)
         else:
             args, o = self._cached(flat, d, B, cache)
@@ -199,15 +237,10 @@ class MixtureOfMemories(Mixer):
         self, rows: torch.Tensor, cu_seqlens: torch.Tensor, group_sizes: torch.Tensor
     ) -> RecurrenceArgs:
         """The rule's inputs on packed rows ``[A, D]`` sorted by memory (``group_sizes: [M']`` rows each)."""
-        linears = [m for m in self.memory.modules() if isinstance(m, MemoryLinear)]
-        for linear in linears:
-            linear.group_sizes = group_sizes
-        try:
-            args = self.memory.recurrence_inputs(rows[None], cache=None, cu_seqlens=cu_seqlens)
-            return args.cast(activation_dtype(rows))
-        finally:
-            for linear in linears:
-                linear.group_sizes = None
+        projected = {name: apply_per_memory(self.memory.get_submodule(name), rows, group_sizes)[None]
+                     for name in self.memory.memory_projections}
+        args = self.memory.recurrence_inputs(rows[None], cache=None, cu_seqlens=cu_seqlens, projected=projected)
+        return args.cast(activation_dtype(rows))
 
     def _cached(
         self, flat: torch.Tensor, d: Dispatch, B: int, cache: LayerState
@@ -250,11 +283,11 @@ class MixtureOfMemories(Mixer):
         state = _cached_tensor(cache, "recurrent", (B, self.num_states, H, K, V), acc, args.q.device)[b, m]
         pairs = b.numel()
         if args.q.shape[1] == pairs and not torch.is_grad_enabled():  # one token per pair: a decoding step
-            step = {name: _rows_as_batch(x, pairs) for name, x in _op_kwargs(args).items()}
-            o, state = linear_recurrence_step(args.q[0], args.k[0], args.v[0], state, **step)
+            step = args.as_steps()
+            o, state = linear_recurrence_step(step.q, step.k, step.v, state, **step.op_kwargs())
             o = o[None]
         else:
-            o, state = linear_recurrence(args.q, args.k, args.v, **_op_kwargs(args), initial_state=state,
+            o, state = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(), initial_state=state,
                                          output_final_state=True, cu_seqlens=cu, backend=self.args.backend)
         _write_pairs(cache, "recurrent", b, m, state)
         return o
@@ -285,10 +318,6 @@ def _sequence_of_tokens(
     return torch.searchsorted(starts[1:], torch.arange(T, device=device), right=True), starts.numel() - 1
 
 
-def _op_kwargs(args: RecurrenceArgs) -> dict:
-    return dict(log_decay=args.log_decay, beta=args.beta, bonus=args.bonus, a=args.a, b=args.b, scale=args.scale)
-
-
 def _per_row(x: object, rows: int) -> bool:
     """Whether x is a per-token tensor ``[1, rows, ...]`` of a packed batch (not a per-head constant)."""
     return isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:2]) == (1, rows)
@@ -303,11 +332,6 @@ def _take_rows(args: RecurrenceArgs, index: torch.Tensor) -> RecurrenceArgs:
         bonus=args.bonus, a=take(args.a), b=take(args.b), scale=args.scale,
         extras={name: take(x) for name, x in args.extras.items()},
     )
-
-
-def _rows_as_batch(x: object, rows: int) -> object:
-    """A per-token tensor ``[1, rows, ...]`` as a batch of one-token steps ``[rows, ...]``."""
-    return x[0] if _per_row(x, rows) else x
 
 
 def _cached_tensor(

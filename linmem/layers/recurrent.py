@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -55,6 +55,22 @@ class RecurrenceArgs:
             scale=self.scale, extras=self.extras,
         )
 
+    def op_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`linear_recurrence` / :func:`linear_recurrence_step` besides q, k, v."""
+        return dict(log_decay=self.log_decay, beta=self.beta, bonus=self.bonus, a=self.a, b=self.b, scale=self.scale)
+
+    def as_steps(self) -> "RecurrenceArgs":
+        """One token per row without the time axis, the form of :func:`linear_recurrence_step`: every
+        per-token tensor has its two leading axes merged (``[B, 1, ...]``: one token of B rows, or
+        ``[1, N, ...]``: N packed one-token sequences -> ``[B or N, ...]``); per-head constants stay."""
+        fold = lambda x: None if x is None else x.flatten(0, 1)  # noqa: E731
+        constant_decay = self.log_decay is None or self.log_decay.dim() == 1
+        return RecurrenceArgs(
+            q=fold(self.q), k=fold(self.k), v=fold(self.v),
+            log_decay=self.log_decay if constant_decay else fold(self.log_decay), beta=fold(self.beta),
+            bonus=self.bonus, a=fold(self.a), b=fold(self.b), scale=self.scale, extras=self.extras,
+        )
+
 
 def activation_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the recurrence runs in: autocast's when autocast is on, else the layer input's.
@@ -67,19 +83,41 @@ def activation_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 class MemoryMixer(Mixer):
-    """A mixer whose state is the fixed-size matrix memory of the unified recurrence."""
+    """A mixer whose state is the fixed-size matrix memory of the unified recurrence.
+
+    :attr:`memory_projections` names the input projections (``nn.Linear``, or ``nn.Sequential`` of
+    them, applied to ``hidden``) that each memory of a mixture of memories owns; the mixer reads them
+    through :meth:`project`, so that :class:`~linmem.layers.mom.MixtureOfMemories` can hand it their
+    outputs computed per memory. An empty tuple: the mixer cannot be a MoM rule.
+    """
 
     kind = "memory"
+    memory_projections: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        """hidden [B, T, D] -> the recurrence's arguments (convolutions read/write ``cache``)."""
+        """hidden [B, T, D] -> the recurrence's arguments (convolutions read/write ``cache``).
+
+        ``projected`` holds the outputs of :attr:`memory_projections` when a mixture computes them.
+        """
 
     @abstractmethod
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         """o [B, T, H, V] (the read-out) and the layer input -> [B, T, D]."""
+
+    def project(self, name: str, hidden: torch.Tensor, projected: Optional[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The output of the input projection ``name``: ``projected[name]`` when a mixture of memories
+        computed it per memory, else the mixer's own module ``name`` applied to ``hidden``."""
+        if projected is not None and name in projected:
+            return projected[name]
+        return self.get_submodule(name)(hidden)
 
     def forward(
         self,
@@ -94,25 +132,14 @@ class MemoryMixer(Mixer):
         args = self.recurrence_inputs(hidden, cache=cache, cu_seqlens=cu_seqlens).cast(activation_dtype(hidden))
         run = args.masked(token_mask) if token_mask is not None else args
         state = cache.get("recurrent") if cache is not None else None
-        kwargs = dict(log_decay=run.log_decay, beta=run.beta, bonus=run.bonus, a=run.a, b=run.b, scale=run.scale)
         if state is not None and hidden.shape[1] == 1 and not torch.is_grad_enabled():
-            o, state = linear_recurrence_step(run.q[:, 0], run.k[:, 0], run.v[:, 0], state,
-                                              **_drop_time(kwargs))
+            step = run.as_steps()
+            o, state = linear_recurrence_step(step.q, step.k, step.v, state, **step.op_kwargs())
             o = o[:, None]
         else:
-            o, state = linear_recurrence(run.q, run.k, run.v, **kwargs, initial_state=state,
+            o, state = linear_recurrence(run.q, run.k, run.v, **run.op_kwargs(), initial_state=state,
                                          output_final_state=cache is not None, cu_seqlens=cu_seqlens,
                                          backend=self.args.backend)
         if cache is not None:
             cache.set("recurrent", state)
         return self.output(o, hidden, args)
-
-
-def _drop_time(kwargs: dict) -> dict:
-    """Per-token arguments of a one-token call without their time axis ([B, 1, ...] -> [B, ...])."""
-    out = {}
-    for name, x in kwargs.items():
-        if isinstance(x, torch.Tensor) and name != "bonus" and not (name == "log_decay" and x.dim() == 1):
-            x = x[:, 0]
-        out[name] = x
-    return out

@@ -20,16 +20,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .gla import init_linear_xavier_
-from .linear_attention import ShortConvs
-from .modules import GatedRMSNorm, RMSNorm, RotaryEmbedding, positions_in_sequence
+from .modules import GatedRMSNorm, Linear, RMSNorm, RotaryEmbedding, ShortConvs, positions_in_sequence, xavier_init
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: TransNormerLLM keeps this much of the slope in the last layer, so its decay stays below 1
 LIGHTNING_SLOPE_FLOOR = 1e-5
+#: gain of the xavier-uniform init of every linear map (as GLA)
+XAVIER_GAIN = 2 ** -2.5
 
 
 def retnet_log_decay(num_heads: int, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -73,6 +72,8 @@ def running_positions(
 class _ConstantDecayAttention(MemoryMixer):
     """q, k, v and output-gate projections; one constant decay per head, additive write."""
 
+    memory_projections = ("k_proj", "v_proj")
+
     #: applied to q, k when there is no short convolution
     qk_activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     #: read-out scale; None = K^-1/2
@@ -81,13 +82,13 @@ class _ConstantDecayAttention(MemoryMixer):
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
         D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * V, bias=False)
-        self.g_proj = nn.Linear(D, H * V, bias=False)
-        self.o_proj = nn.Linear(H * V, D, bias=False)
+        init = xavier_init(XAVIER_GAIN)
+        self.q_proj = Linear(D, H * K, init=init)
+        self.k_proj = Linear(D, H * K, init=init)
+        self.v_proj = Linear(D, H * V, init=init)
+        self.g_proj = Linear(D, H * V, init=init)
+        self.o_proj = Linear(H * V, D, init=init)
         self.convs = ShortConvs({"q": H * K, "k": H * K, "v": H * V}, args)
-        init_linear_xavier_(self)
 
     @abstractmethod
     def head_log_decay(self, device: torch.device) -> torch.Tensor:
@@ -100,13 +101,19 @@ class _ConstantDecayAttention(MemoryMixer):
         return q, k
 
     def recurrence_inputs(
-        self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         act = self.qk_activation
+        k, v = self.project("k_proj", hidden, projected), self.project("v_proj", hidden, projected)
         q, k, v = (
-            rearrange(self.convs(n, proj(hidden), cache=cache, cu_seqlens=cu_seqlens, activation=a),
+            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=a),
                       "b t (h d) -> b t h d", h=self.args.num_heads)
-            for n, proj, a in (("q", self.q_proj, act), ("k", self.k_proj, act), ("v", self.v_proj, None))
+            for n, x, a in (("q", self.q_proj(hidden), act), ("k", k, act), ("v", v, None))
         )
         q, k = self.positional(q, k, cache=cache, cu_seqlens=cu_seqlens)
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=self.head_log_decay(hidden.device), scale=self.scale)
@@ -114,7 +121,12 @@ class _ConstantDecayAttention(MemoryMixer):
 
 @register_mixer("retention")
 class Retention(_ConstantDecayAttention):
-    """RetNet's multi-scale retention (recurrent form) with RoPE and a swish output gate."""
+    """RetNet's multi-scale retention (recurrent form) with RoPE and a swish output gate.
+
+    Not a mixture-of-memories rule: its rotary positions would restart on every memory's stream.
+    """
+
+    memory_projections = ()
 
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)

@@ -42,15 +42,25 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import token_shift
+from .modules import (
+    HeadGroupNorm,
+    Linear,
+    LoRA,
+    channel_fraction,
+    layer_ratios,
+    orthogonal_init,
+    token_shift,
+    zeros_init,
+)
 from .recurrent import MemoryMixer, RecurrenceArgs
-from .rwkv6 import HeadGroupNorm, LoRA, channel_fraction, layer_ratios
 
 #: the decay's bound: log w = -DECAY_SCALE * sigmoid(.) (e^{-1/2}, so w > 0.545)
 DECAY_SCALE = math.exp(-0.5)
 #: LoRA rank factors of the in-context learning rate and of the output gate (rank ~ factor * sqrt(D))
 A_LORA_FACTOR = 2.5
 GATE_LORA_FACTOR = 5.0
+#: the token-shift mixes of RWKV-7 and the exponent factor of each one's init
+MIXES = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
 
 
 def lora_rank(hidden_size: int, factor: float) -> int:
@@ -77,42 +87,50 @@ class RWKV7(MemoryMixer):
     def __init__(self, args: MixerArgs) -> None:
         super().__init__(args)
         D, H, K, V = args.hidden_size, args.num_heads, args.key_dim, args.value_dim
-        r0, r1 = layer_ratios(args)
-        ddd = channel_fraction(D, D)
-        mu = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
-        self.mu = nn.ParameterDict({name: nn.Parameter(1.0 - ddd.pow(p * r1)) for name, p in mu.items()})
-
         C = H * K
-        n = torch.arange(C, dtype=torch.float32)
+        self.mu = nn.ParameterDict({name: nn.Parameter(torch.empty(D)) for name in MIXES})
+        self.decay = LoRA(D, args.gate_low_rank, C, bias=True)
+        self.icl_rate = LoRA(D, lora_rank(D, A_LORA_FACTOR), C, activation=None, bias=True)
+        self.gate = LoRA(D, lora_rank(D, GATE_LORA_FACTOR), H * V, activation=torch.sigmoid)
+        self.k_k = nn.Parameter(torch.empty(C))
+        self.k_a = nn.Parameter(torch.empty(C))
+        self.r_k = nn.Parameter(torch.empty(H, K))
+        self.receptance = Linear(D, C, init=orthogonal_init(1.0))
+        self.key = Linear(D, C, init=orthogonal_init(0.1))
+        self.value = Linear(D, H * V, init=orthogonal_init(1.0))
+        self.output_proj = Linear(H * V, D, init=zeros_init())
+        self.norm = HeadGroupNorm(H, V, weight=((1 + args.layer_idx) / args.num_layers) ** 0.7)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The reference code's init (RWKV-LM x070) of the token-shift mixes, the LoRAs and the key scales."""
+        H, K = self.r_k.shape
+        C, device = H * K, self.k_k.device
+        r0, r1 = layer_ratios(self.args)
+        ddd = channel_fraction(self.args.hidden_size, self.args.hidden_size, device)
+        for name, p in MIXES.items():
+            self.mu[name].copy_(1.0 - ddd.pow(p * r1))
+        n = torch.arange(C, dtype=torch.float32, device=device)
         linear = n / max(C - 1, 1) - 0.5
         zigzag = ((n % K) - (K - 1) / 2) / max((K - 1) / 2, 1)
         zigzag = zigzag * zigzag.abs()
         www = -6.0 + 6.0 * (n / max(C - 1, 1)).pow(1.0 + r0 ** 0.3)
-        self.decay = LoRA(D, args.gate_low_rank, C, bias=www + 0.5 + 2.5 * zigzag)
-        self.icl_rate = LoRA(D, lora_rank(D, A_LORA_FACTOR), C, activation=None,
-                             bias=-0.19 + 0.3 * zigzag + 0.4 * linear)
-        self.gate = LoRA(D, lora_rank(D, GATE_LORA_FACTOR), H * V, activation=torch.sigmoid)
         for lora in (self.decay, self.icl_rate, self.gate):
+            nn.init.zeros_(lora.A)
             orthogonal_lora_(lora)
-        self.k_k = nn.Parameter(0.71 - 0.1 * linear)
-        self.k_a = nn.Parameter(torch.full((C,), 1.02))
-        self.r_k = nn.Parameter(torch.full((H, K), -0.04))
-
-        self.receptance = nn.Linear(D, C, bias=False)
-        self.key = nn.Linear(D, C, bias=False)
-        self.value = nn.Linear(D, H * V, bias=False)
-        self.output_proj = nn.Linear(H * V, D, bias=False)
-        self.norm = HeadGroupNorm(H, V, weight=((1 + args.layer_idx) / args.num_layers) ** 0.7)
-        for proj, gain in ((self.receptance, 1.0), (self.key, 0.1), (self.value, 1.0)):
-            nn.init.orthogonal_(proj.weight, gain=gain)
-        nn.init.zeros_(self.output_proj.weight)
+        self.decay.bias.copy_(www + 0.5 + 2.5 * zigzag)
+        self.icl_rate.bias.copy_(-0.19 + 0.3 * zigzag + 0.4 * linear)
+        self.k_k.copy_(0.71 - 0.1 * linear)
+        nn.init.constant_(self.k_a, 1.02)
+        nn.init.constant_(self.r_k, -0.04)
 
     def recurrence_inputs(
         self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
     ) -> RecurrenceArgs:
         H, K = self.args.num_heads, self.args.key_dim
         dx = token_shift(hidden, cache=cache, cu_seqlens=cu_seqlens) - hidden
-        xr, xw, xk, xv, xa, xg = (hidden + dx * self.mu[name].to(hidden.dtype) for name in "rwkvag")
+        xr, xw, xk, xv, xa, xg = (hidden + dx * self.mu[name].to(hidden.dtype) for name in MIXES)
         heads = lambda t: rearrange(t, "b t (h d) -> b t h d", h=H)  # noqa: E731
         r, k, v = heads(self.receptance(xr)), heads(self.key(xk)), heads(self.value(xv))
         acc = torch.promote_types(hidden.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 inputs)

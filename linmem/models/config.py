@@ -1,24 +1,58 @@
-"""LinmemConfig: one configuration for every architecture (DESIGN section 5).
+"""LinmemConfig: one configuration for every architecture.
 
 The stack is a layer pattern, one letter per layer: ``L`` a memory layer (the mixer
 named by ``memory``), ``N`` an attention layer (``attention``). ``"LLLN" * 3`` is a
 12-layer hybrid with one softmax attention layer in four. ``memory="mom"`` makes every
 memory layer a mixture of memories (rule ``mom_memory``), ``mlp="moe"`` every feed-forward
 a mixture of experts; the routers' balancing losses join the training loss.
+
+Each mixer takes from the config the fields of its own arguments (:meth:`Mixer.args_from`);
+the config only renames its model-wide fields (``rms_norm_eps`` -> ``norm_eps``, ...).
+Every field is validated on construction: a wrong type or value, or an unknown keyword
+(with the closest field name), is a ``ValueError`` that names it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import difflib
+import inspect
+import logging
+from functools import lru_cache
+from typing import Any, Optional
 
-from transformers import PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
-from ..layers import MixerArgs, mixer_names
+from ..layers import MixerArgs, mixer_class, mixer_names
+from ..layers.base import check_bool, check_choice, check_float, check_int
 from ..layers.moe import MoEArgs
-from ..layers.mom import MEMORY_PROJECTIONS, MoMArgs
+from ..layers.mom import mom_rules
+from ..ops.routing import ROUTERS
+
+logger = logging.getLogger("linmem.models")
 
 LAYER_LETTERS = {"L": "memory", "N": "attention"}
 MLP_KINDS = ("swiglu", "moe")
+OWNER = "LinmemConfig"
+#: keywords PretrainedConfig consumes in its own initialisation without keeping them as fields
+_PRETRAINED_KEYWORDS = frozenset({
+    "torch_dtype", "num_labels", "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
+    "attn_implementation", "experts_implementation", "per_layer_config", "rope_scaling",
+    "_attn_implementation_internal", "_experts_implementation_internal", "tie_last_hidden_states",
+})
+
+
+@lru_cache(maxsize=1)
+def pretrained_config_keys() -> frozenset[str]:
+    """The keywords transformers itself passes to a config (``architectures``, ``dtype``,
+    ``transformers_version``, generation settings, ...): those PretrainedConfig declares, writes to
+    ``config.json`` or consumes, and the generation settings it accepts for compatibility."""
+    keys = set(_PRETRAINED_KEYWORDS) | set(PretrainedConfig().to_dict()) | set(GenerationConfig().to_dict())
+    if dataclasses.is_dataclass(PretrainedConfig):
+        keys |= {f.name for f in dataclasses.fields(PretrainedConfig)}
+    keys |= {n for n, p in inspect.signature(PretrainedConfig.__init__).parameters.items()
+             if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(keys - {"self"})
 
 
 class LinmemConfig(PretrainedConfig):
@@ -29,10 +63,14 @@ class LinmemConfig(PretrainedConfig):
         >>> config = LinmemConfig(hidden_size=256, num_heads=4, layer_pattern="LLLN", memory="gla")
         >>> config.num_hidden_layers
         4
+        >>> LinmemConfig(windw=16)
+        Traceback (most recent call last):
+        ...
+        ValueError: LinmemConfig: unknown field 'windw'; did you mean 'window'?
     """
 
     model_type = "linmem"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
         self,
@@ -49,12 +87,13 @@ class LinmemConfig(PretrainedConfig):
         conv_size: int = 4,
         feature_map: Optional[str] = None,
         gate_low_rank: int = 16,
-        window: int = 512,
+        window: Optional[int] = None,
         rope_theta: float = 10000.0,
         qk_norm: bool = False,
         output_gate: bool = False,
         output_norm: bool = False,
         kv_shift: bool = False,
+        forget_gate: str = "data_dependent",
         mom_memory: str = "gated_deltanet",
         num_memories: int = 4,
         mom_top_k: int = 2,
@@ -74,13 +113,15 @@ class LinmemConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         recurrence_backend: str = "auto",
+        activation_checkpointing: bool = False,
         tie_word_embeddings: bool = False,
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         num_hidden_layers: Optional[int] = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
+        refuse_unknown_keywords(kwargs)
         self.vocab_size = vocab_size  # tokens in the vocabulary
         self.hidden_size = hidden_size  # model width D
         self.num_heads = num_heads  # heads of every mixer
@@ -94,12 +135,13 @@ class LinmemConfig(PretrainedConfig):
         self.conv_size = conv_size  # kernel of the short convolution
         self.feature_map = feature_map  # linear_attention feature map
         self.gate_low_rank = gate_low_rank  # rank of low-rank gate projections (GLA, RWKV)
-        self.window = window  # sliding window of swa layers
+        self.window = window  # attention: keys a query sees (swa needs it; softmax and fox when set)
         self.rope_theta = rope_theta  # rotary base of softmax / swa
-        self.qk_norm = qk_norm  # attention: per-head q/k RMSNorm (FoX Pro)
-        self.output_gate = output_gate  # attention: sigmoid output gate (FoX Pro)
-        self.output_norm = output_norm  # attention: per-head output norm (FoX Pro)
-        self.kv_shift = kv_shift  # attention: KV shift (FoX Pro)
+        self.qk_norm = qk_norm  # attention: per-head q/k RMSNorm ("Pro")
+        self.output_gate = output_gate  # attention: sigmoid output gate ("Pro")
+        self.output_norm = output_norm  # attention: per-head output norm ("Pro")
+        self.kv_shift = kv_shift  # attention: KV shift ("Pro")
+        self.forget_gate = forget_gate  # fox: data_dependent, data_independent (learnt per head) or fixed
         self.mom_memory = mom_memory  # memory="mom": the update rule of every memory (gla, gated_deltanet, ...)
         self.num_memories = num_memories  # memory="mom": routed memories per layer
         self.mom_top_k = mom_top_k  # memory="mom": memories per token (`top_k` would clash with generation's)
@@ -119,6 +161,9 @@ class LinmemConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps  # epsilon of every RMSNorm
         self.initializer_range = initializer_range  # std of normal weight init
         self.recurrence_backend = recurrence_backend  # linear_recurrence backend
+        self.activation_checkpointing = activation_checkpointing  # recompute each block in the backward pass
+        if not isinstance(layer_pattern, str):
+            raise ValueError(f"{OWNER}: `layer_pattern` must be a string of L and N, got {layer_pattern!r}")
         if num_hidden_layers is not None and num_hidden_layers != len(layer_pattern):
             raise ValueError(
                 f"num_hidden_layers = {num_hidden_layers} disagrees with layer_pattern {layer_pattern!r} "
@@ -130,9 +175,21 @@ class LinmemConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings, **kwargs,
         )
         self.validate_linmem()
+        from . import register_auto_models  # the Auto classes find the model of any LinmemConfig
+
+        register_auto_models()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinmemConfig":
+        """As PretrainedConfig's; a ``window`` saved before it reached softmax and fox (configs without
+        ``forget_gate``) stored the sliding-window default for swa only, so it is dropped for them."""
+        if "forget_gate" not in config_dict and config_dict.get("attention", "softmax") != "swa":
+            config_dict = {**config_dict, "window": None}
+            logger.info("config saved by an earlier linmem: `window` applied to swa only, so it is dropped")
+        return super().from_dict(config_dict, **kwargs)
 
     def validate_linmem(self) -> None:
-        """Refuse unknown names and inconsistent sizes, naming the valid choices."""
+        """Refuse unknown names, wrong types and values out of range, naming the field and the valid range."""
         bad = sorted(set(self.layer_pattern) - set(LAYER_LETTERS))
         if not self.layer_pattern or bad:
             raise ValueError(
@@ -143,23 +200,43 @@ class LinmemConfig(PretrainedConfig):
             raise ValueError(f"unknown memory {self.memory!r}; valid: {', '.join(mixer_names('memory'))}")
         if self.attention not in mixer_names("attention"):
             raise ValueError(f"unknown attention {self.attention!r}; valid: {', '.join(mixer_names('attention'))}")
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"unknown mlp {self.mlp!r}; valid: {', '.join(MLP_KINDS)}")
-        if self.mom_memory not in MEMORY_PROJECTIONS:
-            raise ValueError(f"unknown mom_memory {self.mom_memory!r}; valid: {', '.join(MEMORY_PROJECTIONS)}")
-        if self.num_memories < 1 or not 1 <= self.mom_top_k <= self.num_memories:
+        check_choice(OWNER, "mlp", self.mlp, MLP_KINDS)
+        check_choice(OWNER, "mom_memory", self.mom_memory, mom_rules())
+        check_choice(OWNER, "moe_router", self.moe_router, ROUTERS)
+        for name in ("vocab_size", "hidden_size", "num_heads", "conv_size", "gate_low_rank", "num_memories",
+                     "mom_top_k", "num_experts", "num_experts_per_tok"):
+            check_int(OWNER, name, getattr(self, name), minimum=1)
+        for name in ("head_dim", "num_kv_heads", "window", "intermediate_size", "moe_intermediate_size"):
+            check_int(OWNER, name, getattr(self, name), minimum=1, optional=True)
+        check_int(OWNER, "num_shared_experts", self.num_shared_experts, minimum=0)
+        for name in ("qk_norm", "output_gate", "output_norm", "kv_shift", "shared_memory", "output_router_logits",
+                     "activation_checkpointing", "tie_word_embeddings"):
+            check_bool(OWNER, name, getattr(self, name))
+        check_bool(OWNER, "use_short_conv", self.use_short_conv, optional=True)
+        for name in ("expand_v", "rope_theta", "rms_norm_eps"):
+            check_float(OWNER, name, getattr(self, name), minimum=0.0)
+        for name in ("initializer_range", "mom_aux_loss_coef", "router_aux_loss_coef", "router_z_loss_coef"):
+            check_float(OWNER, name, getattr(self, name), minimum=0.0, inclusive=True)
+        check_float(OWNER, "moe_capacity_factor", self.moe_capacity_factor, minimum=0.0, optional=True)
+        if not isinstance(self.recurrence_backend, str):
+            raise ValueError(f"{OWNER}: `recurrence_backend` must be a backend name, got {self.recurrence_backend!r}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            self._check_token_id(name)
+        if self.mom_top_k > self.num_memories:
             raise ValueError(f"mom_top_k = {self.mom_top_k} must lie in [1, num_memories = {self.num_memories}]")
         self.moe_args().validate()
-        for name in ("mom_aux_loss_coef", "router_aux_loss_coef", "router_z_loss_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; set head_dim"
-            )
-        kv = self.num_kv_heads or self.num_heads
-        if self.num_heads % kv:
-            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {kv}")
+        for letter in sorted(set(self.layer_pattern)):  # each mixer of the stack checks its own arguments
+            layer = self.layer_pattern.index(letter)
+            mixer_class(self.mixer_name(layer)).validate_args(self.mixer_args(layer))
+
+    def _check_token_id(self, name: str) -> None:
+        value = getattr(self, name, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        for token in ids:
+            if token is not None and (not isinstance(token, int) or isinstance(token, bool)
+                                      or not 0 <= token < self.vocab_size):
+                raise ValueError(f"{OWNER}: `{name}` must be None or a token id in [0, vocab_size = "
+                                 f"{self.vocab_size}), got {value!r}")
 
     @property
     def mlp_width(self) -> int:
@@ -170,17 +247,17 @@ class LinmemConfig(PretrainedConfig):
     def mixer_name(self, layer_idx: int) -> str:
         return self.memory if self.layer_pattern[layer_idx] == "L" else self.attention
 
+    def mixer_values(self, layer_idx: int) -> dict[str, Any]:
+        """Every setting under the name a mixer's arguments give it (config fields, model-wide renames,
+        the layer's place in the stack)."""
+        return {
+            **vars(self), "norm_eps": self.rms_norm_eps, "backend": self.recurrence_backend, "top_k": self.mom_top_k,
+            "layer_idx": layer_idx, "num_layers": self.num_hidden_layers,
+        }
+
     def mixer_args(self, layer_idx: int) -> MixerArgs:
-        """The hyper-parameters of layer ``layer_idx``'s mixer (:class:`MoMArgs` for ``mom``)."""
-        shared = {name: getattr(self, name) for name in MixerArgs.field_names() if hasattr(self, name)}
-        name = self.mixer_name(layer_idx)
-        shared.update(hidden_size=self.hidden_size, norm_eps=self.rms_norm_eps, backend=self.recurrence_backend,
-                      layer_idx=layer_idx, num_layers=self.num_hidden_layers,
-                      window=self.window if name == "swa" else None)
-        if name == "mom":
-            return MoMArgs(**shared, mom_memory=self.mom_memory, num_memories=self.num_memories,
-                           top_k=self.mom_top_k, shared_memory=self.shared_memory)
-        return MixerArgs(**shared)
+        """The arguments of layer ``layer_idx``'s mixer, as that mixer takes them from the config."""
+        return mixer_class(self.mixer_name(layer_idx)).args_from(self.mixer_values(layer_idx))
 
     def moe_args(self) -> MoEArgs:
         """The hyper-parameters of every MoE feed-forward (``mlp="moe"``)."""
@@ -190,3 +267,16 @@ class LinmemConfig(PretrainedConfig):
             num_shared_experts=self.num_shared_experts, router=self.moe_router,
             capacity_factor=self.moe_capacity_factor, init_std=self.initializer_range,
         )
+
+
+def refuse_unknown_keywords(kwargs: dict[str, Any]) -> None:
+    """A keyword that is neither a LinmemConfig field nor one transformers passes is a typo: refuse it,
+    naming the closest field."""
+    unknown = sorted(set(kwargs) - pretrained_config_keys())
+    if not unknown:
+        return
+    fields = [n for n in inspect.signature(LinmemConfig.__init__).parameters if n not in ("self", "kwargs")]
+    name = unknown[0]
+    close = difflib.get_close_matches(name, fields, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(fields)}"
+    raise ValueError(f"{OWNER}: unknown field {name!r}{hint}")

@@ -1,29 +1,40 @@
-"""One configurable model for every architecture: a stack of (mixer, MLP) blocks whose
-mixers follow the config's layer pattern (DESIGN section 5).
+"""One configurable model for every architecture: a stack of (mixer, feed-forward) blocks whose
+mixers follow the config's layer pattern.
 
-Routed layers (MoM mixers, MoE feed-forwards) leave a :class:`~linmem.ops.routing.RouterStats`
-after each call; the model collects them layer by layer, returns them, and adds their weighted
-balancing (and z-) losses to ``loss`` as ``aux_loss``.
+The model relies on small protocols rather than on the types of its parts: a feed-forward takes
+``(x, token_mask)``; a routed module (a MoM mixer, a MoE feed-forward) leaves a
+:class:`~linmem.ops.routing.RouterStats` in ``router_stats`` after each call, which the model
+collects layer by layer, returns, and adds (its weighted balancing and z-losses) to ``loss`` as
+``aux_loss``; a module whose tokens use only part of its parameters says how many they leave idle
+with ``inactive_parameter_count()``.
+
+The decoding cache is passed and returned under the name the installed transformers gives it
+(:data:`CACHE_NAME`: ``cache`` from 5.x, ``past_key_values`` before); both are accepted as input.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..layers import LayerState, build_mixer
-from ..layers.modules import RMSNorm, positions_in_sequence
+from ..layers.modules import Linear, RMSNorm, normal_init, positions_in_sequence
 from ..layers.moe import MoEFeedForward, SwiGLU
-from ..layers.mom import MixtureOfMemories
 from ..ops.routing import RouterStats
 from .cache import LinmemCache
 from .config import LinmemConfig
+
+#: the name of the decoding cache in the model's inputs and outputs, as the installed transformers calls it
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -42,8 +53,24 @@ class LinmemCausalLMOutput(CausalLMOutputWithPast):
     router_stats: Optional[tuple[RouterStats, ...]] = None  # per routed layer: losses and load
 
 
-class LinmemBlock(nn.Module):
-    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h))."""
+def output_cache(output: BaseModelOutputWithPast) -> Optional[LinmemCache]:
+    """The decoding cache of a model output, whatever transformers calls it."""
+    return getattr(output, CACHE_NAME)
+
+
+def _one_cache(cache: Optional[LinmemCache], past_key_values: Optional[LinmemCache]) -> Optional[LinmemCache]:
+    if cache is not None and past_key_values is not None:
+        raise ValueError("give the decoding cache once: `cache` or `past_key_values` (its name before transformers 5)")
+    return cache if cache is not None else past_key_values
+
+
+class LinmemBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h)).
+
+    With activation checkpointing (``config.activation_checkpointing`` or
+    ``model.gradient_checkpointing_enable()``) a training forward keeps only the block's input
+    and recomputes the block in the backward pass.
+    """
 
     def __init__(self, config: LinmemConfig, layer_idx: int) -> None:
         super().__init__()
@@ -67,11 +94,10 @@ class LinmemBlock(nn.Module):
             x = x * token_mask[..., None].to(x.dtype)
         hidden = hidden + self.mixer(x, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask,
                                      position_ids=position_ids)
-        x = self.mlp_norm(hidden)
-        return hidden + (self.mlp(x, token_mask) if isinstance(self.mlp, MoEFeedForward) else self.mlp(x))
+        return hidden + self.mlp(self.mlp_norm(hidden), token_mask)
 
     def pop_router_stats(self) -> list[RouterStats]:
-        """What the block's routers (MoM mixer, MoE feed-forward) reported in the last call; cleared as read."""
+        """What the block's routed modules reported in the last call; cleared as read."""
         stats = []
         for module in (self.mixer, self.mlp):
             report = getattr(module, "router_stats", None)
@@ -82,17 +108,37 @@ class LinmemBlock(nn.Module):
 
 
 class LinmemPreTrainedModel(PreTrainedModel):
-    """Weights initialise in the constructors: each mixer owns the initialisation of its paper."""
+    """Each module initialises its parameters in ``reset_parameters()`` (the mixers as their papers
+    do); ``_init_weights`` calls it for the modules a checkpoint leaves incomplete."""
 
     config_class = LinmemConfig
     base_model_prefix = "model"
     _no_split_modules = ["LinmemBlock"]
     _supports_cache_class = True
     _is_stateful = True
+    supports_gradient_checkpointing = True
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module`` as its constructor does, keeping every parameter already loaded.
+
+        transformers calls this for every module (children first) after building a model and for the
+        modules whose parameters a checkpoint lacks (it marks the loaded ones ``_is_hf_initialized``).
+        """
         if isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=self.config.initializer_range)
+            reset = partial(nn.init.normal_, module.weight, std=self.config.initializer_range)
+        elif callable(getattr(module, "reset_parameters", None)):
+            reset = module.reset_parameters
+        else:
+            return
+        params = list(module.parameters())
+        loaded = [p for p in params if getattr(p, "_is_hf_initialized", False)]
+        if params and len(loaded) == len(params):
+            return
+        kept = [p.detach().clone() for p in loaded]
+        reset()
+        for p, value in zip(loaded, kept):
+            p.copy_(value)
 
 
 class LinmemModel(LinmemPreTrainedModel):
@@ -104,6 +150,10 @@ class LinmemModel(LinmemPreTrainedModel):
         self.layers = nn.ModuleList([LinmemBlock(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
+        if config.activation_checkpointing:
+            for layer in self.layers:  # the attributes transformers' gradient_checkpointing_enable sets
+                layer.gradient_checkpointing = True
+                layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -116,25 +166,34 @@ class LinmemModel(LinmemPreTrainedModel):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[LinmemCache] = None,
+        cache: Optional[LinmemCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: bool = False,
+        past_key_values: Optional[LinmemCache] = None,
         **kwargs,
     ) -> LinmemModelOutput:
         """input_ids: [B, T] (or inputs_embeds [B, T, D]); attention_mask: [B, past + T] 1 = token, 0 = pad;
-        cu_seqlens: [N + 1] boundaries of packed sequences (B == 1)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("give exactly one of `input_ids` and `inputs_embeds`")
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cu_seqlens: [N + 1] boundaries of packed sequences (B == 1; no decoding cache).
+
+        ``use_cache`` defaults to True in eval mode without ``cu_seqlens``; ``past_key_values`` is
+        the name transformers before 5.x gives ``cache``.
+        """
+        cache = _one_cache(cache, past_key_values)
+        hidden = self._embed(input_ids, inputs_embeds)
         B, T = hidden.shape[:2]
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"`cu_seqlens` packs sequences along T and needs batch size 1, got {B}")
-        use_cache = (not self.training) if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = LinmemCache(self.config.num_hidden_layers)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"`cu_seqlens` packs sequences along T and needs batch size 1, got {B}")
+            if use_cache or cache is not None:
+                raise ValueError("packed sequences (`cu_seqlens`) keep no decoding cache; pass use_cache=False "
+                                 "and no `cache`, or decode a padded batch with `attention_mask`")
+        if use_cache is None:
+            use_cache = cache is not None or (not self.training and cu_seqlens is None)
+        if use_cache and cache is None:
+            cache = LinmemCache(self.config.num_hidden_layers)
+        past = cache.get_seq_length() if cache is not None else 0
         token_mask = _token_mask(attention_mask, T)
         if position_ids is None:
             position_ids = _positions(B, T, past, attention_mask, cu_seqlens, hidden.device)
@@ -143,28 +202,53 @@ class LinmemModel(LinmemPreTrainedModel):
         for i, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
-            hidden = layer(hidden, cu_seqlens=cu_seqlens, cache=past_key_values[i] if use_cache else None,
+            hidden = layer(hidden, cu_seqlens=cu_seqlens, cache=cache[i] if use_cache else None,
                            token_mask=token_mask, position_ids=position_ids)
             router_stats += layer.pop_router_stats()
         hidden = self.norm(hidden)
         if use_cache:
-            past_key_values.seen_tokens += T
+            cache.seen_tokens += T
         if output_hidden_states:
             all_hidden.append(hidden)
         return LinmemModelOutput(
             last_hidden_state=hidden,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             router_stats=tuple(router_stats) or None,
+            **{CACHE_NAME: cache if use_cache else None},
         )
+
+    def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        """The input as ``[B, T, D]`` hidden states; empty inputs and ids outside the vocabulary are refused."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of `input_ids` and `inputs_embeds`")
+        given = input_ids if input_ids is not None else inputs_embeds
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        rank = 2 if input_ids is not None else 3
+        if given.dim() != rank or given.shape[0] == 0 or given.shape[1] == 0:
+            raise ValueError(f"`{name}` must be a non-empty {'[B, T]' if rank == 2 else '[B, T, D]'} tensor with "
+                             f"B, T >= 1, got shape {list(given.shape)}")
+        if inputs_embeds is not None:
+            if inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"`inputs_embeds` must be [B, T, hidden_size = {self.config.hidden_size}], "
+                                 f"got shape {list(inputs_embeds.shape)}")
+            return inputs_embeds
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}")
+        if not torch.compiler.is_compiling():
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"`input_ids` must lie in [0, vocab_size = {self.config.vocab_size}), got {bad}")
+        return self.embed_tokens(input_ids)
 
 
 def _token_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
     """[B, T] bool of the current tokens, or None when nothing is padded."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"`attention_mask` must be [B, past + T] of 0/1, got shape {list(attention_mask.shape)}")
+    if attention_mask.dim() != 2 or attention_mask.shape[1] < T:
+        raise ValueError(f"`attention_mask` must be [B, past + T] of 0/1 with past + T >= T = {T}, "
+                         f"got shape {list(attention_mask.shape)}")
     mask = attention_mask[:, -T:].bool()
     return None if bool(mask.all()) else mask
 
@@ -199,8 +283,7 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
     def __init__(self, config: LinmemConfig) -> None:
         super().__init__(config)
         self.model = LinmemModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, init=normal_init(config.initializer_range))
         self.post_init()
 
     @classmethod
@@ -224,7 +307,7 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[LinmemCache] = None,
+        cache: Optional[LinmemCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
@@ -232,6 +315,7 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
         output_router_logits: Optional[bool] = None,
+        past_key_values: Optional[LinmemCache] = None,
         **kwargs,
     ) -> LinmemCausalLMOutput:
         """Logits [B, T, vocab]; with ``labels`` [B, T] (-100 = ignore) the next-token loss.
@@ -241,10 +325,11 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         (MoM, MoE) ``aux_loss`` is their weighted balancing and z-losses, and it is part of
         ``loss`` (set its coefficients to 0 to train without); ``output_router_logits``
         (default: the config's) also returns every routed layer's logits ``[B * T, E]``.
+        The decoding cache comes back under :data:`CACHE_NAME` (read it with :func:`output_cache`).
         """
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
+            cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
             use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
         hidden = out.last_hidden_state
@@ -261,19 +346,18 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         return LinmemCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+            loss=loss, logits=logits, hidden_states=out.hidden_states,
             aux_loss=aux_loss, router_logits=tuple(s.logits for s in stats) if output_router_logits and stats else None,
-            router_stats=out.router_stats,
+            router_stats=out.router_stats, **{CACHE_NAME: output_cache(out)},
         )
 
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters one token uses: all, less the experts and memories its routers leave out.
+        """Parameters one token uses: all, less those its routed modules leave idle.
 
         ``exclude_embeddings`` also leaves out the input embedding and an untied ``lm_head``.
         Works on the meta device.
         """
-        idle = sum(m.inactive_parameter_count() for m in self.modules()
-                   if isinstance(m, (MoEFeedForward, MixtureOfMemories)))
+        idle = sum(m.inactive_parameter_count() for m in self.modules() if hasattr(m, "inactive_parameter_count"))
         return self.num_all_parameters(exclude_embeddings) - idle
 
     def num_all_parameters(self, exclude_embeddings: bool = False) -> int:
@@ -284,15 +368,17 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
-        past_key_values: Optional[LinmemCache] = None,
+        cache: Optional[LinmemCache] = None,
         attention_mask: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: bool = True,
+        past_key_values: Optional[LinmemCache] = None,
         **kwargs,
     ) -> dict:
         """Feed only the tokens the cache has not seen; positions follow the attention mask."""
-        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        inputs = {"past_key_values": past_key_values, "attention_mask": attention_mask, "use_cache": use_cache}
+        cache = _one_cache(cache, past_key_values)
+        seen = cache.get_seq_length() if cache is not None else 0
+        inputs = {CACHE_NAME: cache, "attention_mask": attention_mask, "use_cache": use_cache}
         if inputs_embeds is not None and seen == 0:
             inputs["inputs_embeds"] = inputs_embeds
         else:

@@ -1,13 +1,16 @@
-"""Named model recipes of real sizes (DESIGN section 5).
+"""Named model recipes of real sizes.
 
 Sizes follow the papers: the 340M / 1.3B settings of MoM (arXiv 2502.13685: 24 layers,
 width 1024 / 2048, Llama tokenizer of 32000 tokens) and FoX's 760M setting (arXiv
 2503.02130: 24 layers, width 1536), and the Linear-MoE families (arXiv 2503.05447)
 A0.3B-2B (width 1024, 12 layers) and A1B-7B (width 2048, 16 layers), both with 64 SwiGLU
 experts of width 896 / 1024, 8 per token, pure (``L`` only) or hybrid (``LLLN`` repeated).
-``nominal_params`` is the paper's label (``nominal_active_params`` the parameters one token
-uses, for mixtures of experts); the exact count of our parameterisation is checked on the
-meta device by the tests.
+
+A recipe's name carries the paper's label (``nominal_params``; ``nominal_active_params`` for
+mixtures of experts); ``params`` / ``active_params`` are the parameters our model of that
+config really has (embeddings and an untied ``lm_head`` included), counted on the meta device
+(the tests check them). The labels differ from the counts by the papers' conventions (some
+leave out embeddings) and by our layers' parameterisation: ``gated_deltanet-340m`` has 394.9M.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ class ModelRecipe:
 
     name: str
     nominal_params: float  # in millions, as the source names it
+    params: float  # in millions, counted: every parameter of LinmemForCausalLM(build_config())
     config: dict[str, Any] = field(default_factory=dict)  # LinmemConfig fields
-    nominal_active_params: Optional[float] = None  # in millions: the parameters one token uses (MoE models)
+    nominal_active_params: Optional[float] = None  # in millions: the source's label of the parameters one token uses
+    active_params: Optional[float] = None  # in millions, counted: the parameters one token uses (MoE models)
 
     def build_config(self, **overrides: Any) -> LinmemConfig:
         return LinmemConfig(**{**self.config, **overrides})
@@ -45,23 +50,24 @@ def _linear_moe(width: int, layers: int, expert_width: int, hybrid: bool) -> dic
 MODEL_RECIPES: dict[str, ModelRecipe] = {
     r.name: r
     for r in [
-        ModelRecipe("gated_deltanet-340m", 340, {**_sized(1024, 4), "memory": "gated_deltanet"}),
-        ModelRecipe("gated_deltanet-1.3b", 1300, {**_sized(2048, 8), "memory": "gated_deltanet"}),
-        ModelRecipe("gla-340m", 340, {**_sized(1024, 4), "memory": "gla", "head_dim": 128}),
-        ModelRecipe("gla-1.3b", 1300, {**_sized(2048, 8), "memory": "gla", "head_dim": 128}),
-        ModelRecipe("mamba2-340m", 340, {**_sized(1024, 16), "memory": "mamba2", "head_dim": 64, "expand_v": 2.0}),
-        ModelRecipe("hybrid-gdn-340m", 340,
+        ModelRecipe("gated_deltanet-340m", 340, 394.9, {**_sized(1024, 4), "memory": "gated_deltanet"}),
+        ModelRecipe("gated_deltanet-1.3b", 1300, 1447.6, {**_sized(2048, 8), "memory": "gated_deltanet"}),
+        ModelRecipe("gla-340m", 340, 332.0, {**_sized(1024, 4), "memory": "gla", "head_dim": 128}),
+        ModelRecipe("gla-1.3b", 1300, 1195.6, {**_sized(2048, 8), "memory": "gla", "head_dim": 128}),
+        ModelRecipe("mamba2-340m", 340, 423.3,
+                    {**_sized(1024, 16), "memory": "mamba2", "head_dim": 64, "expand_v": 2.0}),
+        ModelRecipe("hybrid-gdn-340m", 340, 388.5,
                     {**_sized(1024, 4), "memory": "gated_deltanet", "layer_pattern": "LLLN" * 6}),
-        ModelRecipe("fox-760m", 760, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
-                                          layer_pattern="N" * 24, attention="fox")),
-        ModelRecipe("fox-pro-760m", 760, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
-                                              layer_pattern="N" * 24, attention="fox", qk_norm=True,
-                                              output_gate=True, output_norm=True, kv_shift=True)),
-        ModelRecipe("transformer-340m", 340, {**_sized(1024, 16), "layer_pattern": "N" * 24}),
-        ModelRecipe("linear-moe-a0.3b-2b", 2000, _linear_moe(1024, 12, 896, hybrid=False), 300),
-        ModelRecipe("linear-moe-a0.3b-2b-hybrid", 2000, _linear_moe(1024, 12, 896, hybrid=True), 300),
-        ModelRecipe("linear-moe-a1b-7b", 7000, _linear_moe(2048, 16, 1024, hybrid=False), 1000),
-        ModelRecipe("linear-moe-a1b-7b-hybrid", 7000, _linear_moe(2048, 16, 1024, hybrid=True), 1000),
+        ModelRecipe("fox-760m", 760, 778.7, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
+                                                 layer_pattern="N" * 24, attention="fox")),
+        ModelRecipe("fox-pro-760m", 760, 837.2, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
+                                                     layer_pattern="N" * 24, attention="fox", qk_norm=True,
+                                                     output_gate=True, output_norm=True, kv_shift=True)),
+        ModelRecipe("transformer-340m", 340, 369.1, {**_sized(1024, 16), "layer_pattern": "N" * 24}),
+        ModelRecipe("linear-moe-a0.3b-2b", 2000, 2243.6, _linear_moe(1024, 12, 896, hybrid=False), 300, 393.9),
+        ModelRecipe("linear-moe-a0.3b-2b-hybrid", 2000, 2240.3, _linear_moe(1024, 12, 896, hybrid=True), 300, 390.6),
+        ModelRecipe("linear-moe-a1b-7b", 7000, 6912.8, _linear_moe(2048, 16, 1024, hybrid=False), 1000, 1275.6),
+        ModelRecipe("linear-moe-a1b-7b-hybrid", 7000, 6895.6, _linear_moe(2048, 16, 1024, hybrid=True), 1000, 1258.5),
     ]
 }
 

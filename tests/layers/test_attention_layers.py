@@ -1,5 +1,6 @@
-"""The attention mixers beyond the shared invariants: the sliding-window ring buffer, the FoX
-"Pro" options, GQA, RoPE positions under padding, padding inside the cache."""
+"""The attention mixers beyond the shared invariants: the sliding-window ring buffer, the "Pro"
+options on every attention mixer, FoX's forget-gate variants, GQA, RoPE positions under padding,
+padding inside the cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from linmem.layers import LayerState, MixerArgs, build_mixer
+from linmem.layers.attention import DECAY_TIME_RANGE
 
 D, H = 32, 4
 TOL = 1e-4
@@ -51,21 +53,26 @@ def test_softmax_cache_grows_and_counts_tokens():
     assert cache.seen_tokens == 9 and cache.get("k").shape[1] == 9
 
 
+@pytest.mark.parametrize("name", ["softmax", "swa", "fox"])
 @pytest.mark.parametrize("option", PRO)
-def test_each_fox_pro_option_changes_the_output(option):
+def test_each_pro_option_changes_the_output(name, option):
     x = torch.randn(2, 11, D)
     with torch.no_grad():
-        assert max_err(make("fox", **{option: True})(x), make("fox")(x)) > 1e-3
+        assert max_err(make(name, window=6, **{option: True})(x), make(name, window=6)(x)) > 1e-3
 
 
-CONFIGS = [{}, *({o: True} for o in PRO), {**{o: True for o in PRO}, "num_kv_heads": 2, "window": 5}]
-CONFIG_IDS = ["plain", *PRO, "all+gqa+window"]
+ALL_PRO = {o: True for o in PRO}
+CASES = [("fox", {}), *(("fox", {o: True}) for o in PRO), ("fox", {**ALL_PRO, "num_kv_heads": 2, "window": 5}),
+         ("fox", {"forget_gate": "data_independent"}), ("fox", {"forget_gate": "fixed", **ALL_PRO}),
+         ("softmax", {**ALL_PRO, "num_kv_heads": 2}), ("swa", {**ALL_PRO, "window": 5})]
+CASE_IDS = ["fox", *(f"fox-{o}" for o in PRO), "fox-all+gqa+window", "fox-data_independent", "fox-fixed+pro",
+            "softmax-pro+gqa", "swa-pro"]
 
 
-@pytest.mark.parametrize("over", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("name, over", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_fox_decode_and_chunked_prefill_equal_forward(over):
-    m = make("fox", **over)
+def test_decode_and_chunked_prefill_equal_forward(name, over):
+    m = make(name, **over)
     x = torch.randn(2, 14, D)
     full = m(x)
     assert max_err(decode(m, x, prefill=5)[0], full) < TOL
@@ -74,10 +81,10 @@ def test_fox_decode_and_chunked_prefill_equal_forward(over):
     assert max_err(torch.cat(chunks, 1), full) < TOL
 
 
-@pytest.mark.parametrize("over", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("name, over", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_fox_varlen_and_left_padding(over):
-    m = make("fox", **over)
+def test_varlen_and_left_padding(name, over):
+    m = make(name, **over)
     xs = [torch.randn(1, n, D) for n in (6, 1, 9)]
     cu = torch.tensor([0, 6, 7, 16])
     packed = m(torch.cat(xs, 1), cu_seqlens=cu)
@@ -85,7 +92,22 @@ def test_fox_varlen_and_left_padding(over):
         assert max_err(packed[:, cu[i] : cu[i + 1]], m(x)) < TOL
     padded = torch.cat([torch.zeros(1, 4, D), xs[2]], 1)
     mask = torch.arange(13)[None] >= 4
-    assert max_err(m(padded, token_mask=mask)[:, 4:], m(xs[2])) < TOL
+    positions = (torch.arange(13) - 4).clamp_min(0)[None]
+    assert max_err(m(padded, token_mask=mask, position_ids=positions)[:, 4:], m(xs[2])) < TOL
+
+
+def test_fox_gate_variants():
+    """data_independent: a learnt constant per head starting at decay times spread over DECAY_TIME_RANGE;
+    fixed: those constants, no parameter; data_dependent: sigmoid(w^T x + b) per token."""
+    x = torch.randn(2, 5, D)
+    learnt, fixed, dependent = (make("fox", forget_gate=g) for g in ("data_independent", "fixed", "data_dependent"))
+    times = -1 / fixed.log_forget(x)[0, 0]  # [H] decay times 1 / -log f_h
+    assert torch.allclose(times[[0, -1]], torch.tensor(DECAY_TIME_RANGE), rtol=1e-4)
+    assert bool((times.diff() > 0).all()) and torch.equal(fixed.log_forget(x)[0, 0], fixed.log_forget(x)[1, 4])
+    assert not any("f_" in n for n, _ in fixed.named_parameters())
+    assert torch.allclose(learnt.log_forget(x), fixed.log_forget(x)) and learnt.f_bias.requires_grad
+    f = dependent.log_forget(x)
+    assert torch.allclose(f, torch.nn.functional.logsigmoid(x @ dependent.f_proj.weight.T + dependent.f_proj.bias))
 
 
 @pytest.mark.parametrize("over", [{}, {"num_kv_heads": 1}, {"num_kv_heads": 2}], ids=["mha", "mqa", "gqa"])

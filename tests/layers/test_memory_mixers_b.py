@@ -1,10 +1,11 @@
-"""Mamba-2, RWKV-6 and RWKV-7 against their papers' own formulas.
+"""Mamba-2, RWKV-6, RWKV-7 and KDA against their papers' own formulas.
 
 Each mixer (with random weights, so nothing cancels at init) must equal an independent
 computation written in the paper's convention: the quadratic SSD form for Mamba-2,
 the token loops of RWKV-6 and RWKV-7 with the state as [V, K] (keys on the right,
-the RWKV reference convention). The RWKV-7 loop builds the transition matrix
-``diag(w) - kappa^T (a * kappa)`` explicitly, so it checks the mapping onto the op's a, b.
+the RWKV reference convention), KDA's token loop with the state as [K, V]. The RWKV-7 loop
+builds the transition matrix ``diag(w) - kappa^T (a * kappa)`` explicitly, so it checks the
+mapping onto the op's a, b.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from linmem.layers import LayerState, MixerArgs, build_mixer
 from tests.helpers import rel_err
 
 D, H = 32, 2
-NAMES = ("mamba2", "rwkv6", "rwkv7")
+NAMES = ("mamba2", "rwkv6", "rwkv7", "kda")
 
 
 def make(name: str, seed: int = 0, noise: float = 0.3, **over) -> torch.nn.Module:
@@ -189,7 +190,7 @@ def test_init_depends_on_layer_and_is_finite(name):
     single, first, last = build(0, 1), build(0, 4), build(3, 4)
     for m in (single, first, last):
         assert all(torch.isfinite(p).all() for p in m.parameters())
-    if name != "mamba2":  # RWKV's token-shift mixes, decays and norm scales follow the depth
+    if name.startswith("rwkv"):  # RWKV's token-shift mixes, decays and norm scales follow the depth
         changed = [n for n, p in first.named_parameters() if not torch.equal(p, dict(last.named_parameters())[n])]
         assert any(n.startswith("mu") for n in changed) and "decay.bias" in changed and "norm.weight" in changed
 
@@ -207,6 +208,56 @@ def test_init_decay_ranges_follow_the_papers():
         # log w = -exp(d), d from -6 (slowest channel) to -1 (fastest) at init (LoRA A starts at zero)
         assert math.isclose(float(g[0, 0, 0, 0]), -math.exp(-6), rel_tol=1e-5)
         assert math.isclose(float(g[0, 0, -1, -1]), -math.exp(-1), rel_tol=1e-5)
+
+
+# ----------------------------------------------------------------------------- KDA
+
+
+def kda_loop(m, x: torch.Tensor) -> torch.Tensor:
+    """Kimi Delta Attention token by token: S <- diag(alpha) S, then the delta rule, state [K, V]."""
+    B, T, _ = x.shape
+    K, V = m.args.key_dim, m.args.value_dim
+
+    def conv_silu(name: str, y: torch.Tensor) -> torch.Tensor:
+        conv = m.convs[name]
+        width = conv.weight.shape[1]
+        y = F.conv1d(F.pad(y.transpose(1, 2), (width - 1, 0)), conv.weight[:, None, :], conv.bias, groups=y.shape[-1])
+        return F.silu(y.transpose(1, 2))
+
+    q = F.normalize(conv_silu("q", x @ m.q_proj.weight.T).view(B, T, H, K), dim=-1)
+    k = F.normalize(conv_silu("k", x @ m.k_proj.weight.T).view(B, T, H, K), dim=-1)
+    v = conv_silu("v", x @ m.v_proj.weight.T).view(B, T, H, V)
+    f = x @ m.f_proj[0].weight.T @ m.f_proj[1].weight.T + m.dt_bias  # low-rank gate, one value per key channel
+    alpha = torch.exp(-torch.exp(m.A_log)[:, None] * F.softplus(f).view(B, T, H, K))
+    beta = torch.sigmoid(x @ m.b_proj.weight.T)  # [B, T, H]
+    S = x.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = alpha[:, t, :, :, None] * S
+        error = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * K ** -0.5)
+    o = torch.stack(outs, 1)  # [B, T, H, V]
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.o_norm.eps) * m.o_norm.weight
+    gate = (x @ m.g_proj[0].weight.T @ m.g_proj[1].weight.T + m.g_proj[1].bias).view(B, T, H, V)
+    return (o * torch.sigmoid(gate)).reshape(B, T, H * V) @ m.o_proj.weight.T
+
+
+def test_kda_equals_token_loop():
+    m = make("kda").double()
+    x = torch.randn(2, 15, D, dtype=torch.float64)
+    with torch.no_grad():  # the gated RMSNorm normalises in fp32
+        assert rel_err(m(x), kda_loop(m, x)) < 1e-6
+
+
+def test_kda_decay_is_per_key_channel_and_in_range():
+    torch.manual_seed(0)
+    m = build_mixer("kda", MixerArgs(hidden_size=D, num_heads=H))
+    with torch.no_grad():
+        g = m.recurrence_inputs(torch.randn(2, 5, D), cache=None, cu_seqlens=None).log_decay
+    assert g.shape == (2, 5, H, D // H) and bool((g < 0).all())
+    assert not torch.allclose(g[..., 0], g[..., 1])  # one decay per channel, not per head
+    assert bool(((m.A_log.exp() >= 1) & (m.A_log.exp() <= 16)).all())
 
 
 # ----------------------------------------------------------------------------- invariants with random weights

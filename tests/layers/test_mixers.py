@@ -1,4 +1,4 @@
-"""Invariants every registered mixer keeps (DESIGN section 7, 2 and 4, at layer level):
+"""Invariants every registered mixer keeps at layer level:
 prefill + token-by-token decoding equals the full forward, a packed varlen batch equals
 the padded batch, left padding does not change the real tokens, gradients flow."""
 

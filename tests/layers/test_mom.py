@@ -10,10 +10,10 @@ import torch
 
 import linmem.layers.mom as mom_module
 from linmem.layers import LayerState, MixerArgs, build_mixer
-from linmem.layers.mom import MEMORY_PROJECTIONS, MoMArgs
+from linmem.layers.mom import MoMArgs, mom_rules
 
 D, H = 32, 2
-RULES = list(MEMORY_PROJECTIONS)
+RULES = mom_rules()
 
 
 def make(rule: str, **over) -> torch.nn.Module:
@@ -114,7 +114,7 @@ def test_balancing_loss_is_memories_times_sum_of_load_times_probability():
 def test_bad_arguments_name_the_valid_choices():
     with pytest.raises(ValueError, match="valid: deltanet, gated_deltanet, gla"):
         make("rwkv7")
-    with pytest.raises(ValueError, match=r"top_k = 3 must lie in \[1, num_memories = 2\]"):
+    with pytest.raises(ValueError, match=r"`top_k` = 3 must lie in \[1, num_memories = 2\]"):
         make("gla", num_memories=2, top_k=3)
 
 

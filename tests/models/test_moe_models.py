@@ -1,6 +1,6 @@
 """Models with mixtures of memories and of experts: decoding, padding and packing invariants, save ->
 load, the routers' losses inside `loss`, router logits on request, config validation, the trainer's
-router metrics, and the parameter counts of the Linear-MoE recipes (total and active, meta device)."""
+router metrics. (The Linear-MoE recipes' counts are checked with every recipe in test_model.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from linmem.models import MODEL_RECIPES, LinmemConfig, LinmemForCausalLM
-from linmem.models.modeling import causal_lm_loss
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.models.modeling import causal_lm_loss, output_cache
 from linmem.train import Trainer, load_config
 
 VOCAB = 64
@@ -41,8 +41,7 @@ def test_decoding_padding_and_packing_equal_the_forward(name):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :4])
-        logits = [out.logits] + [model(ids[:, t: t + 1], past_key_values=out.past_key_values).logits
-                                 for t in range(4, 10)]
+        logits = [out.logits] + [model(ids[:, t: t + 1], cache=output_cache(out)).logits for t in range(4, 10)]
         assert rel(torch.cat(logits, 1), full) < 1e-4, "prefill + decode"
 
         padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:1]], 1)
@@ -61,8 +60,10 @@ def test_save_load_round_trip_is_exact(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.randint(0, VOCAB, (2, 7))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    saved, back = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
+    with torch.no_grad():  # equal weights; a memory-mapped weight's alignment may change BLAS's summation order
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
     assert loaded.config.mom_top_k == 1 and loaded.config.moe_router == "sigmoid"
 
 
@@ -103,7 +104,7 @@ def test_router_logits_are_returned_on_request():
     (dict(num_memories=2, mom_top_k=3), r"mom_top_k = 3 must lie in \[1, num_memories = 2\]"),
     (dict(mlp="moe", num_experts=4, num_experts_per_tok=6), r"num_experts_per_tok = 6 must lie in \[1, num_experts"),
     (dict(moe_router="relu"), "valid: softmax, sigmoid"),
-    (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef must be >= 0"),
+    (dict(router_aux_loss_coef=-1.0), "`router_aux_loss_coef` must be a finite number >= 0"),
 ])
 def test_config_refuses_invalid_routing_fields(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -123,25 +124,3 @@ def test_trainer_logs_the_aux_loss_and_the_load(tmp_path):
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert {"aux_loss", "moe_load_max", "moe_load_min", "mom_load_max", "mom_load_min"} <= set(first)
     assert first["aux_loss"] > 0 and first["moe_load_min"] <= 1.0 <= first["moe_load_max"]
-
-
-LINEAR_MOE = [name for name in MODEL_RECIPES if name.startswith("linear-moe")]
-
-
-@pytest.mark.parametrize("name", LINEAR_MOE)
-def test_linear_moe_recipes_have_the_papers_total_and_active_sizes(name):
-    """The names are rounded labels without the embeddings. Without them A0.3B-2B counts 2.18B total /
-    0.33B active (with our 32000-token untied embeddings 2.24B / 0.39B) and A1B-7B 6.78B / 1.14B
-    (6.91B / 1.28B): the experts give 2.11B / 0.26B and 6.44B / 0.81B, the memory layers the rest
-    (Gated DeltaNet: ~5 D^2 per layer, 0.06B and 0.34B), which the labels round away; a hybrid's
-    attention layers (4 D^2) make it slightly smaller. Tolerance: 15 % total, 20 % active."""
-    recipe = MODEL_RECIPES[name]
-    with torch.device("meta"):
-        model = LinmemForCausalLM(recipe.build_config())
-    total, active = model.num_all_parameters() / 1e6, model.num_active_parameters() / 1e6
-    total_body = model.num_all_parameters(exclude_embeddings=True) / 1e6
-    active_body = model.num_active_parameters(exclude_embeddings=True) / 1e6
-    print(f"\n{name}: total {total:.0f}M, active {active:.0f}M; without embeddings {total_body:.0f}M / "
-          f"{active_body:.0f}M (nominal {recipe.nominal_params:.0f}M / {recipe.nominal_active_params:.0f}M)")
-    assert abs(total_body / recipe.nominal_params - 1) < 0.15
-    assert abs(active_body / recipe.nominal_active_params - 1) < 0.20

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops import parallel
 from ..ops.attention import cached_attention, cumulative_forget, forgetting_attention
 from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
 from .modules import RMSNorm, RotaryEmbedding, positions_in_sequence
@@ -67,7 +68,8 @@ def previous_real_token(
         x: ``[B, T, C]``.
         token_mask: ``[B, T]`` bool, False at padding (skipped), or None.
         history: ``[B, 1, C]`` the last real token of the previous call (zeros when None).
-        cu_seqlens: ``[N + 1]``; at a sequence start the previous token is zeros.
+        cu_seqlens: ``[N + 1]``; at a sequence start the previous token is zeros, except that the first
+            sequence continues ``history`` (under sequence parallelism it began on an earlier rank).
 
     Returns:
         ``(previous [B, T, C], newest [B, 1, C])``: newest is the last real token of
@@ -90,7 +92,9 @@ def previous_real_token(
     before = newest[:, :-1]  # token t (timeline index t + 1) looks at timeline indices <= t
     if cu_seqlens is not None:  # timeline index of each token's sequence start
         first = 1 + torch.arange(T, device=x.device) - positions_in_sequence(T, cu_seqlens, x.device)
-        before = torch.where(before >= first, before, 0)
+        # before a sequence start: zeros (index T + 1), but the first sequence continues `history`
+        before = torch.where(before >= first, before, torch.where(first > 1, T + 1, 0))
+        timeline = torch.cat([timeline, timeline.new_zeros(B, 1, C)], dim=1)
     gather = lambda idx: timeline.gather(1, idx[..., None].expand(-1, -1, C))  # noqa: E731
     return gather(before), gather(newest[:, -1:])
 
@@ -223,6 +227,8 @@ class _Attention(Mixer):
         x_{t-1} is the previous real token of the same sequence (``cache[key]`` across calls).
         """
         history = cache.get(key) if cache is not None else None
+        if cache is None and (handler := parallel.sequence_handler()) is not None:  # the previous rank's last token
+            history = handler.halo(x, 1, cu_seqlens)
         previous, newest = previous_real_token(x, token_mask, history=history, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.set(key, newest.detach())

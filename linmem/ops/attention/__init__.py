@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from .. import parallel
 from .inputs import (
     check_backend,
     check_cu_seqlens,
@@ -136,6 +137,8 @@ def forgetting_attention(
         check_cu_seqlens(op, cu_seqlens, q, k.shape[1])
     check_backend(op, backend, BACKENDS)
     check_prune_tolerance(op, prune_tolerance)
+    if (handler := parallel.sequence_handler()) is not None:  # the sequences are split over ranks
+        return handler.attention(q, k, v, log_forget=log_forget, window=window, scale=scale, cu_seqlens=cu_seqlens)
     c = None if log_forget is None else forget_cumsum(log_forget, cu_seqlens)
     for name in _candidates(backend, q):
         if name == "triton":

@@ -21,7 +21,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -70,6 +70,16 @@ def _two_ranks(out: str, from_four: str, dense_cut: str, busy: str) -> None:
     trainer_checks.two_ranks(Path(out), Path(from_four), Path(dense_cut), Path(busy))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models train on one thread, as every rank of the jobs does (several threads on a busy machine wait
+    on each other far longer than they compute)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _one_process(out_dir: Path, *overrides: str, stop_at=None) -> list[float]:
     result = Trainer(load_config(overrides=[*overrides, f"run.out_dir={out_dir}"])).train(stop_at=stop_at)
     return [result.losses[step] for step in sorted(result.losses)]
@@ -85,9 +95,9 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
         (out / "corpus" / f"{i}.txt").write_text(" ".join(f"w{i}{j}" for j in range(10 + 4 * i)))
     return {
         "corpus": out / "corpus",
-        "moe": _one_process(out / "moe", *MOE_RUN, f"data.batch_size={DP * BATCH}"),  # DP batches in one
-        "text": _one_process(out / "text", *text_run(out / "corpus"), f"schedule.grad_accum={DP}"),
-        "dense": _one_process(out / "dense", *DENSE_RUN, f"schedule.grad_accum={DP}"),
+        "moe": _one_process(out / "moe", *MOE_RUN, f"data.batch_size={DP * BATCH}", "run.save_every=0"),
+        "text": _one_process(out / "text", *text_run(out / "corpus"), f"schedule.grad_accum={DP}", "run.save_every=0"),
+        "dense": _one_process(out / "dense", *DENSE_RUN, f"schedule.grad_accum={DP}", "run.save_every=0"),
     }
 
 
@@ -288,3 +298,19 @@ def test_model_sequence_parallel() -> None:
                     "run sequence-parallel (the ops are checked by the two- and four-rank jobs)")
     run_ranks(2, model_checks.model_checks)
     run_ranks(4, model_checks.model_checks)
+
+
+def test_one_process_activation_checkpointing(tmp_path: Path) -> None:
+    """On one process ``parallel.activation_checkpointing`` recomputes every block in the backward pass
+    (its mixer runs twice in a step) and trains exactly as without."""
+    steps = {}
+    for checkpointed in (False, True):
+        trainer = Trainer(load_config(overrides=[*DENSE_RUN, f"parallel.activation_checkpointing={checkpointed}",
+                                                 f"run.out_dir={tmp_path}"]))
+        calls = []
+        trainer.model.model.layers[0].mixer.register_forward_hook(lambda *args: calls.append(1))
+        loss, grad_norm, _ = trainer._optimizer_step(iter(trainer.batches))
+        steps[checkpointed] = loss, grad_norm, len(calls), [p.detach().clone() for p in trainer.model.parameters()]
+    (loss, grad_norm, calls, weights), (loss_ac, grad_norm_ac, calls_ac, weights_ac) = steps[False], steps[True]
+    assert (loss_ac, grad_norm_ac) == (loss, grad_norm) and all(map(torch.equal, weights_ac, weights))
+    assert (calls, calls_ac) == (1, 2)

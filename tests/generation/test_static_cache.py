@@ -1,6 +1,6 @@
 """The static cache: generate(cache_implementation="static") gives the dynamic cache's tokens (and logits) for
-every mixer kind on a left-padded batch, its tensors never move after the prefill, a chunked prefill equals
-one pass, FoX's re-basing changes nothing, bad uses get named errors."""
+every mixer kind on a left-padded batch, greedy, sampled with stop tokens and with beams; its tensors never move
+after the prefill; a chunked prefill equals one pass; FoX's re-basing changes nothing; bad uses get named errors."""
 
 from __future__ import annotations
 
@@ -148,15 +148,17 @@ def test_bad_uses_are_named():
         cache.batch_repeat_interleave(2)
 
 
-def test_sampling_and_stop_tokens_match_the_dynamic_cache():
+def test_sampling_stop_tokens_and_beams_match_the_dynamic_cache():
     torch.set_num_threads(1)
     model = tiny(**MODELS["hybrid"])
     ids, mask = left_padded()
-    runs = []
-    for implementation in (None, "static"):
-        torch.manual_seed(3)
-        with torch.no_grad():
-            runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.7,
-                                       top_k=20, top_p=0.9, eos_token_id=[5, 9, 17], pad_token_id=0,
-                                       cache_implementation=implementation))
-    assert torch.equal(runs[0], runs[1])
+    sampled = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, eos_token_id=[5, 9, 17])
+    beams = dict(do_sample=False, num_beams=3, num_return_sequences=2)  # beams reorder the cache in place
+    for options in (sampled, beams):
+        runs = []
+        for implementation in (None, "static"):
+            torch.manual_seed(3)
+            with torch.no_grad():
+                runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                                           cache_implementation=implementation, **options))
+        assert torch.equal(runs[0], runs[1])

@@ -1,4 +1,4 @@
-"""DESIGN section 7, invariant 6 (first half): bad inputs raise errors that name the argument."""
+"""Bad inputs of the unified recurrence raise errors that name the argument."""
 
 from __future__ import annotations
 

@@ -1,94 +1,36 @@
-"""The unified linear recurrence: one entry point, several backends (DESIGN.md section 3)."""
+"""The unified linear recurrence: one entry point that validates its inputs, chooses a backend and calls
+it (the backends and their registry: :mod:`.backends`)."""
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .chunk import chunk_recurrence
+from .backends import (
+    Backend,
+    StepKernel,
+    available_backends,
+    choose_backend,
+    choose_step_kernel,
+    logger,
+    register_backend,
+    register_step_kernel,
+)
 from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
-from .reference import per_step_decay, recurrence_step, reference_recurrence
+from .reference import per_step_decay, recurrence_step
 
 __all__ = [
     "linear_recurrence",
     "linear_recurrence_step",
+    "Backend",
+    "StepKernel",
+    "RecurrenceInputs",
     "register_backend",
+    "register_step_kernel",
     "available_backends",
     "set_debug_checks",
 ]
-
-logger = logging.getLogger("linmem.ops")
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A way to compute the recurrence.
-
-    ``fn`` takes ``(q, k, v, *, decay_kind, **RecurrenceInputs.as_kwargs())``;
-    ``refusal`` returns None when the backend can serve the inputs, else the reason.
-    """
-
-    name: str
-    fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
-    refusal: Callable[[RecurrenceInputs], Optional[str]]
-
-
-_BACKENDS: dict[str, Backend] = {}
-#: the order in which "auto" tries backends: fastest first
-_AUTO_ORDER: list[str] = []
-
-
-def register_backend(backend: Backend, *, auto_priority: Optional[int] = None) -> None:
-    """Add a backend; with ``auto_priority`` it takes part in "auto" (0 = tried first)."""
-    _BACKENDS[backend.name] = backend
-    if auto_priority is not None:
-        if backend.name in _AUTO_ORDER:
-            _AUTO_ORDER.remove(backend.name)
-        _AUTO_ORDER.insert(auto_priority, backend.name)
-
-
-@dataclass(frozen=True)
-class StepKernel:
-    """A fused kernel for one decoding step: ``fn(inputs, state) -> o [B, H, V]`` updates ``state`` in place;
-    ``refusal(inputs, state)`` returns None when it can serve the step, else the reason."""
-
-    name: str
-    fn: Callable[[RecurrenceInputs, torch.Tensor], torch.Tensor]
-    refusal: Callable[[RecurrenceInputs, torch.Tensor], Optional[str]]
-
-
-_STEP_KERNELS: list[StepKernel] = []
-
-
-def register_step_kernel(kernel: StepKernel) -> None:
-    """Add a decoding kernel; ``linear_recurrence_step`` tries them in order when no gradient is recorded."""
-    _STEP_KERNELS.append(kernel)
-
-
-def available_backends() -> list[str]:
-    """Names accepted by ``backend=``."""
-    return ["auto", *_BACKENDS]
-
-
-register_backend(Backend("reference", reference_recurrence, lambda inputs: None))
-register_backend(Backend("chunk", chunk_recurrence, lambda inputs: None), auto_priority=0)
-
-
-def _choose(backend: str, inputs: RecurrenceInputs) -> Backend:
-    if backend != "auto" and backend not in _BACKENDS:
-        raise ValueError(
-            f"linear_recurrence: unknown `backend` {backend!r}; valid: {', '.join(available_backends())}"
-        )
-    wanted = list(_AUTO_ORDER) if backend == "auto" else [backend, "chunk"]
-    for name in wanted:
-        reason = _BACKENDS[name].refusal(inputs)
-        if reason is None:
-            return _BACKENDS[name]
-        logger.debug("linear_recurrence: backend %r cannot serve these inputs (%s); trying the next", name, reason)
-    return _BACKENDS["chunk"]
 
 
 def linear_recurrence(
@@ -152,8 +94,7 @@ def linear_recurrence(
         q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
-    chosen = _choose(backend, inputs)
-    return chosen.fn(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, **inputs.as_kwargs())
+    return choose_backend(backend, inputs).fn(inputs)
 
 
 def linear_recurrence_step(
@@ -204,11 +145,9 @@ def linear_recurrence_step(
     if state.dtype != acc:
         raise TypeError(f"linear_recurrence_step: `state` must be {acc} for {q.dtype} inputs, got {state.dtype}")
     if not inputs.records_grad:  # the state is inputs.initial_state
-        for kernel in _STEP_KERNELS:
-            reason = kernel.refusal(inputs, state)
-            if reason is None:
-                return kernel.fn(inputs, state), state
-            logger.debug("linear_recurrence_step: kernel %r cannot serve this step (%s)", kernel.name, reason)
+        kernel = choose_step_kernel(inputs, state)
+        if kernel is not None:
+            return kernel.fn(inputs, state), state
     decay = per_step_decay(inputs.log_decay, inputs.decay_kind, q.shape[0], 1)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     o, new_state = recurrence_step(

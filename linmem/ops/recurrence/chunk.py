@@ -32,31 +32,18 @@ batches are padded into a batch with neutral steps (no decay, no write).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from .inputs import compute_dtype
+from .inputs import RecurrenceInputs, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
 
 
 def chunk_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    decay_kind: str,
-    log_decay: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    bonus: Optional[torch.Tensor] = None,
-    a: Optional[torch.Tensor] = None,
-    b: Optional[torch.Tensor] = None,
-    scale: float,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inputs: RecurrenceInputs, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked backend of :func:`linmem.ops.linear_recurrence` (inputs already validated).
 
@@ -66,17 +53,18 @@ def chunk_recurrence(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_recurrence: `chunk_size` must be >= 1, got {chunk_size}")
-    args = dict(log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
-                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
-    if decay_kind == "full":
-        return _fold_value_columns(q, k, v, cu_seqlens=cu_seqlens, **args)
-    if decay_kind == "constant":  # [H] -> one scalar per token
-        B, T, H, _ = q.shape
-        args["log_decay"] = log_decay[None, None, :].expand(B, T, H)
-        decay_kind = "scalar"
-    if cu_seqlens is not None:
-        return _varlen_by_padding(q, k, v, decay_kind=decay_kind, cu_seqlens=cu_seqlens, **args)
-    return _chunked(q, k, v, decay_kind=decay_kind, **args)
+    if inputs.decay_kind == "full":
+        return _fold_value_columns(inputs, chunk_size)
+    if inputs.decay_kind == "constant":  # [H] -> one scalar per token
+        B, T, H, _ = inputs.q.shape
+        inputs = replace(inputs, log_decay=inputs.log_decay[None, None, :].expand(B, T, H), decay_kind="scalar")
+    args = dict(log_decay=inputs.log_decay, beta=inputs.beta, bonus=inputs.bonus, a=inputs.a, b=inputs.b,
+                scale=inputs.scale, initial_state=inputs.initial_state, output_final_state=inputs.output_final_state,
+                chunk_size=chunk_size)
+    if inputs.cu_seqlens is not None:
+        return _varlen_by_padding(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind,
+                                  cu_seqlens=inputs.cu_seqlens, **args)
+    return _chunked(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, **args)
 
 
 # --------------------------------------------------------------------------------------
@@ -247,24 +235,22 @@ def _masked_exp(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # reductions of the other cases to `_chunked`
 
 
-def _fold_value_columns(q, k, v, *, cu_seqlens, log_decay, beta, bonus, a, b, initial_state, **rest):
+def _fold_value_columns(inputs: RecurrenceInputs, chunk_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Full [K, V] decay: every value column is a vector-decay recurrence with V = 1."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    per_column = lambda x: x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
-    o, S = chunk_recurrence(
-        per_column(q), per_column(k), v.reshape(B, T, H * V, 1),
+    B, T, H, K = inputs.q.shape
+    V = inputs.v.shape[-1]
+    per_column = lambda x: None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
+    S0 = inputs.initial_state
+    o, S = chunk_recurrence(replace(
+        inputs,
+        q=per_column(inputs.q), k=per_column(inputs.k), v=inputs.v.reshape(B, T, H * V, 1),
         decay_kind="vector",
-        log_decay=log_decay.transpose(-1, -2).reshape(B, T, H * V, K),
-        beta=None if beta is None else beta[..., None].expand(B, T, H, V).reshape(B, T, H * V),
-        bonus=None if bonus is None else bonus[:, None, :].expand(H, V, K).reshape(H * V, K),
-        a=None if a is None else per_column(a),
-        b=None if b is None else per_column(b),
-        initial_state=None if initial_state is None else
-        initial_state.transpose(-1, -2).reshape(initial_state.shape[0], H * V, K, 1),
-        cu_seqlens=cu_seqlens,
-        **rest,
-    )
+        log_decay=inputs.log_decay.transpose(-1, -2).reshape(B, T, H * V, K),
+        beta=None if inputs.beta is None else inputs.beta[..., None].expand(B, T, H, V).reshape(B, T, H * V),
+        bonus=None if inputs.bonus is None else inputs.bonus[:, None, :].expand(H, V, K).reshape(H * V, K),
+        a=per_column(inputs.a), b=per_column(inputs.b),
+        initial_state=None if S0 is None else S0.transpose(-1, -2).reshape(S0.shape[0], H * V, K, 1),
+    ), chunk_size=chunk_size)
     o = o.reshape(B, T, H, V)
     if S is not None:
         S = S.reshape(S.shape[0], H, V, K).transpose(-1, -2)

@@ -76,14 +76,6 @@ class RecurrenceInputs:
         tensors = (self.q, self.k, self.v, self.log_decay, self.beta, self.bonus, self.a, self.b, self.initial_state)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
-    def as_kwargs(self) -> dict:
-        """The inputs as keyword arguments of a backend function."""
-        return dict(
-            log_decay=self.log_decay, beta=self.beta, bonus=self.bonus, a=self.a, b=self.b,
-            scale=self.scale, initial_state=self.initial_state,
-            output_final_state=self.output_final_state, cu_seqlens=self.cu_seqlens,
-        )
-
 
 def _check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):

@@ -64,18 +64,22 @@ def linear_recurrence(
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.
-        log_decay: natural-log decay (<= 0), fp32 recommended: ``None``, ``[H]``
-            (constant per head), ``[B, T, H]`` (scalar per token), ``[B, T, H, K]``
-            (per key channel) or ``[B, T, H, K, V]`` (full; reference and chunk only).
-        beta: ``[B, T, H]`` delta-rule write strength.
+        log_decay: natural-log decay in ``[-inf, 0]`` (``-inf`` forgets everything; NaN is refused),
+            fp32 recommended: ``None``, ``[H]`` (constant per head), ``[B, T, H]`` (scalar per
+            token), ``[B, T, H, K]`` (per key channel) or ``[B, T, H, K, V]`` (full; reference and
+            chunk only).
+        beta: ``[B, T, H]`` delta-rule write strength in ``[0, 2]`` (above 1: negative eigenvalues).
         bonus: ``[H, K]`` RWKV-6 bonus ``u``.
         a, b: ``[B, T, H, K]`` diagonal-plus-low-rank transition (RWKV-7); not with ``beta``.
-        scale: read-out scale, default ``K ** -0.5``.
+        scale: read-out scale, a finite number > 0; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]``, N = B, or the number of sequences with ``cu_seqlens``.
         output_final_state: also return the final state ``[N, H, K, V]`` (fp32; fp64 for fp64 inputs).
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).
         backend: ``"auto"``, ``"reference"``, ``"chunk"`` (and ``"triton"`` when installed).
             A backend that cannot serve the inputs falls back to ``"chunk"`` (logged at debug level).
+
+    Value checks (the ranges of ``log_decay`` and ``beta``, ``cu_seqlens``) run on CPU tensors,
+    and on GPU tensors with debug checks on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`).
 
     Returns:
         ``(o, final_state)``: ``o: [B, T, H, V]`` in the dtype of ``q``; ``final_state`` or None.

@@ -22,7 +22,8 @@ and outputs and the next chunk's state are products with ``S_0``::
 
 so the only loop is over chunks (``S_{c+1} = M_c S_c + N_c``), never over tokens.
 Decays only ever enter as ``exp`` of a non-positive difference of cumulative
-sums, so strong gates cannot overflow. Gradients come from autograd (one hand-written
+sums, so strong gates cannot overflow; gates are clamped at ``LOG_DECAY_FLOOR`` first, so that
+``-inf`` (forget everything) gives the reference's answer instead of ``-inf - -inf``. Gradients come from autograd (one hand-written
 backward: the pairwise per-channel decays inside a sub-block, ``_PairwiseScores``).
 
 A full ``[K, V]`` decay acts column by column, so it is served by folding the V
@@ -37,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .inputs import RecurrenceInputs, compute_dtype
+from .inputs import LOG_DECAY_FLOOR, RecurrenceInputs, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -95,8 +96,8 @@ def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initia
     vector = decay_kind == "vector"
     if log_decay is None:
         g = q.new_zeros(B, T, H)
-    else:
-        g = log_decay.to(acc)
+    else:  # a gate below the floor has erased the state already (see LOG_DECAY_FLOOR)
+        g = log_decay.to(acc).clamp(min=LOG_DECAY_FLOOR)
 
     def chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...], zero-padded at the end
         x = x.movedim(2, 1)

@@ -1,4 +1,5 @@
-"""The unified recurrence at the edges of its input range: gates of -inf (forget everything)."""
+"""The unified recurrence at the edges of its input range: gates of -inf (forget everything) and the
+triangular inverse of the delta rule with negative eigenvalues."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from linmem.ops import linear_recurrence
+from linmem.ops.recurrence.chunk import unit_lower_inverse
 from linmem.ops.recurrence.inputs import LOG_DECAY_FLOOR
-from tests.helpers import DECAY_KINDS, RULES, make_inputs, run_with_grads
+from tests.helpers import DECAY_KINDS, RULES, make_inputs, rel_err, run_with_grads
 from tests.ops.test_recurrence import FP32_TOL, assert_close
 
 LENGTHS = [70, 0, 45]  # packed: a sequence across a chunk boundary, an empty one, a short one
@@ -56,3 +58,20 @@ def test_the_floor_changes_no_per_token_decay():
     assert torch.exp(torch.tensor(LOG_DECAY_FLOOR + 6.0)) == 0
     G = torch.full((64,), LOG_DECAY_FLOOR).cumsum(0)
     assert bool((torch.exp(G[1:] - G[:-1]) == 0).all())
+
+
+@pytest.mark.parametrize("C", [1, 3, 16, 64])
+def test_unit_lower_inverse_is_the_inverse_and_stable(C):
+    """(I - A)^-1 by doubling blocks equals fp64 LAPACK, also for the delta rule's worst case: parallel keys
+    with beta = 2 (A = -2 on every strictly lower entry), whose Neumann series would cancel catastrophically."""
+    gen = torch.Generator().manual_seed(C)
+    random = torch.randn(3, C, C, generator=gen).tril(-1) * 0.3
+    parallel = torch.full((1, C, C), -2.0).tril(-1)
+    for A in (random, parallel):
+        expected = torch.linalg.inv(torch.eye(C, dtype=torch.float64) - A.double())
+        assert rel_err(unit_lower_inverse(A), expected) < 1e-6
+
+
+def test_unit_lower_inverse_gradient():
+    A = torch.randn(1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tril(-1)
+    assert torch.autograd.gradcheck(lambda x: unit_lower_inverse(x.tril(-1)), (A.requires_grad_(True),))

@@ -1,5 +1,5 @@
-"""The unified recurrence at the edges of its input range: gates of -inf (forget everything) and the
-triangular inverse of the delta rule with negative eigenvalues."""
+"""The unified recurrence at the edges of its input range: gates of -inf (forget everything),
+non-finite tokens, and the triangular inverse of the delta rule with negative eigenvalues."""
 
 from __future__ import annotations
 
@@ -58,6 +58,18 @@ def test_the_floor_changes_no_per_token_decay():
     assert torch.exp(torch.tensor(LOG_DECAY_FLOOR + 6.0)) == 0
     G = torch.full((64,), LOG_DECAY_FLOOR).cumsum(0)
     assert bool((torch.exp(G[1:] - G[:-1]) == 0).all())
+
+
+def test_a_non_finite_token_leaves_earlier_chunks_finite():
+    """A NaN value at token 100 (chunk 1 of the chunk backend): the reference's outputs before it and the
+    chunk backend's outputs of chunk 0 stay finite; from the token on every backend is non-finite."""
+    t = make_inputs("scalar", "delta", False, B=1, T=160, H=1, K=4, V=3, generator=torch.Generator().manual_seed(2))
+    t["v"][0, 100, 0, 1] = float("nan")
+    o_ref, _ = linear_recurrence(**t, backend="reference")
+    o, _ = linear_recurrence(**t, backend="chunk")
+    assert torch.isfinite(o_ref[:, :100]).all() and torch.isfinite(o[:, :64]).all()
+    assert rel_err(o[:, :64], o_ref[:, :64]) < FP32_TOL
+    assert not torch.isfinite(o_ref[:, 100:]).all(dim=-1).any() and not torch.isfinite(o[:, 100:]).all(dim=-1).any()
 
 
 @pytest.mark.parametrize("C", [1, 3, 16, 64])

@@ -81,6 +81,15 @@ def linear_recurrence(
     Value checks (the ranges of ``log_decay`` and ``beta``, ``cu_seqlens``) run on CPU tensors,
     and on GPU tensors with debug checks on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`).
 
+    Limits, in every backend: the delta rule is stable while ``beta * |k|^2 <= 2`` (each step's
+    ``I - beta k^T k`` then has no eigenvalue below -1), so unnormalised keys of large norm diverge
+    (L2-normalise them, as the DeltaNet layers do). The chunked backends ("chunk", "triton") give
+    ``log_decay`` gradients with an absolute error near 1e-7 (fp32 cumulative sums), so their error
+    ratio stays below 1e-4 only for moderate gates (per-token log decay above about -5, where
+    those gradients are larger than about 1e-3). A NaN or Inf in one token's k, v, beta, a or b
+    makes the outputs from that token on non-finite in the reference, and every output of its
+    64-token chunk in the chunked backends; the outputs of earlier chunks stay finite.
+
     Returns:
         ``(o, final_state)``: ``o: [B, T, H, V]`` in the dtype of ``q``; ``final_state`` or None.
 

@@ -31,6 +31,10 @@ A full ``[K, V]`` decay acts column by column, so it is served by folding the V
 columns into heads (each column is a vector-decay recurrence with V = 1); packed (varlen)
 sequences are laid out from chunk boundaries of one row, with neutral steps (no decay, no write)
 after each sequence's last token, and the carry restarts at each sequence's first chunk.
+
+A NaN or Inf in one token's k, v, beta, a or b reaches every output of its chunk (a masked-out
+score is 0 * NaN inside a matmul), not only the outputs from that token on as in the token loop;
+outputs of earlier chunks stay finite.
 """
 
 from __future__ import annotations

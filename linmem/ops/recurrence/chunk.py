@@ -24,8 +24,9 @@ and outputs and the next chunk's state are products with ``S_0``::
 so the only loop is over chunks (``S_{c+1} = M_c S_c + N_c``), never over tokens.
 Decays only ever enter as ``exp`` of a non-positive difference of cumulative
 sums, so strong gates cannot overflow; gates are clamped at ``LOG_DECAY_FLOOR`` first, so that
-``-inf`` (forget everything) gives the reference's answer instead of ``-inf - -inf``. Gradients come from autograd (one hand-written
-backward: the pairwise per-channel decays inside a sub-block, ``_PairwiseScores``).
+``-inf`` (forget everything) gives the reference's answer instead of ``-inf - -inf``.
+Gradients come from autograd, with two hand-written backwards: the pairwise per-channel decays
+inside a sub-block (``_PairwiseScores``) and the triangular inverse (``unit_lower_inverse``).
 
 A full ``[K, V]`` decay acts column by column, so it is served by folding the V
 columns into heads (each column is a vector-decay recurrence with V = 1); packed (varlen)
@@ -309,7 +310,10 @@ def _fold_value_columns(inputs: RecurrenceInputs, chunk_size: int) -> tuple[torc
     """Full [K, V] decay: every value column is a vector-decay recurrence with V = 1."""
     B, T, H, K = inputs.q.shape
     V = inputs.v.shape[-1]
-    per_column = lambda x: None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
+
+    def per_column(x):  # [B, T, H, K] -> [B, T, H * V, K], the row repeated for every value column
+        return None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)
+
     S0 = inputs.initial_state
     o, S = chunk_recurrence(replace(
         inputs,
@@ -404,9 +408,11 @@ class _ChunkLayout:
         )
 
 
-# WORKAROUND(torch 2.13, inductor CPU): tokens move by injective scatters, never by gathers, whose backward (an accumulating scatter) compiles to out-of-bounds writes with 2+ threads (pytorch#191837; dev/upstream/inductor_tile2d_atomic_add.py)
+# WORKAROUND(torch 2.13, inductor CPU): move rows by injective scatters, not gathers (pytorch#191837; dev/upstream/)
 def _scatter_rows(x: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
-    """``out[dest[i]] = x[i]`` in ``rows`` rows of zeros, for an injective ``dest``; the backward is a gather."""
+    """``out[dest[i]] = x[i]`` in ``rows`` rows of zeros, for an injective ``dest``. Its backward is a gather,
+    where a gather's would be an accumulating scatter: inductor's CPU backend (2+ threads) writes those
+    out of bounds when their source is read through a transpose."""
     return x.new_zeros(rows, *x.shape[1:]).index_put((dest,), x)
 
 

@@ -3,8 +3,8 @@
 Every backend receives a :class:`RecurrenceInputs` that has passed these checks, so
 backends never re-validate. Shape and dtype checks always run; checks of values
 (``log_decay`` in [-inf, 0] and not NaN, ``beta`` in [0, 2], ``cu_seqlens`` monotone) run on
-CPU tensors, and on GPU tensors only when debug checks are on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`), so the
-hot path never waits for the device.
+CPU tensors, and on GPU tensors only when debug checks are on (``LINMEM_DEBUG=1`` or
+:func:`set_debug_checks`), so the hot path never waits for the device.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ DECAY_KINDS = ("none", "constant", "scalar", "vector", "full")
 #: The chunked backends clamp each token's log decay to at least this value before the cumulative sums.
 #: Without it, one ``-inf`` (RWKV-6's ``-exp(d)`` for d > 88.7, bf16 ``log(sigmoid(x))`` for x <= -100) makes
 #: a cumulative sum ``-inf`` and a difference of two of them NaN, and a finite gate near -3e38 overflows the
-#: sum. The clamp changes no result: exp(x) is exactly 0 in fp32 for every x < -103.98 (half the smallest
-#: subdenormal, 2**-150), so a gate at or below the floor already erased the state, and so does the floor; the
+#: sum. The clamp changes no result: exp(x) rounds to exactly 0 in fp32 for every x < -103.98 (below half the
+#: smallest subnormal, 2**-150), so a gate at or below the floor already erased the state, and so does the floor; the
 #: margin of 6 keeps a cumulative difference across a floored token below -104 after its fp32 rounding (at most
 #: ~0.03 for sums over a 64-token chunk). Gates above the floor are untouched, and the gradient of a clamped
 #: gate is 0, as the reference's exp(g) * dS is at a gate whose exp is 0. (With fp64 accumulation exp(-110)

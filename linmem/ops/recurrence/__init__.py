@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .. import parallel
 from .backends import (
     Backend,
     StepKernel,
@@ -107,6 +108,10 @@ def linear_recurrence(
         q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
+    if (handler := parallel.sequence_handler()) is not None:  # the sequences are split over ranks
+        return handler.linear_recurrence(q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
+                                         initial_state=initial_state, output_final_state=output_final_state,
+                                         cu_seqlens=cu_seqlens, backend=backend)
     return choose_backend(backend, inputs).fn(inputs)
 
 

@@ -297,6 +297,9 @@ def _is_usage_error(err: BaseException) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # OpenMP threads that sleep between parallel regions: spinning ones collapse CPU training on a shared
+    # machine (read once, when a subcommand first imports torch)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args, passed_on = parser.parse_known_args(argv)
     if passed_on and not getattr(args, "passes_on", False):

@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +103,17 @@ def packed(combo, lengths, H, K, V, dtype=torch.float32):
     t["initial_state"] = torch.randn(len(lengths), H, K, V, generator=seeded("h0")).to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     return t, cu
+
+
+def launch_both(t: dict, decay: int, do: torch.Tensor, cu_seqlens=None) -> tuple:
+    """One forward+backward of the inputs ``t`` (as ``linmem.bench.ops.memory_inputs`` makes them) through the
+    launchers alone, without autograd: (o, dq, dk, dv, dg, dbeta, du)."""
+    q, k, v = (t[n].detach() for n in "qkv")
+    g = t["log_decay"].detach().float().contiguous() if "log_decay" in t else None
+    beta, u = t.get("beta"), t.get("bonus")
+    scale = q.shape[-1] ** -0.5
+    o, _, saved = launch.chunk_forward(q, k, v, g, beta, u, None, cu_seqlens, scale, decay, False)
+    return (o, *launch.chunk_backward(q, k, v, g, beta, u, None, cu_seqlens, saved, do, None, scale, decay)[:6])
 
 
 # ---------------------------------------------------------------- CPU (interpreter) and GPU, small shapes
@@ -332,55 +342,6 @@ def test_wy_part_inside_score_grads_equals_two_kernels(kind, monkeypatch):
         assert torch.equal(g[name], g2[name]), f"d{name} differs"
 
 
-def test_rerun_check_names_the_launch_that_moved(monkeypatch):
-    """``scripts/kernel_reruns.py``: every launch of a forward+backward rerun on its own inputs; a deterministic
-    call reports nothing, a launch whose output moves between runs is named with that argument."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import kernel_reruns
-    from kernel_ab import call
-
-    from linmem.bench.ops import memory_inputs
-
-    t = memory_inputs("gla", 1, 130, 2, 32, torch.float32, DEVICE)
-    do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
-    real, found = launch._run, {}
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
-    call(launch, t, launch.DECAY_CODES["vector"], do)
-    assert found == {}
-    runs = []
-
-    def flaky(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):  # o moves every other run
-        launched = real(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
-        if kernel.__name__ == "output_kernel":
-            runs.append(1)
-            args[8].add_(len(runs) % 2 * 1e-3)
-        return launched
-
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
-    call(launch, t, launch.DECAY_CODES["vector"], do)
-    assert list(found) == [("output_kernel", *launch.LAUNCH["output_vector"], 8)]
-    assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
-
-
-def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
-    """``scripts/host_time.py``: each part lies inside the one it belongs to, every kernel launch is counted, and
-    the timers come off afterwards."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import host_time
-
-    from linmem.bench.ops import memory_inputs
-
-    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
-    real = launch._run
-    parts, launches = host_time.host_parts(t, None, torch.randn_like(t["v"]), DEVICE, 1)
-    assert launch._run is real
-    # forward: cumsum, state_fwd, output; backward: state_bwd, dv, score_grads, the two sides of grads (fp32)
-    assert launches == 8
-    assert 0 < parts["chunk_forward"] <= parts["triton_recurrence"] <= parts["forward"]
-    assert 0 < parts["chunk_backward"] <= parts["_gradients"] <= parts["backward"]
-    assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
-
-
 @pytest.mark.parametrize("case", ["vector-delta", "scalar-additive-bonus", "none-delta", "packed"])
 def test_planned_calls_equal_the_reference(case, monkeypatch):
     """A call that runs from its launch plans (``launch._plan``: no config search) equals the reference on its
@@ -407,28 +368,6 @@ def test_planned_calls_equal_the_reference(case, monkeypatch):
     assert searches == []
 
 
-def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
-    """``scripts/host_time.py --base``: each variant's launcher module runs both timed paths (the launchers alone,
-    and ``linear_recurrence`` with the backend's ``launch`` swapped for it), and the backend's own is back after."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import host_time
-    from kernel_ab import load_base
-
-    from linmem.bench.ops import memory_inputs
-    from linmem.ops.recurrence.triton import ops
-
-    base = load_base(str(Path(launch.__file__).parent), 0)
-    forwards = []
-    real_forward = base.chunk_forward
-    monkeypatch.setattr(base, "chunk_forward", lambda *a: forwards.append(1) or real_forward(*a))
-    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
-    times = host_time.host_ab([("base", base), ("new", launch)], t, launch.DECAY_CODES["scalar"], None,
-                              torch.randn_like(t["v"]), DEVICE, 1, 1)
-    assert ops.launch is launch and set(times) == {"base", "new"}
-    assert all(alone > 0 and through > 0 for alone, through in times.values())
-    assert len(forwards) == 4  # a warm-up round and a timed one, each through both paths
-
-
 def _misaligned(x: torch.Tensor) -> torch.Tensor:
     """A copy of x whose address is one element past a 16-byte boundary (contiguous, same shape)."""
     y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
@@ -444,9 +383,6 @@ def test_plans_key_every_launch(op, dtype, monkeypatch):
     alignment, integers) at one config; the second call with the key runs from the plan (no config search) and
     gives the same bits; a misaligned input, packed sequences or a changed setting make another key. On CUDA every
     planned launch passes the compiled kernel that the dispatcher's own key names."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    from kernel_ab import call, packed_lengths
-
     from linmem.bench.ops import memory_inputs
 
     plans, seen, searches = [], {}, []
@@ -474,23 +410,23 @@ def test_plans_key_every_launch(op, dtype, monkeypatch):
     t = memory_inputs(op, 1, 130, 2, 32, dtype, DEVICE)
     do = torch.randn(t["v"].shape, generator=seeded("plans", op)).to(DEVICE, dtype)
     decay = launch.DECAY_CODES[{"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op]]
-    first = call(launch, t, decay, do)
+    first = launch_both(t, decay, do)
     keys = list(plans)
     assert len(keys) == 2 and len(searches) >= 6  # the forward's plan and the backward's, each launch searched
     searches.clear()
-    again = call(launch, t, decay, do)
+    again = launch_both(t, decay, do)
     assert plans[2] is keys[0] and plans[3] is keys[1] and searches == []
     for a, b in zip(first, again):
         assert a is None and b is None or torch.equal(a, b)
-    shifted = call(launch, {**t, "q": _misaligned(t["q"])}, decay, do)
+    shifted = launch_both({**t, "q": _misaligned(t["q"])}, decay, do)
     assert plans[4] is not keys[0] and plans[5] is not keys[1] and searches
     for a, b in zip(first, shifted):
         assert a is None and b is None or torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    call(launch, t, decay, do, packed_lengths(130, 3).to(DEVICE))
+    launch_both(t, decay, do, torch.tensor([0, 22, 65, 130], dtype=torch.int32, device=DEVICE))
     output = "output_vector" if op == "gla" else "output"
     monkeypatch.setitem(launch.LAUNCH, output, (2, 1))
     searches.clear()
-    call(launch, t, decay, do)
+    launch_both(t, decay, do)
     assert all(p is not k for p in plans[-2:] for k in keys) and output in searches
     assert len(launch._PLANS) == 2  # a changed setting dropped the plans of the aligned, misaligned, packed calls
 

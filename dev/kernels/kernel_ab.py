@@ -9,7 +9,7 @@ new revision's outputs and gradients lie from the base's (rms of the difference 
 
     mkdir -p /tmp/base && for f in chunk_bwd chunk_fwd common launch recurrent; do
         git show HEAD:linmem/ops/recurrence/triton/$f.py > /tmp/base/$f.py; done
-    python scripts/kernel_ab.py --base /tmp/base --ops kda,gated_deltanet --shapes 4x4096
+    python dev/kernels/kernel_ab.py --base /tmp/base --ops kda,gated_deltanet --shapes 4x4096
 
 ``--try`` times variants of the working tree's launch settings beside it, without editing: each is a label and
 assignments to entries of ``launch.py``'s dict settings, e.g. ``--try "wy3:LAUNCH.wy_grads_vector=4,3"``

@@ -18,7 +18,7 @@ and result rounded as the GPU would round them. Printed: the relative error ``|T
 Keys near a few directions and beta near 2 (the delta rule with negative eigenvalues) make the powers
 of L grow while T stays of order 1::
 
-    python scripts/wy_inverse_accuracy.py
+    python dev/kernels/wy_inverse_accuracy.py
 """
 
 from __future__ import annotations

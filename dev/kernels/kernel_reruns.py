@@ -5,9 +5,9 @@ A race that Triton compiles into a kernel (session 28: the per-channel gradient 
 stages on Hopper) can change a few columns of a few chunks in most runs while every error-ratio test passes,
 since they hardly move a tensor's norm. This check sees such a race at the launch it happens in. On a GPU::
 
-    python scripts/kernel_reruns.py --ops gla,kda --shapes 4x4096
-    python scripts/kernel_reruns.py --ops gla --launch grads_vector=4,3     # a config to vet before landing it
-    python scripts/kernel_reruns.py --dtype fp16 --varlen 7                 # fp16 inputs, 7 packed sequences
+    python dev/kernels/kernel_reruns.py --ops gla,kda --shapes 4x4096
+    python dev/kernels/kernel_reruns.py --ops gla --launch grads_vector=4,3     # a config to vet before landing it
+    python dev/kernels/kernel_reruns.py --dtype fp16 --varlen 7                 # fp16 inputs, 7 packed sequences
 
 Each launch goes through ``launch._run``: the check copies every tensor argument before the launch, runs it,
 keeps the results, then ``--reruns`` times restores the copies, runs it again and compares. It prints, per op,
@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from kernel_ab import add_case_args, call, cases  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from kernel_ab import add_case_args, call, cases  # noqa: E402  (its folder is on sys.path when run as a script)
 from linmem.ops.recurrence.triton import launch
 
 

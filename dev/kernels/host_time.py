@@ -13,7 +13,7 @@ passes through and prints, per op and shape, the median over ``--calls`` calls o
 
 Example, on a CUDA machine::
 
-    python scripts/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
+    python dev/kernels/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
 
 With ``--base DIR`` (repeatable) it compares instead the host time of launcher copies at other revisions (as
 ``kernel_ab.py --base`` loads them) with the working tree's, in one process, interleaved: per variant the median
@@ -23,7 +23,7 @@ GPU idles (1 x 256) that is the host time::
 
     mkdir -p /tmp/base && for f in chunk_bwd chunk_fwd common launch recurrent; do
         git show HEAD:linmem/ops/recurrence/triton/$f.py > /tmp/base/$f.py; done
-    python scripts/host_time.py --base /tmp/base --shapes 1x256
+    python dev/kernels/host_time.py --base /tmp/base --shapes 1x256
 
 The cases take ``kernel_ab.py``'s options (``--ops``, ``--shapes``, ``--dtype``, ``--heads``, ``--dim``, and
 ``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the

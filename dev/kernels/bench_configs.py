@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from linmem.ops.recurrence.triton import launch
+from linmem.ops.recurrence.triton import configs
 
 
 def parse_launch(text: str, known) -> dict[str, tuple[int, int]]:
@@ -34,10 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--launch", required=True, help="e.g. grads_key=8x2,output=8x2 (warps x stages)")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- and the arguments of linmem bench ops")
     args = parser.parse_args(argv)
-    launch.LAUNCH.update(parse_launch(args.launch, launch.LAUNCH))
     from linmem.cli import main as cli
 
-    return cli(["bench", "ops", *[a for a in args.bench if a != "--"]])
+    with configs.override(LAUNCH=parse_launch(args.launch, configs.LAUNCH)):
+        return cli(["bench", "ops", *[a for a in args.bench if a != "--"]])
 
 
 if __name__ == "__main__":

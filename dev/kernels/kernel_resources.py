@@ -47,8 +47,8 @@ from triton.compiler import ASTSource
 
 PACKAGE = Path(__file__).resolve().parents[2] / "linmem" / "ops" / "recurrence" / "triton"
 #: (module, function) of the forward, backward and decoding launchers in the package
-ENTRY = {"forward": ("launch", "chunk_forward"), "backward": ("launch", "chunk_backward"),
-         "step": ("launch", "recurrent_step"), "run": ("launch", "_run")}
+ENTRY = {"forward": ("pipeline", "chunk_forward"), "backward": ("pipeline", "chunk_backward"),
+         "step": ("recurrent", "recurrent_step"), "run": ("launch", "_run")}
 #: (decay code, delta rule, bonus) of the chunk kernels' cases; the decoding kernel also takes a constant decay (3)
 CASES = [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (1, 0, 1), (0, 1, 0), (0, 0, 0), (0, 0, 1)]
 STEP_CASES = [(decay, delta, bonus) for decay in (0, 1, 2, 3) for delta, bonus in ((0, 0), (0, 1), (1, 0))]

@@ -14,9 +14,9 @@ issuing on that line, so the share is the share of the kernel's time), with the 
 executed and their three main stall reasons; ``--sass`` splits chosen lines by instruction::
 
     python dev/kernels/ncu_lines.py lines gla.csv grads_kernel
-    python dev/kernels/ncu_lines.py lines gla.csv grads_kernel --sass common.py:220
+    python dev/kernels/ncu_lines.py lines gla.csv grads_kernel --sass numerics.py:LINE
 
-A function inlined into a kernel is charged to its own line (``masked_exp`` in common.py, not
+A function inlined into a kernel is charged to its own line (``masked_exp2`` in numerics.py, not
 the line in the kernel that called it).
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
+if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
 
 pytest.importorskip("triton")
@@ -20,10 +20,10 @@ from linmem.ops import available_backends  # noqa: E402
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
-from linmem.ops.recurrence.triton import common, launch  # noqa: E402
+from linmem.ops.recurrence.triton import configs, launch, numerics, pipeline  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not common.INTERPRET:
+if DEVICE == "cpu" and not numerics.INTERPRET:
     pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 TOOLS = Path(__file__).resolve().parents[2] / "dev" / "kernels"
@@ -46,7 +46,7 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
     do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
     real, found = launch._run, {}
     monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
-    call(launch, t, launch.DECAY_CODES["scalar"], do)
+    call(pipeline, t, configs.DECAY_CODES["scalar"], do)
     assert found == {}
     runs = []
 
@@ -58,8 +58,8 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
         return launched
 
     monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
-    call(launch, t, launch.DECAY_CODES["scalar"], do)
-    assert list(found) == [("output_kernel", *launch.LAUNCH["output"], 8)]
+    call(pipeline, t, configs.DECAY_CODES["scalar"], do)
+    assert list(found) == [("output_kernel", *configs.LAUNCH["output"], 8)]
     assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
 
 
@@ -84,7 +84,7 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
 
 def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
     """``dev/kernels/host_time.py --base``: each variant's launcher module runs both timed paths (the launchers alone,
-    and ``linear_recurrence`` with the backend's ``launch`` swapped for it), and the backend's own is back after."""
+    and ``linear_recurrence`` with the backend's ``pipeline`` swapped for it), and the backend's own is back after."""
     monkeypatch.syspath_prepend(str(TOOLS))
     import host_time
     from kernel_ab import load_base
@@ -97,9 +97,9 @@ def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
     real_forward = base.chunk_forward
     monkeypatch.setattr(base, "chunk_forward", lambda *a: forwards.append(1) or real_forward(*a))
     t = memory_inputs("mamba2", 1, 64, 1, 16, torch.float32, DEVICE)
-    times = host_time.host_ab([("base", base), ("new", launch)], t, launch.DECAY_CODES["scalar"], None,
+    times = host_time.host_ab([("base", base), ("new", pipeline)], t, configs.DECAY_CODES["scalar"], None,
                               torch.randn_like(t["v"]), DEVICE, 1, 1)
-    assert ops.launch is launch and set(times) == {"base", "new"}
+    assert ops.pipeline is pipeline and set(times) == {"base", "new"}
     assert all(alone > 0 and through > 0 for alone, through in times.values())
     assert len(forwards) == 4  # a warm-up round and a timed one, each through both paths
 
@@ -110,7 +110,7 @@ def test_bench_configs_refuses_unknown_names_and_malformed_pairs(monkeypatch):
     monkeypatch.syspath_prepend(str(TOOLS))
     from bench_configs import parse_launch
 
-    assert parse_launch("grads_key=8x2,output=4X3", launch.LAUNCH) == {"grads_key": (8, 2), "output": (4, 3)}
+    assert parse_launch("grads_key=8x2,output=4X3", configs.LAUNCH) == {"grads_key": (8, 2), "output": (4, 3)}
     for bad in ("grad=8x1", "grads_key=8", "grads_key"):
         with pytest.raises(SystemExit, match="wy_grads"):
-            parse_launch(bad, launch.LAUNCH)
+            parse_launch(bad, configs.LAUNCH)

@@ -1,16 +1,19 @@
 """Fused recurrent kernel: a few tokens against a state held in memory, updated in place.
 
-This is the decoding path (``linear_recurrence_step``): per token it reads nothing but
-q, k, v, the gate and beta, and the state is read and written once per call, so a step
-costs about one pass over the fp32 state.
+This is the decoding path (``linear_recurrence_step``): per token it reads nothing but q, k, v, the gate and beta,
+and the state is read and written once per call, so a step costs about one pass over the fp32 state.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import exp, total
+from . import configs
+from .configs import cdiv, pow2
+from .launch import launch_kernel, on_inputs_device, plan_for
+from .numerics import exp, total
 
 
 @triton.jit
@@ -56,3 +59,22 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
             out = scale * total(qt[:, None] * St, 0)
         tl.store(o + tok * V + vr, out.to(o.dtype.element_ty), mask=mv)
     tl.store(s_ptr, St, mask=mk[:, None] & mv[None, :])
+
+
+@on_inputs_device
+def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
+    """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
+
+    g: None, [N, T, H] (decay 1), [N, T, H, K] (decay 2) or [H] (``CONSTANT_DECAY``); beta: [N, T, H] or None;
+    u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
+    """
+    plan = plan_for("step", q, k, v, g, beta, u, state, scale, decay)
+    N, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty_like(v)
+    BK = pow2(K)
+    BV = min(pow2(V), configs.RECURRENT_BV)
+    launch_kernel(plan, "recurrent", recurrent_kernel, (cdiv(V, BV), N * H),
+            q, k, v, g if decay else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
+            T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)
+    return o

@@ -1,0 +1,55 @@
+"""Stage 1 of the forward: the chunk-local cumulative gates.
+
+``G = log2(e) cumsum(g)`` inside each chunk, fp32, for a scalar decay (``g`` [tokens, H]) or a per-channel one
+(``g`` [tokens, H, K]); every later stage takes its decays as ``2^`` of differences of ``G``. The delta rule with
+a scalar decay has its prep stage write ``G`` itself (``scalar_cumsum``), which saves this launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import CHUNK, Shapes, cdiv
+from .launch import launch_kernel
+from .layout import load_gate_rows, load_rows, locate_chunk, store_rows
+from .numerics import LOG2E, running_total
+
+
+@triton.jit
+def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
+                        VECTOR: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """G = log2(e) x the cumulative sum of the log decay g inside each chunk, fp32 (decays are 2^(G_t - G_s)).
+
+    g, G: [tokens, H] (one gate per token) or [tokens, H, K] (VECTOR). Grid (slots, H, K blocks).
+    """
+    slot, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
+    rows = tl.arange(0, C)
+    if VECTOR:
+        cols = kb * BK + tl.arange(0, BK)
+        x = load_rows(g, t0, nrows, h, H, K, rows, cols, False)
+        store_rows(G, running_total(x, 0) * LOG2E, t0, nrows, h, H, K, rows, cols)
+    else:
+        scalar_cumsum(g, G, t0, nrows, h, H, C)
+
+
+@triton.jit
+def scalar_cumsum(g, G, t0, nrows, h, H, C: tl.constexpr):
+    """A scalar decay's G ([tokens, H]) for one chunk (:func:`chunk_cumsum_kernel`)."""
+    rows = tl.arange(0, C)
+    x = load_gate_rows(g, t0, nrows, h, H, rows)
+    tl.store(G + (t0 * H + h) + rows * H, running_total(x, 0) * LOG2E, mask=rows < nrows)
+
+
+def cumulative_gates(plan: dict, s: Shapes, *, g: torch.Tensor, G: torch.Tensor, cu_seqlens: torch.Tensor,
+                     decay: int) -> None:
+    """G = log2(e) x the chunk-local cumulative sum of g.
+
+    g, G: [B, T, H] (scalar decay) or [B, T, H, K] (per-channel decay) fp32; cu_seqlens: [N + 1] int32 or None.
+    """
+    nkb = cdiv(s.K, s.BK) if decay == 2 else 1
+    launch_kernel(plan, "cumsum", chunk_cumsum_kernel, (s.slots, s.H, nkb),
+                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK,
+                  BK=s.BK)

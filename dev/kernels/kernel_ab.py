@@ -31,6 +31,7 @@ import torch
 from linmem.bench.ops import MEMORY_OPS, memory_inputs
 from linmem.ops.recurrence.triton import configs
 from linmem.ops.recurrence.triton import pipeline as head_pipeline
+from linmem.ops.recurrence.triton.switches import Decay
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -158,7 +159,7 @@ def cases(args: argparse.Namespace, device: str = "cuda"):
             op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device, args.gates)
             label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "") + (
                 f", gates x{args.gates:g}" if args.gates != 1.0 else "")
-            yield label, op_args, configs.DECAY_CODES[kind], torch.randn_like(op_args["v"]), cu
+            yield label, op_args, Decay.of(kind), torch.randn_like(op_args["v"]), cu
 
 
 def rel(x, ref) -> float:

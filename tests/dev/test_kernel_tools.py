@@ -21,6 +21,7 @@ if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
 from linmem.ops.recurrence.triton import configs, launch, numerics, pipeline  # noqa: E402
+from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not numerics.INTERPRET:
@@ -46,7 +47,7 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
     do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
     real, found = launch._run, {}
     monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
-    call(pipeline, t, configs.DECAY_CODES["scalar"], do)
+    call(pipeline, t, Decay.of("scalar"), do)
     assert found == {}
     runs = []
 
@@ -58,7 +59,7 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
         return launched
 
     monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
-    call(pipeline, t, configs.DECAY_CODES["scalar"], do)
+    call(pipeline, t, Decay.of("scalar"), do)
     assert list(found) == [("output_kernel", *configs.LAUNCH["output"], 8)]
     assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
 
@@ -97,7 +98,7 @@ def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
     real_forward = base.chunk_forward
     monkeypatch.setattr(base, "chunk_forward", lambda *a: forwards.append(1) or real_forward(*a))
     t = memory_inputs("mamba2", 1, 64, 1, 16, torch.float32, DEVICE)
-    times = host_time.host_ab([("base", base), ("new", pipeline)], t, configs.DECAY_CODES["scalar"], None,
+    times = host_time.host_ab([("base", base), ("new", pipeline)], t, Decay.of("scalar"), None,
                               torch.randn_like(t["v"]), DEVICE, 1, 1)
     assert ops.pipeline is pipeline and set(times) == {"base", "new"}
     assert all(alone > 0 and through > 0 for alone, through in times.values())

@@ -35,6 +35,7 @@ if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
 from linmem.ops.recurrence.triton import configs, launch, numerics, pipeline  # noqa: E402
+from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not numerics.INTERPRET:
@@ -163,7 +164,7 @@ def test_gradient_key_blocks_on_the_grid(combo, varlen):
     """bf16 at K = 80: ``grads_kernel`` runs one program per key block of 64 (``configs.key_grid``), the second
     block masked to 16 columns; a scalar decay's gate gradient arrives as one part per block (the delta rule's
     WY part in the first), which the launcher sums (packed sequences: parts of all tokens, idle slots between)."""
-    decay = configs.DECAY_CODES[combo[0]]
+    decay = Decay.of(combo[0])
     assert configs.key_grid(decay, combo[2], torch.bfloat16)
     assert configs.Shapes(T=70, TT=70, N=1, H=1, K=80, V=40, varlen=False).grads_BK(decay, True) == 64
     if varlen:
@@ -275,8 +276,8 @@ def test_both_state_blocks(sms, settings):
     settings(INTERPRETER_SMS=sms)
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=40)
     s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
-    blocks = (configs.sequential_config("state_fwd", s, True, 1, dev)[0],
-              configs.sequential_config("state_bwd", s, True, 1, dev)[0])
+    blocks = (configs.sequential_config("state_fwd", s, True, Decay.SCALAR, dev)[0],
+              configs.sequential_config("state_bwd", s, True, Decay.SCALAR, dev)[0])
     assert blocks == ((64, 32) if sms == 1 else (16, 16))
     compare(t, FP32_TOL)
 
@@ -291,16 +292,16 @@ def test_delta_rule_bf16_factors_on_a_wide_grid(kind, settings):
     settings(INTERPRETER_SMS=1)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
     s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], dev) == torch.bfloat16
-    assert configs.factors_dtype(s, torch.float16, configs.DECAY_CODES[kind], dev) == torch.float32
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
+    assert configs.factors_dtype(s, torch.float16, Decay.of(kind), dev) == torch.float32
     wide_256 = configs.Shapes(T=100, TT=200, N=2, H=2, K=256, V=80, varlen=False)  # four state tiles: fp32
-    assert configs.factors_dtype(wide_256, torch.bfloat16, configs.DECAY_CODES[kind], dev) == torch.float32
+    assert configs.factors_dtype(wide_256, torch.bfloat16, Decay.of(kind), dev) == torch.float32
     programs = 2 * 2 * 2  # V blocks of 64 x sequences x heads
     settings(INTERPRETER_SMS=2 * programs)  # half the SMs filled: still bf16
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], dev) == torch.bfloat16
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
     settings(INTERPRETER_SMS=2 * programs + 1)
-    narrow = configs.DECAY_CODES[kind] in configs.NARROW_BF16_FACTORS
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], dev) == (
+    narrow = Decay.of(kind) in configs.NARROW_BF16_FACTORS
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == (
         torch.bfloat16 if narrow else torch.float32)
     settings(INTERPRETER_SMS=1)
     compare(t, LOW_TOL)
@@ -315,8 +316,8 @@ def test_delta_rule_bf16_factors_on_a_narrow_grid(kind, settings):
     settings(INTERPRETER_SMS=1000)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
     s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], dev) == torch.bfloat16
-    assert not configs.fills_half(s, configs.DECAY_CODES[kind], dev)
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
+    assert not configs.fills_half(s, Decay.of(kind), dev)
     compare(t, LOW_TOL)
 
 
@@ -328,7 +329,7 @@ def test_delta_rule_bf16_factors_varlen(sms, settings):
     settings(INTERPRETER_SMS=sms)
     t, cu = packed(("scalar", "delta", False), [5, 0, 70, 1, 33], H=2, K=16, V=16, dtype=torch.bfloat16)
     s = configs.shapes_of(t["q"], t["v"], cu)
-    assert configs.factors_dtype(s, torch.bfloat16, 1, t["q"].device) == torch.bfloat16
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.SCALAR, t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
@@ -337,7 +338,7 @@ def test_wy_part_inside_score_grads_equals_two_kernels(kind, settings):
     """bf16, every decay kind: ``score_grads_kernel`` runs ``wy_grads_kernel``'s part itself
     (``configs.WY_FUSED``), on Y and dL read back as it stored them; every output and gradient equals the two
     kernels' bit for bit (two key blocks, the second partly masked; an odd length)."""
-    assert configs.DECAY_CODES[kind] in configs.WY_FUSED
+    assert Decay.of(kind) in configs.WY_FUSED
     t = inputs((kind, "delta", False), B=1, T=130, H=2, K=80, V=48, dtype=torch.bfloat16)
     gen = seeded("cotangents", kind)
     do = torch.randn(1, 130, 2, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -417,7 +418,7 @@ def test_plans_key_every_launch(op, dtype, monkeypatch, settings):
     launch._PLANS.clear()
     t = memory_inputs(op, 1, 130, 2, 32, dtype, DEVICE)
     do = torch.randn(t["v"].shape, generator=seeded("plans", op)).to(DEVICE, dtype)
-    decay = configs.DECAY_CODES[{"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op]]
+    decay = Decay.of({"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op])
     first = launch_both(t, decay, do)
     keys = list(plans)
     assert len(keys) == 2 and len(searches) >= 6  # the forward's plan and the backward's, each launch searched
@@ -491,7 +492,7 @@ def test_sequential_pass_narrows_before_one_stage(caplog, settings):
     assert launch._sequential_fallbacks(32, 3) == [(32, 3), (32, 2), (16, 2), (32, 1)]
     assert launch._sequential_fallbacks(64, 2) == [(64, 2), (32, 2), (16, 2), (64, 1)]
     settings(INTERPRETER_SMS=1)  # a wide grid: the configured (V block, stages)
-    settings(SEQUENTIAL={("state_bwd", True, 1): (32, 3)})
+    settings(SEQUENTIAL={("state_bwd", True, Decay.SCALAR): (32, 3)})
     s = configs.Shapes(T=64, TT=64, N=1, H=2, K=256, V=64, varlen=False)
 
     def kernel(fits):
@@ -508,12 +509,12 @@ def test_sequential_pass_narrows_before_one_stage(caplog, settings):
 
     narrow, calls = kernel(lambda bv, stages: bv * stages <= 32)
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch.launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
-    launch.launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+        launch.launch_sequential({}, "state_bwd", narrow, s, True, Decay.SCALAR, torch.zeros(1), X=1)
+    launch.launch_sequential({}, "state_bwd", narrow, s, True, Decay.SCALAR, torch.zeros(1), X=1)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (4, 16, 2)]  # grid: V blocks of the V block tried
     assert "state_bwd at V block 32, 2 stages does not fit" in caplog.text
     one_stage, calls = kernel(lambda bv, stages: stages == 1)
-    launch.launch_sequential({}, "state_bwd", one_stage, s, True, 1, torch.zeros(1), X=2)
+    launch.launch_sequential({}, "state_bwd", one_stage, s, True, Decay.SCALAR, torch.zeros(1), X=2)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (2, 32, 1)]
 
 
@@ -526,8 +527,8 @@ def test_sequential_grid_classes(sms, forward, backward, settings):
     halves the V block while it fills less than half the SMs (the delta rule's backward starts at 32)."""
     settings(INTERPRETER_SMS=sms)
     s, cpu = configs.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False), torch.device("cpu")
-    assert configs.sequential_config("state_fwd", s, False, 2, cpu) == forward
-    assert configs.sequential_config("state_bwd", s, True, 0, cpu) == backward
+    assert configs.sequential_config("state_fwd", s, False, Decay.CHANNEL, cpu) == forward
+    assert configs.sequential_config("state_bwd", s, True, Decay.NONE, cpu) == backward
 
 
 @pytest.mark.parametrize("sub", [4, 8, 16, 32])
@@ -679,7 +680,7 @@ def test_fake_outputs_match_the_kernels(combo):
     from linmem.ops.recurrence.triton import ops
 
     t = inputs(combo, B=1, T=20, H=1, K=16, V=16, dtype=torch.bfloat16)
-    decay = configs.DECAY_CODES[combo[0]]
+    decay = Decay.of(combo[0])
     args = (t["q"], t["k"], t["v"], t["log_decay"].float().contiguous(), t.get("beta"), t.get("bonus"),
             t["initial_state"].float(), None, 0.25, decay, True)
     torch.library.opcheck(ops.chunk_fwd_op, args, test_utils=("test_faketensor",))
@@ -746,7 +747,7 @@ def test_gpu_wide_grid(combo):
     """B * H above the SM count: the sequential passes' V blocks and stages of ``configs.SEQUENTIAL``; the delta
     rule's forward pass with bf16 W and U ("state_fwd_bf16")."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", configs.DECAY_CODES[combo[0]]
+    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", Decay.of(combo[0])
     if delta:
         assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
@@ -761,7 +762,7 @@ def test_gpu_delta_rule_bf16_factors_on_a_half_filled_grid(kind):
     forward pass at V block 64 and ``configs.NARROW_STAGES`` (one program per SM), as at 4 x 4096 on an H200."""
     H = 3 * configs.sm_count(torch.device(DEVICE)) // 8
     t = inputs((kind, "delta", False), B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, configs.DECAY_CODES[kind]
+    s, dev, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, Decay.of(kind)
     assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     assert configs.sequential_config("state_fwd_bf16", s, True, decay, dev) == (64, configs.NARROW_STAGES)
     compare(t, LOW_TOL)
@@ -775,7 +776,7 @@ def test_gpu_delta_rule_bf16_factors_varlen(kind):
     ``configs.W_READ_TRANSPOSED``)."""
     t, cu = packed((kind, "delta", False), [100, 0, 64, 1, 150, 37], H=24, K=128, V=128, dtype=torch.bfloat16)
     s = configs.shapes_of(t["q"], t["v"], cu)
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
@@ -786,7 +787,7 @@ def test_gpu_delta_rule_wide_grid_at_head_dim_256(kind):
     H = configs.sm_count(torch.device(DEVICE)) // 4 + 1  # 4 V blocks of 64: more programs than SMs
     t = inputs((kind, "delta", False), B=1, T=130, H=H, K=256, V=256, dtype=torch.bfloat16)
     s = configs.shapes_of(t["q"], t["v"], None)
-    assert configs.factors_dtype(s, torch.bfloat16, configs.DECAY_CODES[kind], t["q"].device) == torch.float32
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), t["q"].device) == torch.float32
     compare(t, LOW_TOL)
 
 
@@ -798,7 +799,7 @@ def test_gpu_narrow_grid(combo):
     ``configs.NARROW_STAGES`` (one program per SM)."""
     H = configs.sm_count(torch.device(DEVICE)) // 4 - 1
     t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", configs.DECAY_CODES[combo[0]]
+    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", Decay.of(combo[0])
     if delta:  # bf16 W and U on this grid too (configs.NARROW_BF16_FACTORS), k^T d in tf32
         assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):

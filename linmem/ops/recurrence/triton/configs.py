@@ -20,14 +20,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from .switches import Decay
+
 #: chunk length of the chunked algorithm
 CHUNK = 64
 #: sub-block length of the delta rule's blockwise inverse (CHUNK = 4 SUB)
 SUB = 16
-#: decay kinds of the kernels (``constant`` is expanded to ``scalar`` before the chunk kernels' launch)
-DECAY_CODES = {"none": 0, "scalar": 1, "vector": 2}
-#: the recurrent kernel's code for a constant decay, read as given ([H]) rather than expanded per token
-CONSTANT_DECAY = 3
 
 #: (num_warps, num_stages) per launch name (the sequential passes take ``SEQUENTIAL``). Any change must pass the
 #: GPU suite: Triton 3.6 miscompiles some configurations on Hopper.
@@ -60,28 +58,28 @@ LAUNCH = MappingProxyType({
 MAX_REGISTERS = MappingProxyType({"output_vector": 168, "output": 168, "wy_grads": 168})
 #: decay kinds whose delta rule runs the WY stage inside the score-gradient stage for bf16 inputs, reading Y and dL
 #: back as the same program stored them ("score_wy_grads"); fp16 and fp32 inputs keep two launches
-WY_FUSED = (0, 1, 2)
+WY_FUSED = (Decay.NONE, Decay.SCALAR, Decay.CHANNEL)
 #: V block of the recurrent kernel (its state tile is [K, RECURRENT_BV] fp32)
 RECURRENT_BV = 32
 #: (V block, pipeline stages) of the sequential passes per (pass, delta rule, decay kind) on a grid of at least one
 #: program per SM (``sequential_config``); they run at ``SEQUENTIAL_WARPS``. "state_fwd_bf16": the delta rule's
 #: forward pass with bf16 W and U (``factors_dtype``)
 SEQUENTIAL = MappingProxyType({
-    ("state_fwd", False, 0): (64, 3),
-    ("state_fwd", False, 1): (64, 3),
-    ("state_fwd", False, 2): (64, 2),
-    ("state_fwd", True, 0): (64, 3),
-    ("state_fwd", True, 1): (64, 3),
-    ("state_fwd", True, 2): (64, 3),
-    ("state_bwd", False, 0): (64, 3),
-    ("state_bwd", False, 1): (64, 3),
-    ("state_bwd", False, 2): (64, 2),
-    ("state_bwd", True, 0): (32, 3),
-    ("state_bwd", True, 1): (32, 3),
-    ("state_bwd", True, 2): (32, 3),
-    ("state_fwd_bf16", True, 0): (64, 2),
-    ("state_fwd_bf16", True, 1): (64, 2),
-    ("state_fwd_bf16", True, 2): (64, 2),
+    ("state_fwd", False, Decay.NONE): (64, 3),
+    ("state_fwd", False, Decay.SCALAR): (64, 3),
+    ("state_fwd", False, Decay.CHANNEL): (64, 2),
+    ("state_fwd", True, Decay.NONE): (64, 3),
+    ("state_fwd", True, Decay.SCALAR): (64, 3),
+    ("state_fwd", True, Decay.CHANNEL): (64, 3),
+    ("state_bwd", False, Decay.NONE): (64, 3),
+    ("state_bwd", False, Decay.SCALAR): (64, 3),
+    ("state_bwd", False, Decay.CHANNEL): (64, 2),
+    ("state_bwd", True, Decay.NONE): (32, 3),
+    ("state_bwd", True, Decay.SCALAR): (32, 3),
+    ("state_bwd", True, Decay.CHANNEL): (32, 3),
+    ("state_fwd_bf16", True, Decay.NONE): (64, 2),
+    ("state_fwd_bf16", True, Decay.SCALAR): (64, 2),
+    ("state_fwd_bf16", True, Decay.CHANNEL): (64, 2),
 })
 #: the largest K whose delta rule takes bf16 W and U (``factors_dtype``); at K = 256 the passes hold four state
 #: tiles, and bf16 factors cost them more than they saved
@@ -89,10 +87,10 @@ BF16_FACTORS_MAX_K = 128
 #: decay kinds whose delta rule, with bf16 W and U, reads W in its forward pass from the transposed copy per chunk
 #: that the backward reads (Wt, the same bf16 values), so that the prep stage stores W once; KDA's pass spills that
 #: way and keeps W by tokens
-W_READ_TRANSPOSED = (0, 1)
+W_READ_TRANSPOSED = (Decay.NONE, Decay.SCALAR)
 #: decay kinds whose delta rule keeps bf16 W and U on grids narrower than half the SMs, with the forward pass's
 #: k^T d there as one tf32 product on the widened k tile (``state_fwd_kernel``'s NARROW); KDA keeps fp32 factors there
-NARROW_BF16_FACTORS = (0, 1)
+NARROW_BF16_FACTORS = (Decay.NONE, Decay.SCALAR)
 # WORKAROUND(triton 3.6, sm_90): the delta rule's sequential passes at 8 warps give wrong gradients or illegal addresses
 #: warps of the sequential passes
 SEQUENTIAL_WARPS = 4
@@ -191,9 +189,9 @@ def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
     fp32 query and key sides, which join their row sums through dg; and a scalar decay with fp16 inputs:
     # WORKAROUND(triton 3.6, sm_90): on the grid the fp16 gated delta rule's dk came out 1.1e-2 off the loop's
     """
-    if decay == 2:
+    if decay == Decay.CHANNEL:
         return not bonus
-    return decay == 0 or dtype == torch.bfloat16
+    return decay == Decay.NONE or dtype == torch.bfloat16
 
 
 def pow2(n: int) -> int:
@@ -237,23 +235,23 @@ class Shapes:
     def scores_BK(self, decay: int) -> int:
         """K block of the output stage: 32 for per-channel decays, whose pairwise loop holds [64, BK] tiles of fp32
         gates and exponentials."""
-        return min(self.BK, 32) if decay == 2 else self.BK
+        return min(self.BK, 32) if decay == Decay.CHANNEL else self.BK
 
     def grads_BK(self, decay: int, key_grid: bool) -> int:
         """K block of the key-channel gradient stage: 64 with its key blocks on the grid (:func:`key_grid`) and for
         per-channel decays; in a loop over the key blocks, up to 128 for the others (a scalar decay's fp16 and fp32
         launches), whose per-block decay factors and gate-gradient reductions then run once."""
-        return self.BK if key_grid or decay == 2 else min(self.BKF, 128)
+        return self.BK if key_grid or decay == Decay.CHANNEL else min(self.BKF, 128)
 
     def wy_BK(self, decay: int) -> int:
         """K block of the delta rule's WY gradient stage: 32 for per-channel decays, whose pairwise loops hold
         [64, BK] fp32 gates and exponentials."""
-        return min(self.BK, 32) if decay == 2 else self.BK
+        return min(self.BK, 32) if decay == Decay.CHANNEL else self.BK
 
     def dv_BV(self, decay: int) -> int:
         """V block of the additive rule's dv stage: one block of up to 128 for the decayed rules, whose k tiles then
         take their decay factors once; 64 without a decay."""
-        return min(pow2(self.V), 128) if decay else self.BV
+        return min(pow2(self.V), 128) if decay != Decay.NONE else self.BV
 
     def state_KB(self, delta: bool) -> int:
         """Key rows per state tile of the sequential passes: ``STATE_KB`` for the delta rule, the whole K otherwise."""

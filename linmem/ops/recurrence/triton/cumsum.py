@@ -15,6 +15,7 @@ from .configs import CHUNK, Shapes, cdiv
 from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, locate_chunk, store_rows
 from .numerics import LOG2E, running_total
+from .switches import Decay
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def cumulative_gates(plan: dict, s: Shapes, *, g: torch.Tensor, G: torch.Tensor,
 
     g, G: [B, T, H] (scalar decay) or [B, T, H, K] (per-channel decay) fp32; cu_seqlens: [N + 1] int32 or None.
     """
-    nkb = cdiv(s.K, s.BK) if decay == 2 else 1
+    nkb = cdiv(s.K, s.BK) if decay == Decay.CHANNEL else 1
     launch_kernel(plan, "cumsum", chunk_cumsum_kernel, (s.slots, s.H, nkb),
-                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == 2), IS_VARLEN=int(s.varlen), C=CHUNK,
+                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == Decay.CHANNEL), IS_VARLEN=int(s.varlen), C=CHUNK,
                   BK=s.BK)

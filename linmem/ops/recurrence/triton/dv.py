@@ -15,6 +15,7 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, load_state, locate_chunk, store_rows
 from .numerics import masked_exp2, mm
 from .scores import bonus_scores
+from .switches import CHANNEL_DECAY, SCALAR_DECAY
 
 
 @triton.jit
@@ -39,15 +40,15 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
     last_row = tl.maximum(t0 + nrows - 1, 0)
     dO = load_rows(do, t0, nrows, h, H, V, rows, vr, False)
     dvt = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
         ek = masked_exp2(valid, last - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False)
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             kt = kt * ek
-        elif DECAY == 2:
+        elif DECAY == CHANNEL_DECAY:
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
             kt = kt * masked_exp2(valid[:, None], lastk[None, :] - load_rows(G, t0, nrows, h, H, K, rows, cols, False))
         dvt += mm(kt, load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False), dHs.dtype.element_ty, X)

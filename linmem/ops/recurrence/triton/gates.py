@@ -20,14 +20,15 @@ import triton.language as tl
 
 from .layout import load_gate_rows, load_rows
 from .numerics import exp2, largest, masked_exp2, total
+from .switches import CHANNEL_DECAY, SCALAR_DECAY
 
 
 @triton.jit
 def end_decay(G, t0, nrows, h, H, K, kb, DECAY: tl.constexpr):
-    """A chunk's total decay in log2 units, G at its last row: a scalar (DECAY 1, G [tokens, H]) or
-    [KB] at key channels kb (DECAY 2, G [tokens, H, K]; 0 past K and for an empty chunk, nrows 0, which
+    """A chunk's total decay in log2 units, G at its last row: a scalar (SCALAR_DECAY, G [tokens, H]) or
+    [KB] at key channels kb (CHANNEL_DECAY, G [tokens, H, K]; 0 past K and for an empty chunk, nrows 0, which
     a pass loading its gates a chunk ahead asks for past its sequence's first chunk)."""
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         last = tl.load(G + (t0 + nrows - 1) * H + h)
     else:
         last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + kb, mask=kb < tl.where(nrows > 0, K, 0), other=0.0)
@@ -39,13 +40,13 @@ def end_gates(G, t0, nrows, h, H, K, kb0, NKB: tl.constexpr):
     """:func:`end_decay` of a per-channel decay for the NKB (1, 2 or 4) state tiles of len(kb0) key rows from kb0:
     four [KB] fp32 vectors, those past NKB repeating the first."""
     KB: tl.constexpr = kb0.shape[0]
-    g0 = end_decay(G, t0, nrows, h, H, K, kb0, 2)
+    g0 = end_decay(G, t0, nrows, h, H, K, kb0, CHANNEL_DECAY)
     g1, g2, g3 = g0, g0, g0
     if NKB > 1:
-        g1 = end_decay(G, t0, nrows, h, H, K, kb0 + KB, 2)
+        g1 = end_decay(G, t0, nrows, h, H, K, kb0 + KB, CHANNEL_DECAY)
     if NKB > 2:
-        g2 = end_decay(G, t0, nrows, h, H, K, kb0 + 2 * KB, 2)
-        g3 = end_decay(G, t0, nrows, h, H, K, kb0 + 3 * KB, 2)
+        g2 = end_decay(G, t0, nrows, h, H, K, kb0 + 2 * KB, CHANNEL_DECAY)
+        g3 = end_decay(G, t0, nrows, h, H, K, kb0 + 3 * KB, CHANNEL_DECAY)
     return g0, g1, g2, g3
 
 

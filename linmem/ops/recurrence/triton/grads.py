@@ -18,6 +18,7 @@ from .gates import chunk_span
 from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, load_state, locate_chunk, store_rows
 from .numerics import exp2, masked_exp2, mm, mm_wide, remaining_total, running_total, total
+from .switches import BOTH_SIDES, CHANNEL_DECAY, KEY_SIDE, NO_DECAY, QUERY_SIDE, SCALAR_DECAY, Decay, Side
 
 
 @triton.jit
@@ -31,7 +32,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
     [slots, H, K, V]), do: [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in
     ([tokens, H, C], read once as [t, s] and once transposed) and dov_in ([tokens, H]). Per-channel
-    decays (DECAY 2): a chunk whose gates fall by at most 2^-CSPAN over the chunk (:func:`chunk_span`) takes
+    decays (CHANNEL_DECAY): a chunk whose gates fall by at most 2^-CSPAN over the chunk (:func:`chunk_span`) takes
     the intra-chunk parts of dq and dk from two products, its decays split at the chunk's start as a scalar
     decay's (``dA (k e^-G)`` and ``dA^T (q e^Gq)``, the right factor at most 2^CSPAN; on a bf16 dA as two bf16
     products, :func:`common.mm_wide`, else and for RWKV-6 in tf32); any other
@@ -52,30 +53,30 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     own [tokens, H] slice of dg (the first slice holds the delta rule's WY part, which its block adds); the
     launcher sums them.
 
-    SIDE 0 computes both sides of the chunk. But without a per-channel decay they can run as two launches
-    of about half the registers each (they share only their reads of q, k and dA): SIDE 1 the query side
-    (dq: dO h^T, dA k), SIDE 2 the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient
+    BOTH_SIDES computes both sides of the chunk. But without a per-channel decay they can run as two launches
+    of about half the registers each (they share only their reads of q, k and dA): QUERY_SIDE the query side
+    (dq: dO h^T, dA k), KEY_SIDE the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient
     joins them through dg: the query side stores its row sums q dq there (on the delta rule's part), the
     key side loads them, subtracts its own (k dk) and takes the reverse cumulative sum; it also loads the
     chunk-start states for the chunk-end term sum(h dH). The launcher splits the rules without a decay,
     and the scalar decays with fp32 inputs (``launch.LAUNCH``).
     """
-    tl.static_assert(SIDE == 0 or DECAY != 2)
+    tl.static_assert(SIDE == BOTH_SIDES or DECAY != CHANNEL_DECAY)
     tl.static_assert(DELTA == 0 or BONUS == 0)  # dg holds the query side's sums alone where a bonus needs them
-    QS: tl.constexpr = SIDE != 2  # the query side: dq
-    KS: tl.constexpr = SIDE != 1  # the key side: dk, du
+    QS: tl.constexpr = SIDE != KEY_SIDE  # the query side: dq
+    KS: tl.constexpr = SIDE != QUERY_SIDE  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     # a scalar decay's fp32 q and k tiles for its row sums, loaded after the V loop, not held through it (+60
     # registers): by its sides, and on the key grid (at 4 x 4096 on an H200, grads 0.293 -> 0.276 ms gated delta,
     # 0.265 -> 0.249 mamba2; the fp16 loop's lost, mamba2 0.323 -> 0.333; session 29)
-    LATE: tl.constexpr = DECAY == 1 and (SIDE != 0 or KGRID > 1)
-    tl.static_assert(KGRID == 1 or SIDE == 0 or DECAY != 1)  # a scalar decay's sides join through one dg
+    LATE: tl.constexpr = DECAY == SCALAR_DECAY and (SIDE != BOTH_SIDES or KGRID > 1)
+    tl.static_assert(KGRID == 1 or SIDE == BOTH_SIDES or DECAY != SCALAR_DECAY)  # a scalar decay's sides join through one dg
     slot, h = tl.program_id(0) // KGRID, tl.program_id(1)
     kb = tl.program_id(0) % KGRID  # the key block (0 in the loop)
     k_end = K if KGRID == 1 else (kb + 1) * BK
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
-    if DECAY == 1 and KGRID > 1:  # this key block's part of the gate gradient
+    if DECAY == SCALAR_DECAY and KGRID > 1:  # this key block's part of the gate gradient
         dg += kb.to(tl.int64) * (T if IS_VARLEN else N * T) * H
     rows = tl.arange(0, C)
     valid = rows < nrows
@@ -83,7 +84,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     last_row = tl.maximum(t0 + nrows - 1, 0)
     if BONUS:
         dov = load_gate_rows(dov_in, t0, nrows, h, H, rows)
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
         Gqr = load_gate_rows(G, t0, nrows, h, H, rows - BONUS)
         last = tl.where(nrows > 0, tl.load(G + last_row * H + h), 0.0)
@@ -93,14 +94,14 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         if BONUS:
             dGq = tl.full([C], 0.0, tl.float32)
         gam = total(tl.full([C], 0.0, tl.float32), 0)
-    if DECAY == 2:
+    if DECAY == CHANNEL_DECAY:
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
     for k0 in range(kb * BK, k_end, BK):
         cols = k0 + tl.arange(0, BK)
         if not LATE:
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-        if DECAY == 2:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200;
+        if DECAY == CHANNEL_DECAY:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200;
             # session 33: everything after the loop, on its accumulators, compiled to 480 bytes of stack against 168)
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
@@ -127,7 +128,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         gH = tl.full([BK], 0.0, tl.float32)  # sum_v h dH
         for v0 in range(0, V, BV):
             vr = v0 + tl.arange(0, BV)
-            if QS or DECAY != 0:
+            if QS or DECAY != NO_DECAY:
                 hT = load_state(hs, slot, h, H, K, V, cols, vr, Klive, True)
             if KS:
                 dHT = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, True)
@@ -135,21 +136,21 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY == 2 and not BONUS and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
+            if DECAY == CHANNEL_DECAY and not BONUS and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
                 hE = load_state(hs, slot, h, H, K, V, cols, vr, Klive, False)
                 dHE = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False)
                 gH += total(hE.to(tl.float32) * dHE, 1)
-            elif DECAY != 0 and KS:
+            elif DECAY != NO_DECAY and KS:
                 gH += total(hT.to(tl.float32) * dHT, 0)
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             eq = exp2(Gqr)[:, None]
             ek = masked_exp2(valid, last - Gr)[:, None]
-        if DECAY == 2 and not BONUS:  # the decay factors after the V loop
+        if DECAY == CHANNEL_DECAY and not BONUS:  # the decay factors after the V loop
             eq = exp2(Gq)
             ek = masked_exp2(valid[:, None], lastk[None, :] - Gk)
             if one_ref:
                 dqt = dqt * eq
-        if DECAY != 2:  # dA carries the decays: dA k and dA^T q
+        if DECAY != CHANNEL_DECAY:  # dA carries the decays: dA k and dA^T q
             if QS:
                 dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False),
                          load_rows(k, t0, nrows, h, H, K, rows, cols, False), ST, X)
@@ -159,7 +160,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             if LATE:
                 qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
                 kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-        if DECAY == 0:
+        if DECAY == NO_DECAY:
             if QS:
                 dqt += scale * dqh
             if KS:
@@ -169,7 +170,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqt += scale * dqh * eq
             if KS:
                 kend = dkh * ek
-            if DECAY == 2:
+            if DECAY == CHANNEL_DECAY:
                 dkt += kend
                 gq = qt * dqt
                 gk = -kt * dkt
@@ -179,13 +180,13 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             else:  # two row sums: q dq - k dk before the chunk-end part, and that part (k kend), which gam sums
                 if KS:
                     kendr = total(kt * kend, 1)
-                if SIDE == 0:
+                if SIDE == BOTH_SIDES:
                     dGs += total(qt * dqt - kt * dkt, 1) - kendr
-                elif SIDE == 1:
+                elif SIDE == QUERY_SIDE:
                     dGs += total(qt * dqt, 1)
                 else:
                     dGs -= total(kt * dkt, 1) + kendr
-                if BONUS and SIDE == 0:
+                if BONUS and SIDE == BOTH_SIDES:
                     dGq += total(qt * dqt, 1)
                 if KS:
                     gam += exp2(last) * total(gH, 0) + total(kendr, 0)
@@ -204,7 +205,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
         if KS:
             store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
-        if DECAY == 2:  # one reverse cumulative sum of both sides (the query side's is exclusive with the bonus);
+        if DECAY == CHANNEL_DECAY:  # one reverse cumulative sum of both sides (the query side's is exclusive with the bonus);
             # a column sum and a forward scan: as one reverse scan (remaining_total) it took longer (gla 0.684 ->
             # 0.696 ms, rwkv6 0.751 -> 0.776 at 8 x 2048, H200), unlike the [C] sums of a scalar decay below
             gs = gk + gq
@@ -214,11 +215,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             else:
                 rev += gs
             store_rows(dg, rev + gam_k[None, :], t0, nrows, h, H, K, rows, cols)
-    if DECAY == 1:
-        if SIDE == 1:  # for the key side
+    if DECAY == SCALAR_DECAY:
+        if SIDE == QUERY_SIDE:  # for the key side
             tl.store(dg + (t0 * H + h) + rows * H, dGs, mask=valid)
         else:  # one reverse cumulative sum of both sides' channel sums, as one reverse scan
-            if SIDE == 2:  # the query side's (no bonus with the delta rule: without its part)
+            if SIDE == KEY_SIDE:  # the query side's (no bonus with the delta rule: without its part)
                 dGq = load_gate_rows(dg, t0, nrows, h, H, rows)
                 dGs += dGq
             rev = remaining_total(dGs, 0)
@@ -239,7 +240,7 @@ def gate_grad_parts(s: Shapes, g: torch.Tensor, decay: int, bonus: bool, dtype: 
     """An empty fp32 [parts, *g.shape] for the gate gradient: a scalar decay's arrives as one part per key block on
     the grid (their sum is the gradient), a per-channel decay's as one. The WY stages write into the first part."""
     kgrid = key_blocks(s, decay, bonus, dtype)[1]
-    return torch.empty(kgrid if decay == 1 else 1, *g.shape, device=g.device, dtype=torch.float32)
+    return torch.empty(kgrid if decay == Decay.SCALAR else 1, *g.shape, device=g.device, dtype=torch.float32)
 
 
 def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: torch.Tensor,
@@ -257,12 +258,12 @@ def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor
     flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
                  BK=bk, BV=s.BV, CSPAN=configs.CHUNK_SPAN, KP=s.BKF, KGRID=kgrid)
     grid = (s.slots * kgrid, s.H)
-    if decay == 0 or (decay == 1 and q.dtype == torch.float32):  # the query side, then the key side
-        tag = "_scalar" if decay else ""
-        launch_kernel(plan, "grads" + tag + "_query", grads_kernel, grid, *args, **flags, SIDE=1)
-        launch_kernel(plan, "grads" + tag + "_key", grads_kernel, grid, *args, **flags, SIDE=2)
+    if decay == Decay.NONE or (decay == Decay.SCALAR and q.dtype == torch.float32):  # the query side, then the key side
+        tag = "_scalar" if decay != Decay.NONE else ""
+        launch_kernel(plan, "grads" + tag + "_query", grads_kernel, grid, *args, **flags, SIDE=Side.QUERY)
+        launch_kernel(plan, "grads" + tag + "_key", grads_kernel, grid, *args, **flags, SIDE=Side.KEY)
     else:
         on_grid = key_grid(decay, bonus, q.dtype)
-        name = ("grads_vector" if on_grid else "grads_vector_loop") if decay == 2 else (
+        name = ("grads_vector" if on_grid else "grads_vector_loop") if decay == Decay.CHANNEL else (
             "grads_scalar" if on_grid else "grads_pipelined")
-        launch_kernel(plan, name, grads_kernel, grid, *args, **flags, SIDE=0)
+        launch_kernel(plan, name, grads_kernel, grid, *args, **flags, SIDE=Side.BOTH)

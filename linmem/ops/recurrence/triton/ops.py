@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..inputs import RecurrenceInputs
 from . import configs, pipeline, recurrent
+from .switches import Decay
 
 #: at most this many tokens without autograd run through the fused recurrent kernel
 RECURRENT_MAX_T = 16
@@ -153,18 +154,18 @@ def _per_token_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
     """log_decay as fp32 [B, T, H] or [B, T, H, K] (a constant [H] is expanded) and its kernel code."""
     g = inputs.log_decay
     if inputs.decay_kind == "none":
-        return None, 0
+        return None, Decay.NONE
     if inputs.decay_kind == "constant":
         B, T, H, _ = inputs.q.shape
         g = g[None, None, :].expand(B, T, H)
-    return g.float().contiguous(), configs.DECAY_CODES["vector" if inputs.decay_kind == "vector" else "scalar"]
+    return g.float().contiguous(), Decay.of(inputs.decay_kind)
 
 
 def _step_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
-    """The recurrent kernel's gate and its code: a constant [H] as given (``configs.CONSTANT_DECAY``), else as
+    """The recurrent kernel's gate and its code: a constant [H] as given (``Decay.CONSTANT``), else as
     :func:`_per_token_decay`."""
     if inputs.decay_kind == "constant":
-        return inputs.log_decay.float().contiguous(), configs.CONSTANT_DECAY
+        return inputs.log_decay.float().contiguous(), Decay.CONSTANT
     return _per_token_decay(inputs)
 
 

@@ -16,6 +16,13 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, load_state, locate_chunk, store_rows
 from .numerics import exp2, mm
 from .scores import bonus_scores, chunk_scores
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
+
+#: what :func:`_output_block` does with the decayed queries q e^G of a per-channel decay (its QG): nothing, store
+#: them to qg (the first V block of the delta rule's), or read them back from qg (its later V blocks)
+QG_NONE: tl.constexpr = tl.constexpr(0)
+QG_STORE: tl.constexpr = tl.constexpr(1)
+QG_READ: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -31,16 +38,16 @@ def _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V
     acc = tl.full([rows.shape[0], vr.shape[0]], 0.0, tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        if QG == 2:
+        if QG == QG_READ:
             qt = load_rows(qg, t0, nrows, h, H, K, rows, cols, False)
         else:
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False)
-            if DECAY == 2:
+            if DECAY == CHANNEL_DECAY:
                 qt = qt * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False))
-                if QG == 1:
+                if QG == QG_STORE:
                     store_rows(qg, qt, t0, nrows, h, H, K, rows, cols)
         acc += mm(qt, load_state(hs, slot, h, H, K, V, cols, vr, tl.where(nrows > 0, K, 0), False), HT, X)
-    if DECAY == 1:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
+    if DECAY == SCALAR_DECAY:  # a scalar decay scales the product's rows, and q goes to the tensor cores as loaded
         acc = acc * eq
     out = scale * acc + mm(A, load_rows(d, t0, nrows, h, H, V, rows, vr, False), AT, X)
     if BONUS:
@@ -70,7 +77,7 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N
     A = scale * chunk_scores(q, k, G, t0, nrows, h, H, K, DECAY, BONUS, BONUS, C, SB, BK, X, SPAN, CSPAN, KP)
     store_rows(A_out, A, t0, nrows, h, H, C, rows, rows)
     eq = rows  # a scalar decay's e^Gq on the rows (unused otherwise)
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         eq = exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[:, None]
     qku = rows  # the bonus's scores (unused without it)
     if BONUS:
@@ -78,12 +85,12 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N
     v_first = 0  # the first V block of the loop below
     if STORE_QG:  # the first V block on its own, which stores qg; the others read it back
         _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, tl.arange(0, BV), scale,
-                      DECAY, BONUS, 1, BK, HT, AT, X)
+                      DECAY, BONUS, QG_STORE, BK, HT, AT, X)
         v_first = BV
         tl.debug_barrier()  # qg, stored by other threads, is read below
     for v0 in range(v_first, V, BV):
         _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V, rows, v0 + tl.arange(0, BV),
-                      scale, DECAY, BONUS, 2 * STORE_QG, BK, HT, AT, X)
+                      scale, DECAY, BONUS, QG_READ if STORE_QG else QG_NONE, BK, HT, AT, X)
 
 
 def chunk_output(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, d: torch.Tensor, v: torch.Tensor,
@@ -94,7 +101,7 @@ def chunk_output(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, d: 
     d: the writes [B, T, H, V] (v, or the delta rule's corrected writes); v: the values (read for the bonus);
     G: [B, T, H(, K)] fp32; u: the bonus [H, K]; hs: the chunk-start states [slots, H, K, V]; Qg (``store_qg``,
     the delta rule with a per-channel decay): q e^G [B, T, H, K], stored here for the backward's pass."""
-    launch_kernel(plan, "output_vector" if decay == 2 else "output", output_kernel, (s.slots, s.H),
+    launch_kernel(plan, "output_vector" if decay == Decay.CHANNEL else "output", output_kernel, (s.slots, s.H),
                   q, k, d, v, G, u, hs, A, o, Qg, cu_seqlens, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                   BONUS=int(bonus), IS_VARLEN=int(s.varlen), STORE_QG=int(store_qg), C=CHUNK, SB=configs.PAIR_SUB,
                   BK=s.scores_BK(decay), BV=s.BV, SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)

@@ -50,6 +50,7 @@ from .state_bwd import backward_pass
 from .state_fwd import forward_pass
 from .wy_grads import wy_grads
 from .wy_prep import wy_factors
+from .switches import Decay
 
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
@@ -90,11 +91,11 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     delta, bonus = beta is not None, u is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
     Gp = G if G is not None else q
-    if decay == 2 or (decay == 1 and not delta):  # the delta rule's prep stage stores a scalar decay's G
+    if decay == Decay.CHANNEL or (decay == Decay.SCALAR and not delta):  # the delta rule's prep stage stores a scalar decay's G
         cumulative_gates(plan, s, g=g, G=G, cu_seqlens=cu, decay=decay)
     factors = None
     if delta:
-        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if decay == 1 else k, G=Gp, Tt=Tt, Wt=Wt,
+        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if decay == Decay.SCALAR else k, G=Gp, Tt=Tt, Wt=Wt,
                                      Kg=Kg if Kg is not None else k, cu_seqlens=cu, decay=decay)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=q.device, dtype=torch.float32) if output_final else None
     forward_pass(plan, s, k=Kg if Kg is not None else k, vu=factors.U if delta else v,
@@ -141,31 +142,31 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     # per-channel decay's dA and dL feed tf32 products instead, and stay fp32 for fp16 inputs (the products' right
     # factors, up to 2^CHUNK_SPAN, exceed fp16's range): docs/kernels.md, "Precision"
     state_dtype = precision_for(q.dtype).state
-    score_dtype = torch.float32 if decay == 2 and state_dtype == torch.float16 else state_dtype
+    score_dtype = torch.float32 if decay == Decay.CHANNEL and state_dtype == torch.float16 else state_dtype
     dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype)
     dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg_parts = gate_grad_parts(s, g, decay, bonus, q.dtype) if decay else None
-    dg = dg_parts[0] if decay else None
+    dg_parts = gate_grad_parts(s, g, decay, bonus, q.dtype) if decay != Decay.NONE else None
+    dg = dg_parts[0] if decay != Decay.NONE else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     wy_fused = delta and decay in configs.WY_FUSED and q.dtype == torch.bfloat16
     score_grads(plan, s, q=q, v=v, beta=beta if delta else q, G=Gp, Tt=Tt if delta else q,
                             d=d if delta else v, do=do, dd=dd if delta else dA, dA=dA, dL=dL if delta else dA,
                             Y=Y if delta else dA, dv=dv, dbeta=dbeta if delta else q, dov=dov if bonus else q, k=k,
-                            hs=hs, dk=dk, dg=dg if decay else q, cu_seqlens=cu, scale=scale, decay=decay,
+                            hs=hs, dk=dk, dg=dg if decay != Decay.NONE else q, cu_seqlens=cu, scale=scale, decay=decay,
                             delta=delta, bonus=bonus, wy_fused=wy_fused)
     if delta and not wy_fused:  # dk's and dg's parts through W and L first; the key-channel stage adds the rest
         wy_grads(plan, s, k=k, beta=beta, G=Gp, hs=hs, Y=Y, dL=dL, dk=dk, dbeta=dbeta,
-                          dg=dg if decay else q, cu_seqlens=cu, decay=decay)
+                          dg=dg if decay != Decay.NONE else q, cu_seqlens=cu, decay=decay)
     dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk
-    if decay == 2:
+    if decay == Decay.CHANNEL:
         dqi, dki = intra_grads(plan, s, q=q, k=k, G=Gp, dA=dA, cu_seqlens=cu, bonus=bonus)
     key_channel_grads(plan, s, q=q, k=k, G=Gp, u=u if bonus else q, d=d if delta else v, hs=hs, dHs=dHs,
                             do=do, dA=dA, dov=dov if bonus else q, dqi=dqi, dki=dki, dq=dq, dk=dk,
-                            dg=dg if decay else q, du=du if bonus else q, cu_seqlens=cu, scale=scale, decay=decay,
+                            dg=dg if decay != Decay.NONE else q, du=du if bonus else q, cu_seqlens=cu, scale=scale, decay=decay,
                             delta=delta, bonus=bonus)
-    if decay == 1 and dg_parts.shape[0] > 1:
+    if decay == Decay.SCALAR and dg_parts.shape[0] > 1:
         dg = dg_parts.sum(0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0

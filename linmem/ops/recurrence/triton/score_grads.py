@@ -17,6 +17,7 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, locate_chunk, store_rows
 from .numerics import bf16_parts, masked_exp2, mm, mm_parts, total
 from .wy_grads import wy_grads_chunk
+from .switches import SCALAR_DECAY
 
 
 @triton.jit
@@ -30,13 +31,13 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     k, hs, dk, dg and the constexprs after WY are that kernel's), reading Y and dL back as this program stored
     them.
 
-    dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for DECAY 1):
-    [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (DECAY 2's products run in
+    dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for SCALAR_DECAY):
+    [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (CHANNEL_DECAY's products run in
     tf32, on dA widened; fp16 inputs store it in fp32: see ``launch.chunk_backward``). Delta rule, with
     Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] =
-    -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for DECAY 1); dbeta gets its value part sum_v v Y.
+    -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for SCALAR_DECAY); dbeta gets its value part sum_v v Y.
     Y_out takes the dtype of hs, dL_out that of dA_out; the products of ``wy_grads_kernel`` run in them (in tf32
-    on dL for DECAY 2; the additive rule's dv is ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t
+    on dL for CHANNEL_DECAY; the additive rule's dv is ``dv_kernel``'s). Bonus: dov_out[t] = dO_t . d_t
     ([tokens, H] fp32). Grid (slots, H).
 
     Precision of the delta rule's two products (SPLIT: bf16 inputs, whose d and dd are bf16): Y = T^T dd as two
@@ -90,14 +91,14 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
         if BONUS:
             dov += total(dO.to(tl.float32) * load_rows(d, t0, nrows, h, H, V, rows, vr, False), 1)
     dA = tl.where(causal, dA, 0.0) * scale
-    if DECAY == 1:  # fold the pairwise decays into the score gradients
+    if DECAY == SCALAR_DECAY:  # fold the pairwise decays into the score gradients
         Gr = load_gate_rows(G, t0, nrows, h, H, rows)
         dA = dA * masked_exp2(causal, load_gate_rows(G, t0, nrows, h, H, rows - BONUS)[:, None] - Gr[None, :])
     store_rows(dA_out, dA, t0, nrows, h, H, C, rows, rows)
     if DELTA:
         strict = (rows[:, None] > rows[None, :]) & valid[:, None]
         dL = tl.where(strict, dL, 0.0)
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             dL = dL * masked_exp2(strict, Gr[:, None] - Gr[None, :])
         store_rows(dL_out, dL, t0, nrows, h, H, C, rows, rows)
         if WY:

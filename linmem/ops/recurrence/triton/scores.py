@@ -22,6 +22,7 @@ import triton.language as tl
 from .gates import block_span, carry_left, chunk_span, ref_point, since_ref, to_ref
 from .layout import load_gate_rows, load_rows
 from .numerics import exp2, masked_exp2, mm, total
+from .switches import CHANNEL_DECAY, SCALAR_DECAY
 
 #: row block of the per-channel decays' products without pairwise exponentials (``_block_scores``; the block
 #: path of the intra-chunk gradient stage takes ``configs.INTRA_ROWS``)
@@ -108,7 +109,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
     else:
         causal = rows[:, None] >= rows[None, :]
     acc = tl.full([C, C], 0.0, tl.float32)
-    if DECAY == 2:
+    if DECAY == CHANNEL_DECAY:
         # one path for the whole chunk, a loop each (a choice per key block inside one loop measured the same:
         # gla's output kernel 0.688 against 0.689 ms by products, before launch.MAX_REGISTERS capped the two paths)
         if chunk_span(G_ptr, t0, nrows, h, H, K, KP) <= CSPAN:
@@ -162,7 +163,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
             x = load_rows(x_ptr, t0, nrows, h, H, K, rows, cols, False)
             yT = load_rows(y_ptr, t0, nrows, h, H, K, rows, cols, True)
             acc += mm(x, yT, DT, X)
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             Gx = load_gate_rows(G_ptr, t0, nrows, h, H, rows - SHIFT)
             Gs = load_gate_rows(G_ptr, t0, nrows, h, H, rows)
             acc = acc * masked_exp2(causal & valid[:, None], Gx[:, None] - Gs[None, :])
@@ -233,14 +234,14 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, blocks, MT: tl.co
 
     dS: a score gradient as stored by ``score_grads_kernel`` ([tokens, H, C], row t holds
     dS[t, :]), zero outside the pairs (s <= t, or s < t if STRICT) of the scores it is the
-    gradient of; for DECAY 1 it already carries the decays (then this is a plain product).
-    Gx: [C, BK] (DECAY 2), G of the chunk's rows. With ``blocks`` (a chunk within :func:`block_span`'s bound) the
+    gradient of; for SCALAR_DECAY it already carries the decays (then this is a plain product).
+    Gx: [C, BK] (CHANNEL_DECAY), G of the chunk's rows. With ``blocks`` (a chunk within :func:`block_span`'s bound) the
     decays split at the blocks' starts (:func:`_block_rows`); otherwise at the sub-blocks' reference points, and
     pairwise inside them, for a chunk of any gates (``chunk_bwd._wy_one_ref`` takes the chunks within
     :func:`chunk_span`'s bound in one product). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
-    if DECAY != 2:
+    if DECAY != CHANNEL_DECAY:
         Z = mm(load_rows(dS, t0, nrows, h, H, C, rows, rows, False), load_rows(y_ptr, t0, nrows, h, H, K, rows, cols,
                                                                             False), MT, X)
     elif blocks:
@@ -290,7 +291,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, blocks, MT
     The transposed companion of :func:`intra_rows`: dS as stored there, read transposed (a
     transposed load, never a transposed product). w: one weight per token ([tokens, H], the
     delta rule's beta) if WEIGHTED, else 1. Gx is G of row t (t - 1 if SHIFT); Gs: [C, BK]
-    (DECAY 2), G of the chunk's rows, taken as in :func:`intra_rows` (``blocks`` only without SHIFT:
+    (CHANNEL_DECAY), G of the chunk's rows, taken as in :func:`intra_rows` (``blocks`` only without SHIFT:
     :func:`_block_cols`). Products run in dtype MT.
     """
     rows = tl.arange(0, C)
@@ -299,7 +300,7 @@ def intra_cols(dS, x_ptr, w_ptr, G_ptr, Gs, t0, nrows, h, H, K, cols, blocks, MT
     dST = load_rows(dS, t0, nrows, h, H, C, rows, rows, True)  # [s, t]
     if WEIGHTED:
         x = x * load_gate_rows(w_ptr, t0, nrows, h, H, rows)[:, None]
-    if DECAY != 2:
+    if DECAY != CHANNEL_DECAY:
         Z = mm(dST, x, MT, X)
     elif blocks:
         tl.static_assert(SHIFT == 0)

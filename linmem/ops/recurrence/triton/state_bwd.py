@@ -17,6 +17,7 @@ from .launch import launch_sequential
 from .layout import (first_state_tiles, load_gate_rows, load_rows, load_state, sequence_state, store_rows,
                      store_state_tiles)
 from .numerics import exp2, masked_exp2, mm
+from .switches import CHANNEL_DECAY, SCALAR_DECAY
 
 
 @triton.jit
@@ -50,12 +51,12 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
     with a per-channel decay the delta rule's q arrives decayed (qg of ``output_kernel``), and with GATES_AHEAD
     its chunk-end gates as eg (log2 units, [KB])."""
     qT = load_rows(q, t0, nrows, h, H, K, rows, kb, True)
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         if not DELTA:  # on q^T: on the additive rule's bf16 dO rows it broke the bf16 bound of dlog_decay
             qT = qT * exp2(load_gate_rows(G, t0, nrows, h, H, rows - BONUS))[None, :]
             eg = exp2(end_decay(G, t0, nrows, h, H, K, kb, DECAY))
         dS = dS * eg
-    elif DECAY == 2:
+    elif DECAY == CHANNEL_DECAY:
         if not DELTA:
             qT = qT * exp2(load_rows(G, t0, nrows, h, H, K, rows - BONUS, kb, True))
         if GATES_AHEAD:
@@ -100,12 +101,12 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
     NKB: tl.constexpr = BKF // KB
-    GATES_AHEAD: tl.constexpr = DECAY == 2 and DELTA and not X  # KDA's chunk-end gates loaded a chunk ahead
+    GATES_AHEAD: tl.constexpr = DECAY == CHANNEL_DECAY and DELTA and not X  # KDA's chunk-end gates loaded a chunk ahead
     n, h, bos, eos, s0, kb0, vr, rows = sequence_state(cu_seqlens, T, H, C, IS_VARLEN, KB, BV)
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
     dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
     nchunks = (eos - bos + C - 1) // C
-    if DECAY == 1 and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
+    if DECAY == SCALAR_DECAY and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
         tn = bos + (nchunks - 1) * C
         Gn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows)
     if GATES_AHEAD:  # likewise a per-channel decay's chunk-end gates, one [KB] per state tile
@@ -116,7 +117,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         t0 = bos + (nchunks - 1 - i) * C
         nrows = tl.minimum(eos - t0, C)
         eg = nrows  # the delta rule's e^Gamma for a scalar decay (unused otherwise)
-        if DECAY == 1 and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
+        if DECAY == SCALAR_DECAY and DELTA:  # this chunk's gates, loaded by the step before; load the next chunk's
             ek = masked_exp2(rows < nrows, lastn - Gn)
             eq = exp2(Gn)
             eg = exp2(lastn)
@@ -130,7 +131,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         dd = dO  # the additive rule's pass does not read it
         if DELTA:
             dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
-            if DECAY == 1:  # the key tiles' products first, their rows decayed once
+            if DECAY == SCALAR_DECAY:  # the key tiles' products first, their rows decayed once
                 kdS = tl.full([C, BV], 0.0, tl.float32)  # (tl.zeros is a jit helper: see common.total)
                 kdS = _writes_grad_parts(kdS, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
                 dd += kdS * ek[:, None]

@@ -19,6 +19,7 @@ from .layout import (first_state_tiles, load_gate_rows, load_rows, load_state, s
                      store_state_tiles)
 from .numerics import exp2, masked_exp2, mm, mm_split
 from .wy_prep import Factors
+from .switches import CHANNEL_DECAY, SCALAR_DECAY
 
 
 @triton.jit
@@ -29,12 +30,12 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
     per-channel decay its k (kg)."""
     kT = load_rows(k, t0, nrows, h, H, K, rows, kb, True)
     valid = rows < nrows
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         if not DELTA:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
             kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
         S = S * exp2(last)
-    elif DECAY == 2:  # last in each branch: one line above both reorders the additive rule's loads (new sm_90 code)
+    elif DECAY == CHANNEL_DECAY:  # last in each branch: one line above both reorders the additive rule's loads (new sm_90 code)
         if DELTA:  # k arrives decayed (kg of delta_prep_kernel)
             last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         else:
@@ -108,7 +109,7 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
                 d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb2, C, W_T), S2, IT, SPLIT, X)
                 d -= _pass_mm(_w_tile(W, s0 + c, t0, nrows, h, H, K, rows, kb3, C, W_T), S3, IT, SPLIT, X)
             store_rows(d_out, d, t0, nrows, h, H, V, rows, vr)
-            if DECAY == 1:
+            if DECAY == SCALAR_DECAY:
                 d = d * masked_exp2(rows < nrows, end_decay(G, t0, nrows, h, H, K, kb0, DECAY)
                                     - load_gate_rows(G, t0, nrows, h, H, rows))[:, None]
         S0 = _state_step(S0, k, G, d, t0, nrows, h, H, K, rows, kb0, DECAY, DELTA, PT, SPLIT_KD, X)

@@ -20,6 +20,7 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, load_state, locate_chunk, store_rows
 from .numerics import exp2, masked_exp2, mm, total
 from .scores import FAST_BLOCK, intra_cols, intra_rows
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 
 @triton.jit
@@ -32,7 +33,7 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     W = T (beta k e^G) gives d(beta k e^G) = -Y h^T; L = I + diag(beta) strict(A_kk) gives, with
     dL as stored by ``score_grads_kernel``, the row part beta (dL k) (e^+G side) and the column part
     dL^T (beta k) (e^-G side). Stores that part of dk to ``dk`` (input dtype), its gate gradient
-    k (dk parts, e^-G parts negated) to ``dg`` (DECAY 2: [tokens, H, K]; DECAY 1: summed over the
+    k (dk parts, e^-G parts negated) to ``dg`` (CHANNEL_DECAY: [tokens, H, K]; SCALAR_DECAY: summed over the
     channels, [tokens, H]; before the reverse cumulative sum) and adds the key part of dbeta,
     sum_k k (e^G (-Y h^T) + dL k), to ``dbeta``, which holds its value part. Per-channel decays take both
     parts by one product each where the chunk's gates fall by at most 2^-CSPAN over it (:func:`chunk_span`,
@@ -57,7 +58,7 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
     within :func:`chunk_span`'s bound takes :func:`_wy_one_ref`; the others ``common.intra_rows`` and
     ``intra_cols``: by blocks of ``common.FAST_BLOCK`` rows where no gate falls by more than 2^-SPAN inside one
     (:func:`common.block_span`), else pairwise inside sub-blocks of SB rows."""
-    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != 2 else tl.float32  # the products that read dL (tf32
+    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != CHANNEL_DECAY else tl.float32  # the products that read dL (tf32
     # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     rows = tl.arange(0, C)
@@ -65,7 +66,7 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
     Klive = tl.where(nrows > 0, K, 0)  # key columns to read (none in an idle slot)
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
     one_ref = False
-    if DECAY == 2:
+    if DECAY == CHANNEL_DECAY:
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
     if one_ref:
         for k0 in range(0, K, BK):
@@ -73,20 +74,20 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
                              LT, C, BV, X)
     else:
         blocks = False
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             Gr = load_gate_rows(G, t0, nrows, h, H, rows)
             dGk = tl.full([C], 0.0, tl.float32)
-        elif DECAY == 2:
+        elif DECAY == CHANNEL_DECAY:
             blocks = block_span(G, t0, nrows, h, H, K, C, FAST_BLOCK, BK) <= SPAN
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
             dkW = _less_y_h(tl.full([C, BK], 0.0, tl.float32), Y, hs, slot, h, t0, nrows, H, K, V, Klive, rows, cols,
                             BV, X)
-            if DECAY == 2:
+            if DECAY == CHANNEL_DECAY:
                 Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
                 dkW = dkW * exp2(Gk)
-            elif DECAY == 1:
+            elif DECAY == SCALAR_DECAY:
                 Gk = Gr
                 dkW = dkW * exp2(Gr)[:, None]
             else:
@@ -96,11 +97,11 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
             rowpart = b[:, None] * (dkW + R)
             Ccol = intra_cols(dL_in, k, beta, G, Gk, t0, nrows, h, H, K, cols, blocks, LT, DECAY, 1, 0, 1, C, SB, X)
             store_rows(dk, rowpart + Ccol, t0, nrows, h, H, K, rows, cols)
-            if DECAY == 2:
+            if DECAY == CHANNEL_DECAY:
                 store_rows(dg, kt * (rowpart - Ccol), t0, nrows, h, H, K, rows, cols)
-            elif DECAY == 1:
+            elif DECAY == SCALAR_DECAY:
                 dGk += total(kt * (rowpart - Ccol), 1)
-        if DECAY == 1:
+        if DECAY == SCALAR_DECAY:
             tl.store(dg + (t0 * H + h) + rows * H, dGk, mask=valid)
     tl.store(dbeta + (t0 * H + h) + rows * H, db, mask=valid)
 
@@ -155,7 +156,7 @@ def wy_grads(plan: dict, s: Shapes, *, k: torch.Tensor, beta: torch.Tensor, G: t
     the channels for a scalar decay; before the reverse cumulative sum), dbeta [B, T, H] fp32 completed (it holds
     the value part). Y [B, T, H, V] and dL [B, T, H, C]: from the score-gradient stage; hs: the chunk-start
     states [slots, H, K, V]."""
-    launch_kernel(plan, "wy_grads_vector" if decay == 2 else "wy_grads", wy_grads_kernel, (s.slots, s.H),
+    launch_kernel(plan, "wy_grads_vector" if decay == Decay.CHANNEL else "wy_grads", wy_grads_kernel, (s.slots, s.H),
                   k, beta, G, hs, Y, dL, dk, dbeta, dg, cu_seqlens, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                   IS_VARLEN=int(s.varlen), C=CHUNK, SB=configs.PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV,
                   SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)

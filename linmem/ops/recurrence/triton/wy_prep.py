@@ -20,6 +20,7 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, locate_chunk, store_rows, store_rows_t, store_state
 from .numerics import _INTERP, exp2, masked_exp2, mm, mm_split
 from .scores import chunk_scores
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 
 @triton.jit
@@ -128,14 +129,14 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; G: [tokens, H(, K)], which a scalar decay
-    (DECAY 1) stores here first, from its log decay g ([tokens, H]) as :func:`chunk_cumsum_kernel` would;
+    (SCALAR_DECAY) stores here first, from its log decay g ([tokens, H]) as :func:`chunk_cumsum_kernel` would;
     outputs Tt: [tokens, H, C] (fp32,
     T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
     Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
     U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so; W is stored only if
     STORE_W: with bf16 factors Wt holds the same values, and the forward pass reads those). The backward reads
     T and W only transposed, and fp32 operands of tensor-core products must not be transposed on the way
-    in: they would go through shared memory one element at a time. A per-channel decay (DECAY 2) also
+    in: they would go through shared memory one element at a time. A per-channel decay (CHANNEL_DECAY) also
     stores the keys decayed to the chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the
     sequential passes read instead of k and G. Grid (slots, H).
 
@@ -147,7 +148,7 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     valid = rows < nrows
-    if DECAY == 1:  # G first, read back below after the barrier; this saves the cumsum kernel's launch (gated delta
+    if DECAY == SCALAR_DECAY:  # G first, read back below after the barrier; this saves the cumsum kernel's launch (gated delta
         # 1.535 -> 1.529 ms at 4 x 4096, 1.858 -> 1.844 at 1 x 16384 on an H200). A per-channel G here lost:
         # KDA's prep 0.400 -> 0.485 ms against the cumsum kernel's 0.066
         scalar_cumsum(g, G, t0, nrows, h, H, C)
@@ -176,12 +177,12 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     # take the keys and values as they are, which bf16 inputs keep exact
     TU = load_rows(Tt, t0, nrows, h, H, C, rows, rows, True) * b[None, :]
     TW = TU
-    if DECAY == 1:
+    if DECAY == SCALAR_DECAY:
         TW = TU * exp2(load_gate_rows(G, t0, nrows, h, H, rows))[None, :]
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = load_rows(k, t0, nrows, h, H, K, rows, cols, False)
-        if DECAY == 2:  # the per-channel decay on the keys, and kg, the keys decayed to the chunk's end
+        if DECAY == CHANNEL_DECAY:  # the per-channel decay on the keys, and kg, the keys decayed to the chunk's end
             Gr = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             last = tl.load(G + ((t0 + nrows - 1) * H + h) * K + cols, mask=cols < K, other=0.0)
             store_rows(kg, x * masked_exp2(valid[:, None], last[None, :] - Gr), t0, nrows, h, H, K, rows, cols)
@@ -219,7 +220,7 @@ def wy_factors(plan: dict, s: Shapes, *, k: torch.Tensor, v: torch.Tensor, beta:
     narrow = bf16 and not fills_half(s, decay, k.device)
     W = Wt if transposed else torch.empty_like(k, dtype=dtype)
     U = torch.empty_like(v, dtype=dtype)
-    launch_kernel(plan, "prep_vector" if decay == 2 else "prep", delta_prep_kernel, (s.slots, s.H),
+    launch_kernel(plan, "prep_vector" if decay == Decay.CHANNEL else "prep", delta_prep_kernel, (s.slots, s.H),
                   k, v, beta, g, G, Tt, W, Wt, U, Kg, cu_seqlens, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
                   IS_VARLEN=int(s.varlen), STORE_W=int(not transposed), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV,
                   SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)

@@ -52,5 +52,5 @@ def cumulative_gates(plan: dict, s: Shapes, *, g: torch.Tensor, G: torch.Tensor,
     """
     nkb = cdiv(s.K, s.BK) if decay == Decay.CHANNEL else 1
     launch_kernel(plan, "cumsum", chunk_cumsum_kernel, (s.slots, s.H, nkb),
-                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == Decay.CHANNEL), IS_VARLEN=int(s.varlen), C=CHUNK,
-                  BK=s.BK)
+                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == Decay.CHANNEL), IS_VARLEN=int(s.varlen),
+                  C=CHUNK, BK=s.BK)

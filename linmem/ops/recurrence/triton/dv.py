@@ -26,9 +26,8 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
     plus the bonus's scale (q u k) dO.
 
     A: the forward's scaled scores [tokens, H, C]; dHs: the chunk-end state gradients [slots, H, K, V]
-    from ``state_bwd_kernel``; dv: [tokens, H, V] in the input dtype. Inside the sequential pass,
-    these products cost GLA's state_bwd two thirds of its time (H200, 8 x 2048, H = 16, K = V = 128:
-    0.519 ms with them, 0.177 without; this kernel takes 0.141). Grid (V blocks, slots, H).
+    from ``state_bwd_kernel``; dv: [tokens, H, V] in the input dtype. Inside the sequential pass these products
+    would take two thirds of the pass's time; here they run in parallel. Grid (V blocks, slots, H).
     """
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     vb, slot, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -29,37 +29,32 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                  KP: tl.constexpr, KGRID: tl.constexpr):
     """The gradients of one chunk per key channel: dq, dk, dg, du.
 
-    Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients,
-    [slots, H, K, V]), do: [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in
-    ([tokens, H, C], read once as [t, s] and once transposed) and dov_in ([tokens, H]). Per-channel
-    decays (CHANNEL_DECAY): a chunk whose gates fall by at most 2^-CSPAN over the chunk (:func:`chunk_span`) takes
-    the intra-chunk parts of dq and dk from two products, its decays split at the chunk's start as a scalar
-    decay's (``dA (k e^-G)`` and ``dA^T (q e^Gq)``, the right factor at most 2^CSPAN; on a bf16 dA as two bf16
-    products, :func:`common.mm_wide`, else and for RWKV-6 in tf32); any other
-    reads them from dqi and dki (``intra_grads_kernel``). For the
-    delta rule (DELTA), dk and dg already hold what ``wy_grads_kernel`` stored, and get the rest
-    added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens, H(, K)] fp32 (reverse
-    cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid (slots * KGRID, H).
+    Inputs as in the forward plus hs/dHs (chunk-start states / chunk-end state gradients, [slots, H, K, V]), do:
+    [tokens, H, V] and what ``score_grads_kernel`` stored: dA_in ([tokens, H, C], read once as [t, s] and once
+    transposed) and dov_in ([tokens, H]). Per-channel decays (CHANNEL_DECAY): a chunk whose gates fall by at most
+    2^-CSPAN over the chunk (``gates.chunk_span``) takes the intra-chunk parts of dq and dk from two products, its
+    decays split at the chunk's start as a scalar decay's (``dA (k e^-G)`` and ``dA^T (q e^Gq)``, the right factor
+    at most 2^CSPAN; on a bf16 dA as two bf16 products, ``numerics.mm_wide``, else and for RWKV-6 in tf32); any
+    other reads them from dqi and dki (``intra_grads_kernel``). For the delta rule (DELTA), dk and dg already hold
+    what the WY stage stored, and get the rest added. Outputs: dq, dk [tokens, H, K] (input dtype); dg [tokens,
+    H(, K)] fp32 (reverse cumulative inside the chunk); du: per-chunk bonus gradients [slots, H, K] fp32. Grid
+    (slots * KGRID, H).
 
-    The per-channel decays but RWKV-6's (their key blocks on the grid, ``launch.key_grid``; one block at K <= BK)
-    take the chunk-end term ``sum_v h dH`` from h and dH tiles loaded for it alone: at 2 or 3 stages (4 warps),
-    with the tiles that feed ``dO h^T`` and ``d dH^T`` also read for it, Triton 3.6 compiled a race on Hopper (dq
-    and dg moved from run to run, session 28); with tiles of their own the reruns agree, and the kernel runs 2
-    stages (session 29, ``launch.LAUNCH``).
+    The per-channel decays but RWKV-6's take the chunk-end term ``sum_v h dH`` from h and dH tiles loaded for it
+    alone, apart from the tiles that feed ``dO h^T`` and ``d dH^T`` (see the WORKAROUND in the V loop).
 
-    KGRID 1: one program per chunk and head loops over the key blocks of BK channels. KGRID = K / BK (rounded
-    up): one program per key block (``launch.key_grid``), the blocks of a chunk next to each other on the grid.
-    A scalar decay's gate gradient then arrives as KGRID parts, each program storing its block's part in its
-    own [tokens, H] slice of dg (the first slice holds the delta rule's WY part, which its block adds); the
-    launcher sums them.
+    KGRID 1: one program per chunk and head loops over the key blocks of BK channels. KGRID = K / BK (rounded up):
+    one program per key block (``configs.key_grid``), the blocks of a chunk next to each other on the grid. A scalar
+    decay's gate gradient then arrives as KGRID parts, each program storing its block's part in its own [tokens, H]
+    slice of dg (the first slice holds the delta rule's WY part, which its block adds); the launcher sums them.
 
-    BOTH_SIDES computes both sides of the chunk. But without a per-channel decay they can run as two launches
-    of about half the registers each (they share only their reads of q, k and dA): QUERY_SIDE the query side
-    (dq: dO h^T, dA k), KEY_SIDE the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient
-    joins them through dg: the query side stores its row sums q dq there (on the delta rule's part), the
-    key side loads them, subtracts its own (k dk) and takes the reverse cumulative sum; it also loads the
-    chunk-start states for the chunk-end term sum(h dH). The launcher splits the rules without a decay,
-    and the scalar decays with fp32 inputs (``launch.LAUNCH``).
+    BOTH_SIDES computes both sides of the chunk. But without a per-channel decay they can run as two launches of
+    about half the registers each (they share only their reads of q, k and dA): QUERY_SIDE the query side (dq: dO
+    h^T, dA k), KEY_SIDE the key side (dk: d dH^T, dA^T q; du). A scalar decay's gate gradient joins them through
+    dg: the query side stores its row sums q dq there (on the delta rule's part), the key side loads them,
+    subtracts its own (k dk) and takes the reverse cumulative sum; it also loads the chunk-start states for the
+    chunk-end term sum(h dH). The launcher splits the rules without a decay, and the scalar decays with fp32
+    inputs.
     """
     tl.static_assert(SIDE == BOTH_SIDES or DECAY != CHANNEL_DECAY)
     tl.static_assert(DELTA == 0 or BONUS == 0)  # dg holds the query side's sums alone where a bonus needs them
@@ -67,11 +62,11 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     KS: tl.constexpr = SIDE != QUERY_SIDE  # the key side: dk, du
     ST: tl.constexpr = hs.dtype.element_ty  # chunk states and their gradients
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
-    # a scalar decay's fp32 q and k tiles for its row sums, loaded after the V loop, not held through it (+60
-    # registers): by its sides, and on the key grid (at 4 x 4096 on an H200, grads 0.293 -> 0.276 ms gated delta,
-    # 0.265 -> 0.249 mamba2; the fp16 loop's lost, mamba2 0.323 -> 0.333; session 29)
+    # a scalar decay's fp32 q and k tiles for its row sums, loaded after the V loop rather than held through it (60
+    # registers fewer): by its sides, and on the key grid (the fp16 loop is faster loading them first)
     LATE: tl.constexpr = DECAY == SCALAR_DECAY and (SIDE != BOTH_SIDES or KGRID > 1)
-    tl.static_assert(KGRID == 1 or SIDE == BOTH_SIDES or DECAY != SCALAR_DECAY)  # a scalar decay's sides join through one dg
+    # a scalar decay's sides join through one dg
+    tl.static_assert(KGRID == 1 or SIDE == BOTH_SIDES or DECAY != SCALAR_DECAY)
     slot, h = tl.program_id(0) // KGRID, tl.program_id(1)
     kb = tl.program_id(0) % KGRID  # the key block (0 in the loop)
     k_end = K if KGRID == 1 else (kb + 1) * BK
@@ -101,23 +96,22 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
         if not LATE:
             qt = load_rows(q, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
             kt = load_rows(k, t0, nrows, h, H, K, rows, cols, False).to(tl.float32)
-        if DECAY == CHANNEL_DECAY:  # before the V loop, which hides these loads (gla grads 0.88 -> 0.77 ms at 8 x 2048, H200;
-            # session 33: everything after the loop, on its accumulators, compiled to 480 bytes of stack against 168)
+        if DECAY == CHANNEL_DECAY:  # before the V loop, which hides these loads (after it, on its accumulators, the
+            # kernel spills three times as much)
             Gk = load_rows(G, t0, nrows, h, H, K, rows, cols, False)
             Gq = load_rows(G, t0, nrows, h, H, K, rows - BONUS, cols, False)
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
             if BONUS:  # RWKV-6 holds the decay factors through the V loop: taken after it (as the others do, two
-                # [C, BK] tiles fewer held) its loop spilled more, grads 0.814 -> 0.829 ms at 4 x 4096 on an H200,
-                # where gla's went 0.564 -> 0.540 and kda's 0.630 -> 0.625
+                # [C, BK] tiles fewer held) its loop spills more
                 eq = exp2(Gq)
                 ek = masked_exp2(valid[:, None], lastk[None, :] - Gk)
             if one_ref:  # the intra-chunk parts through the chunk's start (dq's e^Gq after the V loop but RWKV-6's)
                 rk = masked_exp2(valid[:, None], -Gk)  # in [1, 2^CSPAN]
-                if BONUS:  # in tf32 (with common.mm_wide, RWKV-6's grads 0.819 -> 0.887 ms at 4 x 4096, H200)
+                if BONUS:  # in tf32 (numerics.mm_wide is slower here)
                     dqt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), kt * rk, tl.float32, X) * eq
                     dkt = mm(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * eq, tl.float32, X) * rk
-                else:  # e^Gq taken here apart from the eq after the V loop: one eq for both kept it live through
-                    # the loop (sm_90 stack 128 -> 208 bytes for gla)
+                else:  # e^Gq taken here apart from the eq after the V loop: one eq for both would keep it live
+                    # through the loop (more stack)
                     dqt = mm_wide(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, False), kt * rk, X)
                     dkt = mm_wide(load_rows(dA_in, t0, nrows, h, H, C, rows, rows, True), qt * exp2(Gq), X) * rk
             else:  # from intra_grads_kernel
@@ -136,7 +130,8 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
                 dqh += mm(load_rows(do, t0, nrows, h, H, V, rows, vr, False), hT, ST, X)
             if KS:
                 dkh += mm(load_rows(d, t0, nrows, h, H, V, rows, vr, False), dHT, ST, X)
-            if DECAY == CHANNEL_DECAY and not BONUS and KS:  # apart from the products' tiles (a race otherwise: see the docstring)
+            # WORKAROUND(triton 3.6, sm_90): tiles feeding both the products and sum h dH compile to a race (2-3 stages)
+            if DECAY == CHANNEL_DECAY and not BONUS and KS:  # sum_v h dH from tiles of its own
                 hE = load_state(hs, slot, h, H, K, V, cols, vr, Klive, False)
                 dHE = load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False)
                 gH += total(hE.to(tl.float32) * dHE, 1)
@@ -205,9 +200,9 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
             store_rows(dq, dqt, t0, nrows, h, H, K, rows, cols)
         if KS:
             store_rows(dk, dkt, t0, nrows, h, H, K, rows, cols)
-        if DECAY == CHANNEL_DECAY:  # one reverse cumulative sum of both sides (the query side's is exclusive with the bonus);
-            # a column sum and a forward scan: as one reverse scan (remaining_total) it took longer (gla 0.684 ->
-            # 0.696 ms, rwkv6 0.751 -> 0.776 at 8 x 2048, H200), unlike the [C] sums of a scalar decay below
+        if DECAY == CHANNEL_DECAY:  # one reverse cumulative sum of both sides (the query side's is exclusive with the
+            # bonus) as a column sum and a forward scan: one reverse scan (remaining_total) is slower on these [C, BK]
+            # tiles, unlike the [C] sums of a scalar decay below
             gs = gk + gq
             rev = total(gs, 0)[None, :] - running_total(gs, 0)
             if BONUS:

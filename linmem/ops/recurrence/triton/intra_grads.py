@@ -55,11 +55,10 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
                        CSPAN: tl.constexpr, KP: tl.constexpr):
     """Per-channel decays: the intra-chunk parts of dq and dk for one block of RB rows of a chunk and
     BK key channels, which ``grads_kernel`` completes; only in chunks whose gates fall by more than
-    2^-CSPAN over the chunk (:func:`chunk_span`, KP: K padded to a power of 2): ``grads_kernel`` takes the
+    2^-CSPAN over the chunk (``gates.chunk_span``, KP: K padded to a power of 2): ``grads_kernel`` takes the
     others' from two products of its own. Those chunks' programs stop after that check, one load of the last
-    row's gates: 0.058 ms for gla at 8 x 2048, H = 16, K = 128 on an H200 (0.086 with two loads; one program
-    per chunk, looping over its blocks, took 0.024, but 240 registers against 124, and the other chunks' work
-    0.41 -> 0.60 ms).
+    row's gates. (One program per chunk looping over its blocks would stop sooner, but at twice the registers it
+    slows the other chunks' work more.)
 
     dqi[t] = sum_s dA[t, s] k_s e^(Gq_t - G_s),  dki[s] = sum_t dA[t, s] q_t e^(Gq_t - G_s)
     over the score pairs (s <= t; s < t and Gq_t = G_(t-1) with the bonus): [tokens, H, K] fp32.
@@ -70,13 +69,11 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     - pairs across the block's two halves of RB / 2 rows: Rm = G at the first half's last row, one
       masked product per side. The second half's rows then take Rm as their reference for dq (the
       earlier blocks' sum carried there by e^(Rm - R0)), the first half's for dk (by e^(R1 - Rm));
-    - pairs inside a half: one exponential per pair and channel.
-    The halves take half the pairwise exponentials of the whole block: on an H200 at 8 x 2048, H = 16,
-    K = 128, bf16, 0.956 -> 0.681 ms for gla (rwkv6 0.973 -> 0.777, kda 0.954 -> 0.680).
+    - pairs inside a half: one exponential per pair and channel (half the pairwise exponentials of the whole
+      block).
     Where no gate of the block's channels falls by more than 2^-SPAN over the block (R0 - R1 <= SPAN),
     its own pairs go through R0 (dq) and R1 (dk) as well, in one more product per side, with factors up
-    to 2^SPAN and no exponential per pair: 0.681 -> 0.41 ms (gla, rwkv6, kda alike; the pairwise path
-    takes 0.73 beside it).
+    to 2^SPAN and no exponential per pair.
     Grid (K blocks, slots * C / RB, H).
     """
     MT: tl.constexpr = tl.float32  # tf32 products (tf32x3 for fp32 inputs), also from a bf16 dA (as grads_kernel)

@@ -71,11 +71,10 @@ def rounded(x, DT: tl.constexpr):
 def mm(a, b, DT: tl.constexpr, X: tl.constexpr):
     """a @ b with both operands rounded to the dot dtype DT, fp32 accumulation.
 
-    X: the kernel's inputs are fp32, so products keep about fp32's accuracy: three tf32 tensor-core
-    products (``tf32x3``; the IEEE fp32 products before session 23 ran 1.5 to 13 times slower, their
-    kernels compiled to up to 10 KB of spills). fp32 intermediates of bf16/fp16 inputs use tf32
-    products. The interpreter multiplies bf16 bit patterns as integers, so there the rounded operands
-    are widened to fp32.
+    X: the kernel's inputs are fp32, so products keep about fp32's accuracy: three tf32 tensor-core products
+    (``tf32x3``; IEEE fp32 products run without tensor cores, and their kernels spill). fp32 intermediates of
+    bf16/fp16 inputs use tf32 products. The interpreter multiplies bf16 bit patterns as integers, so there the
+    rounded operands are widened to fp32.
     """
     a = rounded(a, DT)
     b = rounded(b, DT)
@@ -150,16 +149,11 @@ def mm_wide(a, b, X: tl.constexpr):
     parts (:func:`mm_split`: two bf16 products, about 16 of b's mantissa bits); an fp32 a takes one tf32 product
     (tf32x3 for fp32 inputs, X). fp32 accumulation.
 
-    ``grads_kernel`` takes it for a per-channel decay's one-reference chunks (not RWKV-6's). There, one tf32
-    product on the widened bf16 dA spent about a tenth of the warp samples on the widening and its change of layout
-    (the transposed dA through shared memory 16 bits at a time; Nsight Compute, KDA at 4 x 4096, session 32). b keeps
-    16 mantissa bits instead of tf32's 10. Measured on an H200 (session 32, 4 x 4096, H = 16, K = V = 128, bf16),
-    grads_kernel ms: kda 0.630 -> 0.579, gla 0.564 -> 0.506; error ratios against float64 the same or lower.
-    Where it did not land: KDA's WY products on dL (``chunk_bwd._wy_one_ref``: score_grads 0.451 -> 0.449, and on the
-    H200 dk came out wrong at K = 100, V = 72 and differed between the fused and separate WY kernels at K = 80, which
-    the CPU interpreter passed, as session 18's bf16 products on dL did); ``intra_grads_kernel``'s [16, 16] products
-    (slower: 0.322 -> 0.363 ms at gates x10, 0.684 -> 0.780 at x100; sm_90 stack 0 -> 112 bytes); RWKV-6's
-    one-reference products (0.819 -> 0.887)."""
+    ``grads_kernel`` takes it for a per-channel decay's one-reference chunks (not RWKV-6's): one tf32 product on
+    the widened bf16 dA spends a tenth of that kernel's warp samples on the widening and its change of layout (the
+    transposed dA goes through shared memory 16 bits at a time), and b keeps 16 mantissa bits instead of tf32's 10.
+    ``intra_grads_kernel``'s [16, 16] products and RWKV-6's one-reference products keep tf32, where this is
+    slower; so do the WY products on dL (``wy_grads.py``), where bf16 products are miscompiled."""
     if a.dtype == tl.bfloat16:
         return mm_split(a, b)
     return mm(a, b, tl.float32, X)

@@ -30,11 +30,9 @@ def _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V
                   DECAY: tl.constexpr, BONUS: tl.constexpr, QG: tl.constexpr, BK: tl.constexpr,
                   HT: tl.constexpr, AT: tl.constexpr, X: tl.constexpr):
     """One V block of the output: scale (q e^Gq) h[:, vr] + A d[:, vr] (+ the bonus) -> o. QG (per-channel
-    decays): 1 also stores q e^G -> qg, which the caller asks of its first V block alone; 2 reads it back from
-    qg (rounded to qg's dtype, as the product rounds it to hs's, the same). Measured on an H200 (KDA,
-    8 x 2048, H = 16, K = V = 128): the output kernel 0.285 ms without the store, 0.371 with it inside the V
-    loop behind a runtime test, 0.338 with it in the first block alone, 0.321 with the later blocks reading
-    it back."""
+    decays): QG_STORE also stores q e^G -> qg, which the caller asks of its first V block alone; QG_READ reads it
+    back from qg (rounded to qg's dtype, as the product rounds it to hs's: the same values). Storing qg from one
+    block and reading it back in the others costs less than a runtime test inside the V loop."""
     acc = tl.full([rows.shape[0], vr.shape[0]], 0.0, tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)

@@ -91,7 +91,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     delta, bonus = beta is not None, u is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
     Gp = G if G is not None else q
-    if decay == Decay.CHANNEL or (decay == Decay.SCALAR and not delta):  # the delta rule's prep stage stores a scalar decay's G
+    if decay == Decay.CHANNEL or (decay == Decay.SCALAR and not delta):  # (the delta rule's prep stores a scalar G)
         cumulative_gates(plan, s, g=g, G=G, cu_seqlens=cu, decay=decay)
     factors = None
     if delta:
@@ -165,8 +165,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
         dqi, dki = intra_grads(plan, s, q=q, k=k, G=Gp, dA=dA, cu_seqlens=cu, bonus=bonus)
     key_channel_grads(plan, s, q=q, k=k, G=Gp, u=u if bonus else q, d=d if delta else v, hs=hs, dHs=dHs,
                             do=do, dA=dA, dov=dov if bonus else q, dqi=dqi, dki=dki, dq=dq, dk=dk,
-                            dg=dg if decay != Decay.NONE else q, du=du if bonus else q, cu_seqlens=cu, scale=scale, decay=decay,
-                            delta=delta, bonus=bonus)
+                            dg=dg if decay != Decay.NONE else q, du=du if bonus else q, cu_seqlens=cu, scale=scale,
+                            decay=decay, delta=delta, bonus=bonus)
     if decay == Decay.SCALAR and dg_parts.shape[0] > 1:
         dg = dg_parts.sum(0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0

@@ -66,8 +66,8 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
 def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
     """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
 
-    g: None, [N, T, H] (decay 1), [N, T, H, K] (decay 2) or [H] (``CONSTANT_DECAY``); beta: [N, T, H] or None;
-    u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
+    g: None (``Decay.NONE``), [N, T, H] (``SCALAR``), [N, T, H, K] (``CHANNEL``) or [H] (``CONSTANT``); beta:
+    [N, T, H] or None; u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
     """
     plan = plan_for("step", q, k, v, g, beta, u, state, scale, decay)
     N, T, H, K = q.shape
@@ -76,6 +76,7 @@ def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torc
     BK = pow2(K)
     BV = min(pow2(V), configs.RECURRENT_BV)
     launch_kernel(plan, "recurrent", recurrent_kernel, (cdiv(V, BV), N * H),
-            q, k, v, g if decay != Decay.NONE else q, beta if beta is not None else q, u if u is not None else q, state, o, scale,
-            T, H, K, V, DECAY=decay, DELTA=int(beta is not None), BONUS=int(u is not None), BK=BK, BV=BV)
+                  q, k, v, g if decay != Decay.NONE else q, beta if beta is not None else q,
+                  u if u is not None else q, state, o, scale, T, H, K, V, DECAY=decay, DELTA=int(beta is not None),
+                  BONUS=int(u is not None), BK=BK, BV=BV)
     return o

@@ -27,13 +27,13 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
                        WY: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SPAN: tl.constexpr, CSPAN: tl.constexpr, KP: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
-    ``grads_kernel``; with WY (the delta rule) it then runs ``wy_grads_kernel``'s part itself (:func:`wy_grads_chunk`:
-    k, hs, dk, dg and the constexprs after WY are that kernel's), reading Y and dL back as this program stored
-    them.
+    ``grads_kernel``; with WY (the delta rule) it then runs ``wy_grads_kernel``'s part itself
+    (``wy_grads.wy_grads_chunk``: k, hs, dk, dg and the constexprs after WY are that kernel's), reading Y and dL back
+    as this program stored them.
 
     dA_out[t, s] = scale dO_t . d_s on the score pairs (times e^(Gq_t - G_s) for SCALAR_DECAY):
     [tokens, H, C] in the states' dtype, which grads_kernel's products round it to (CHANNEL_DECAY's products run in
-    tf32, on dA widened; fp16 inputs store it in fp32: see ``launch.chunk_backward``). Delta rule, with
+    tf32, on dA widened; fp16 inputs store it in fp32: see ``pipeline.chunk_backward``). Delta rule, with
     Tt = T^T stored by the prep kernel: Y = T^T dd (Y_out, [tokens, H, V]); dv = beta Y; dL_out[s, r] =
     -Y_s . d_r on the strict pairs (times e^(G_s - G_r) for SCALAR_DECAY); dbeta gets its value part sum_v v Y.
     Y_out takes the dtype of hs, dL_out that of dA_out; the products of ``wy_grads_kernel`` run in them (in tf32
@@ -41,11 +41,10 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     ([tokens, H] fp32). Grid (slots, H).
 
     Precision of the delta rule's two products (SPLIT: bf16 inputs, whose d and dd are bf16): Y = T^T dd as two
-    bf16 products on T split once into its bf16 part and remainder (:func:`common.mm_parts`, about 16 of T's
+    bf16 products on T split once into its bf16 part and remainder (``numerics.mm_parts``, about 16 of T's
     mantissa bits), and -Y d^T on Y rounded to bf16, the Y that Y_out stores and the WY part reads; dd and d enter
-    the tensor cores as loaded. fp16 and fp32 inputs: both in tf32 (tf32x3 for fp32). Measured on an H200 (session
-    26, H = 16, K = V = 128, against both in tf32 on tiles widened after their loads, and v loaded after the
-    products): deltanet 0.358 -> 0.290 ms at 8 x 2048, gated delta 0.391 -> 0.321.
+    the tensor cores as loaded, rather than widened to fp32 in registers first. fp16 and fp32 inputs: both in tf32
+    (tf32x3 for fp32).
     """
     WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes

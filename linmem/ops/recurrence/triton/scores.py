@@ -110,8 +110,7 @@ def chunk_scores(x_ptr, y_ptr, G_ptr, t0, nrows, h, H, K,
         causal = rows[:, None] >= rows[None, :]
     acc = tl.full([C, C], 0.0, tl.float32)
     if DECAY == CHANNEL_DECAY:
-        # one path for the whole chunk, a loop each (a choice per key block inside one loop measured the same:
-        # gla's output kernel 0.688 against 0.689 ms by products, before launch.MAX_REGISTERS capped the two paths)
+        # one path for the whole chunk, a loop each (a choice per key block inside one loop runs no faster)
         if chunk_span(G_ptr, t0, nrows, h, H, K, KP) <= CSPAN:
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)
@@ -237,7 +236,7 @@ def intra_rows(dS, y_ptr, G_ptr, Gx, t0, nrows, h, H, K, cols, blocks, MT: tl.co
     gradient of; for SCALAR_DECAY it already carries the decays (then this is a plain product).
     Gx: [C, BK] (CHANNEL_DECAY), G of the chunk's rows. With ``blocks`` (a chunk within :func:`block_span`'s bound) the
     decays split at the blocks' starts (:func:`_block_rows`); otherwise at the sub-blocks' reference points, and
-    pairwise inside them, for a chunk of any gates (``chunk_bwd._wy_one_ref`` takes the chunks within
+    pairwise inside them, for a chunk of any gates (``wy_grads._wy_one_ref`` takes the chunks within
     :func:`chunk_span`'s bound in one product). Products run in dtype MT.
     """
     rows = tl.arange(0, C)

@@ -86,17 +86,12 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     fp32. Grid (V blocks, N * H).
     The state is held as BKF // KB tiles (1, 2 or 4) of KB key rows, each with its own loads: at
     K = 128 the delta rule's pass then needs fewer registers than with one [K, BV] tile.
-    A scalar decay (gated delta rule) enters the delta rule's pass on [C, BV] rows, off the chain of
-    dependent products: e^(Gamma - G) on the rows of the sum of the key tiles' products, e^Gq on dO's
-    rows for the q^T product; its gates are loaded a chunk ahead. Measured on an H200 (H = 16, K = V =
-    128, bf16), kernel ms against the decay on the k and q tiles: 1 x 16384 0.524 -> 0.370, 8 x 2048
-    0.247 -> 0.236 (at 3 stages; 0.281 at 2). Either change alone gained little at 1 x 16384 (0.493 on
-    the rows, 0.530 loaded ahead). The additive rule keeps its decay on the q tiles (see
-    ``_state_grad_step``), and both rules' gates loaded ahead lost there (Mamba-2 0.189 -> 0.207).
-    The per-channel delta rule (KDA) loads its chunk-end gates a chunk ahead too (``common.end_gates``, one [KB]
-    vector per state tile), except for fp32 inputs: at 4 x 4096 0.249 -> 0.217 ms, at 1 x 16384 0.422 -> 0.369, fp16
-    (2 x 4096) 0.134 -> 0.124; fp32 inputs, whose pass spills, lost (0.639 -> 0.710) and load them in place (H200,
-    session 33). The forward pass's did not gain: state_fwd 0.198 -> 0.243 ms at 4 x 4096.
+    A scalar decay (gated delta rule) enters the delta rule's pass on [C, BV] rows, off the chain of dependent
+    products: e^(Gamma - G) on the rows of the sum of the key tiles' products, e^Gq on dO's rows for the q^T
+    product; its gates are loaded a chunk ahead. The additive rule keeps its decay on the q tiles (see
+    ``_state_grad_step``) and loads its gates in place, which is faster there. The per-channel delta rule (KDA)
+    loads its chunk-end gates a chunk ahead too (``gates.end_gates``, one [KB] vector per state tile), except for
+    fp32 inputs, whose pass spills and is faster loading them in place.
     """
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
@@ -106,7 +101,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     kb1, kb2, kb3 = kb0 + KB, kb0 + 2 * KB, kb0 + 3 * KB
     dS0, dS1, dS2, dS3 = first_state_tiles(dhN, HAS_DFINAL, n, h, H, K, V, kb0, vr, NKB)
     nchunks = (eos - bos + C - 1) // C
-    if DECAY == SCALAR_DECAY and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus with the delta rule)
+    if DECAY == SCALAR_DECAY and DELTA:  # the gates of the first chunk this pass takes (the last; no bonus here)
         tn = bos + (nchunks - 1) * C
         Gn, lastn = scalar_gates(G, tn, tl.where(nchunks > 0, eos - tn, 0), h, H, rows)
     if GATES_AHEAD:  # likewise a per-channel decay's chunk-end gates, one [KB] per state tile
@@ -132,7 +127,7 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
         if DELTA:
             dd = mm(load_rows(A, t0, nrows, h, H, C, rows, rows, True), dO, A.dtype.element_ty, X)
             if DECAY == SCALAR_DECAY:  # the key tiles' products first, their rows decayed once
-                kdS = tl.full([C, BV], 0.0, tl.float32)  # (tl.zeros is a jit helper: see common.total)
+                kdS = tl.full([C, BV], 0.0, tl.float32)  # (tl.zeros is a jit helper: see numerics.py)
                 kdS = _writes_grad_parts(kdS, k, dS0, dS1, dS2, dS3, t0, nrows, h, H, K, rows, kb0, NKB, SD, X)
                 dd += kdS * ek[:, None]
                 dO = dO * eq[:, None]

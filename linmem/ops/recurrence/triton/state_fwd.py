@@ -35,7 +35,7 @@ def _state_step(S, k, G, d, t0, nrows, h, H, K, rows, kb, DECAY: tl.constexpr, D
         if not DELTA:  # on k^T: decaying the bf16 writes instead broke the bf16 bound of dlog_decay
             kT = kT * masked_exp2(valid[None, :], last - load_gate_rows(G, t0, nrows, h, H, rows)[None, :])
         S = S * exp2(last)
-    elif DECAY == CHANNEL_DECAY:  # last in each branch: one line above both reorders the additive rule's loads (new sm_90 code)
+    elif DECAY == CHANNEL_DECAY:  # last in each branch: one line above both reorders the additive rule's loads
         if DELTA:  # k arrives decayed (kg of delta_prep_kernel)
             last = end_decay(G, t0, nrows, h, H, K, kb, DECAY)
         else:
@@ -79,17 +79,16 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     equals); hs: [slots, H, K, V] (dot dtype); h0, hN:
     [N, H, K, V] fp32. Grid (V blocks, N * H). The state is held as BKF // KB tiles (1, 2 or 4)
     of KB key rows, each with its own loads.
-    The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs)
-    whatever d_out's dtype: with d stored in bf16 and the same bf16 tile fed to k^T d, Triton 3.6
-    miscompiles this kernel on Hopper at V blocks of 16 and 32 (NaN outputs; H200, 2026-11-22). With
-    bf16 W and U (``launch.factors_dtype``: bf16 inputs, K <= 128) W h runs as two bf16 products on h split in
-    two bf16 parts (SPLIT, ``common.mm_split``), and so does k^T d on d, but on grids narrower than half the SMs
-    (NARROW, ``launch.NARROW_BF16_FACTORS``), where it stays one tf32 product on the k tile widened: there the
-    pass is bound by its chain of dependent products, which the second product lengthened.
+    The delta rule's products: with fp32 W and U, W h and k^T d run in tf32 (tf32x3 for fp32 inputs) whatever
+    d_out's dtype. With bf16 W and U (``configs.factors_dtype``: bf16 inputs, K <= 128) W h runs as two bf16
+    products on h split in two bf16 parts (SPLIT, ``numerics.mm_split``), and so does k^T d on d, but on grids
+    narrower than half the SMs (NARROW, ``configs.NARROW_BF16_FACTORS``), where it stays one tf32 product on the
+    k tile widened: there the pass is bound by its chain of dependent products, which a second product lengthens.
     """
     IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors
+    # WORKAROUND(triton 3.6, sm_90): k^T d on the bf16 d tile it stores gives NaN at V blocks of 16 and 32: tf32
     PT: tl.constexpr = tl.float32 if DELTA else IT  # the dtype of k^T d
-    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (common.mm_split)
+    SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (numerics.mm_split)
     SPLIT_KD: tl.constexpr = SPLIT and not NARROW  # and k^T d; NARROW: in tf32, on the k tile widened
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NKB: tl.constexpr = BKF // KB

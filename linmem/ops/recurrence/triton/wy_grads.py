@@ -38,9 +38,8 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     sum_k k (e^G (-Y h^T) + dL k), to ``dbeta``, which holds its value part. Per-channel decays take both
     parts by one product each where the chunk's gates fall by at most 2^-CSPAN over it (:func:`chunk_span`,
     KP: K padded to a power of 2; :func:`_wy_one_ref`), as ``grads_kernel`` does. Grid (slots, H).
-    Split from ``grads_kernel``, whose registers it filled: together they took 0.755 ms for the delta
-    rule at 8 x 2048, H = 16, K = V = 128 on an H200 (255 registers, one 8-warp program per SM); apart,
-    0.319 + 0.285, and 0.173 + 0.285 with Y and dL stored in bf16 rather than fp32.
+    A kernel of its own rather than a part of ``grads_kernel``, whose registers it would fill (one 8-warp program
+    per SM).
     """
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
@@ -55,11 +54,12 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
                    CSPAN: tl.constexpr, KP: tl.constexpr):
     """The body of :func:`wy_grads_kernel` for one chunk, given dbeta's value part db [C] (which it completes and
     stores); also run by ``score_grads_kernel`` (WY) right after it stores Y and dL. A per-channel decay's chunk
-    within :func:`chunk_span`'s bound takes :func:`_wy_one_ref`; the others ``common.intra_rows`` and
-    ``intra_cols``: by blocks of ``common.FAST_BLOCK`` rows where no gate falls by more than 2^-SPAN inside one
-    (:func:`common.block_span`), else pairwise inside sub-blocks of SB rows."""
-    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != CHANNEL_DECAY else tl.float32  # the products that read dL (tf32
-    # for per-channel decays, on a bf16 dL widened: see launch.chunk_backward)
+    within ``gates.chunk_span``'s bound takes :func:`_wy_one_ref`; the others ``scores.intra_rows`` and
+    ``intra_cols``: by blocks of ``scores.FAST_BLOCK`` rows where no gate falls by more than 2^-SPAN inside one
+    (``gates.block_span``), else pairwise inside sub-blocks of SB rows."""
+    # the products that read dL: in its dtype, but for per-channel decays in tf32 on a bf16 dL widened
+    # WORKAROUND(triton 3.6, sm_90): per-channel decays' bf16 products on dL give a wrong dk (K = 100)
+    LT: tl.constexpr = dL_in.dtype.element_ty if DECAY != CHANNEL_DECAY else tl.float32
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     rows = tl.arange(0, C)
     valid = rows < nrows
@@ -121,15 +121,14 @@ def _less_y_h(acc, Y, hs, slot, h, t0, nrows, H, K, V, Klive, rows, cols, BV: tl
 @triton.jit
 def _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, cols, LT: tl.constexpr,
                 C: tl.constexpr, BV: tl.constexpr, X: tl.constexpr):
-    """:func:`wy_grads_chunk` for key columns ``cols`` of a chunk whose per-channel gates fall by at most 2^-CSPAN over
-    it: every decay splits at the chunk's start (``e^(G_t - G_s) = e^G_t e^-G_s``, the right factor at most
+    """:func:`wy_grads_chunk` for key columns ``cols`` of a chunk whose per-channel gates fall by at most 2^-CSPAN
+    over it: every decay splits at the chunk's start (``e^(G_t - G_s) = e^G_t e^-G_s``, the right factor at most
     2^CSPAN), so the row part is ``b e^G (dL (k e^-G) - Y h^T)``, one accumulator for both products, and the column
     part ``e^-G (dL^T (b k e^G))``. Stores dk's and dg's parts; returns db plus its key part.
 
-    Against the pairwise path's functions (``common.intra_rows``, ``intra_cols``) on these chunks: one load of
-    G and of k per block, two exponentials per element instead of five, one [C, BK] tile fewer; the G and k loads
-    go ahead of the Y h^T loop, which hides them. On an H200 at 4 x 4096, H = 16, K = V = 128, bf16 (session 28):
-    KDA's wy_grads 0.464 -> 0.394 ms, 0.382 with the loads ahead; fp16 at 8 x 2048 0.549 -> 0.432.
+    Against the pairwise path's functions (``scores.intra_rows``, ``intra_cols``) on these chunks: one load of G
+    and of k per block, two exponentials per element instead of five, one [C, BK] tile fewer; the G and k loads go
+    ahead of the Y h^T loop, which hides them.
     """
     rows = tl.arange(0, C)
     valid = rows < nrows

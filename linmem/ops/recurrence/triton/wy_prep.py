@@ -26,7 +26,7 @@ from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 @triton.jit
 def _inv_mm(a, b, X: tl.constexpr):
     """a @ b for the inverse's small products, a and b fp32: in IEEE fp32 for fp32 inputs (X), else as three bf16
-    products on both split in two bf16 parts (``common.mm_split``, about 16 mantissa bits each)."""
+    products on both split in two bf16 parts (``numerics.mm_split``, about 16 mantissa bits each)."""
     if X:
         if _INTERP:
             a = a.to(tl.float32)
@@ -44,12 +44,8 @@ def _lower_block(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.c
 @triton.jit
 def _diag_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i: tl.constexpr, X: tl.constexpr):
     """(I + L_ii)^-1 for the diagonal block i [SB, SB] of the strictly lower L stored in Lp, by doubling (see
-    :func:`unit_lower_inverse`), as one [SB, SB] tile.
-
-    The four blocks used to be doubled together as one [4, SB, SB] tensor; taking each block out of it took a
-    cross-thread reduction (13.6% of the prep kernel's warp samples, Nsight Compute, session 26). Apart, the four
-    blocks are independent chains of products and need no reduction: prep 0.236 -> 0.221 ms for deltanet at
-    8 x 2048 on an H200 (gated delta 0.255 -> 0.239, kda 0.411 -> 0.400), the same bits."""
+    :func:`unit_lower_inverse`), as one [SB, SB] tile: the four diagonal blocks are independent chains of
+    products, and a tile each needs no cross-thread reduction to take a block out of a [4, SB, SB] tensor."""
     a = tl.arange(0, SB)[:, None]
     c = tl.arange(0, SB)[None, :]
     Li = _lower_block(Lp, t0, nrows, h, H, C, SB, i, i)
@@ -111,7 +107,7 @@ def _store_t_block(Tt, x, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, i:
 def _factor_product(Tp, x, X: tl.constexpr):
     """Tp @ x for the delta rule's W and U: Tp [C, C] fp32 (T with its columns scaled), x [C, BD] (the keys or
     values, or KDA's decayed keys in fp32). bf16 and fp16 inputs: bf16 products on Tp and x split in two bf16 parts
-    where they are not bf16 already (``common.mm_split``: about 16 mantissa bits, where a tf32 product keeps 10;
+    where they are not bf16 already (``numerics.mm_split``: about 16 mantissa bits, where a tf32 product keeps 10;
     an fp16 value is exactly the sum of its two parts). fp32 inputs (X): ``mm``'s fp32-accurate product."""
     if X:
         return mm(Tp, x, tl.float32, X)
@@ -129,11 +125,10 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; G: [tokens, H(, K)], which a scalar decay
-    (SCALAR_DECAY) stores here first, from its log decay g ([tokens, H]) as :func:`chunk_cumsum_kernel` would;
-    outputs Tt: [tokens, H, C] (fp32,
-    T transposed: row s of a chunk holds T[:, s]; first used as scratch for L), W: [tokens, H, K],
-    Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd product),
-    U: [tokens, H, V] (W and U fp32, or bf16 where ``launch.factors_dtype`` says so; W is stored only if
+    (SCALAR_DECAY) stores here first, from its log decay g ([tokens, H]) as ``cumsum.chunk_cumsum_kernel`` would;
+    outputs Tt: [tokens, H, C] (fp32, T transposed: row s of a chunk holds T[:, s]; first used as scratch for L),
+    W: [tokens, H, K], Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd
+    product), U: [tokens, H, V] (W and U fp32, or bf16 where ``configs.factors_dtype`` says so; W is stored only if
     STORE_W: with bf16 factors Wt holds the same values, and the forward pass reads those). The backward reads
     T and W only transposed, and fp32 operands of tensor-core products must not be transposed on the way
     in: they would go through shared memory one element at a time. A per-channel decay (CHANNEL_DECAY) also
@@ -148,9 +143,8 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     valid = rows < nrows
-    if DECAY == SCALAR_DECAY:  # G first, read back below after the barrier; this saves the cumsum kernel's launch (gated delta
-        # 1.535 -> 1.529 ms at 4 x 4096, 1.858 -> 1.844 at 1 x 16384 on an H200). A per-channel G here lost:
-        # KDA's prep 0.400 -> 0.485 ms against the cumsum kernel's 0.066
+    if DECAY == SCALAR_DECAY:  # G first, read back below after the barrier: this saves the cumsum stage's launch (a
+        # per-channel G here costs this kernel more than the cumsum stage takes)
         scalar_cumsum(g, G, t0, nrows, h, H, C)
         tl.debug_barrier()
     b = load_gate_rows(beta, t0, nrows, h, H, rows)

@@ -19,7 +19,9 @@ divisible by 16 with that hint, as the JIT launch specialises them at the benchm
 varlen: 8 packed sequences of 2048; K = 64 takes H = 32 so the grid stays wider than the SMs). "ptx" hashes
 the generated code without its debug information (line directives, the labels of inlined functions' scopes) and
 with the kernel's name replaced: a refactor that leaves every hash unchanged compiles to the code that was
-verified on the GPU. Compare the output before and after, for each dtype, with --varlen and at --K 64.
+verified on the GPU. Compare the output before and after, for each dtype, with --varlen and at --K 64. "body"
+hashes the PTX without its parameter list (:func:`body`): where only it agrees, the kernels differ in parameters
+they never read.
 
 The kernel package is loaded from its folder as a package of its own (it imports nothing outside the folder
 but torch and triton); ``--package DIR`` compiles another copy of it.
@@ -145,9 +147,10 @@ def _specialization(a) -> object:
     return "i32", a % 16 == 0
 
 
-def resources(kernel, compiled) -> tuple[int, int, int, int, int, str]:
+def resources(kernel, compiled) -> tuple[int, int, int, int, int, str, str]:
     """(shared memory bytes, registers per thread, stack bytes per thread, vectorised and all global load
-    instructions of the PTX, a hash of the PTX without its debug information and its kernel's name)."""
+    instructions of the PTX, a hash of the PTX without its debug information and its kernel's name, a hash of
+    its :func:`body`)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -160,7 +163,16 @@ def resources(kernel, compiled) -> tuple[int, int, int, int, int, str]:
     code = code.replace(kernel.__name__, "KERNEL")
     loads = re.findall(r"\bld\.global\.(v\d)?", ptx)
     return (compiled.metadata.shared, regs, stack, sum(1 for width in loads if width), len(loads),
-            hashlib.sha1(code.encode()).hexdigest()[:10])
+            hashlib.sha1(code.encode()).hexdigest()[:10], hashlib.sha1(body(code).encode()).hexdigest()[:10])
+
+
+def body(code: str) -> str:
+    """The PTX without its parameter list, each parameter named by the order of its first use: two kernels whose
+    bodies agree here differ only in parameters they never read (as when an absent tensor is passed as None
+    rather than as a stand-in pointer)."""
+    code = "\n".join(line for line in code.splitlines() if not line.strip().startswith(".param"))
+    names: dict = {}
+    return re.sub(r"KERNEL_param_\d+", lambda m: names.setdefault(m.group(0), f"P{len(names)}"), code)
 
 
 def main() -> None:
@@ -186,10 +198,10 @@ def main() -> None:
         try:
             if key not in done:
                 done[key] = resources(kernel, compile_launch(kernel, largs, constexprs, warps, stages, maxnreg))
-            smem, regs, stack, vec, loads, code = done[key]
+            smem, regs, stack, vec, loads, code, code_body = done[key]
             cap = f" (cap {maxnreg})" if maxnreg else ""
             print(f"{label:22s} {tag:14s} {warps} warps {stages} stages  smem {smem:6d} B  regs {regs:3d}{cap}  "
-                  f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code}", flush=True)
+                  f"stack {stack:5d} B  vector loads {vec:3d}/{loads:3d}  ptx {code} body {code_body}", flush=True)
         except Exception as error:  # a variant that does not compile says why
             print(f"{label:22s} {tag:14s} {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
 

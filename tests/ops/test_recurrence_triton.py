@@ -700,11 +700,11 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
 
     kernel = cumsum.chunk_cumsum_kernel
     base = torch.randn(4096 + 1, generator=seeded("cached-launch")).cuda()
-    constexprs = dict(VECTOR=0, IS_VARLEN=0, C=configs.CHUNK, BK=64)
+    constexprs = dict(VECTOR=0, C=configs.CHUNK, BK=64)
     seen = set()
     for T, H, offset in [(128, 16, 0), (128, 16, 1), (1, 16, 0), (100, 3, 0), (100, 3, 1)]:
         g = base[offset:offset + 2 * T * H].view(2, T, H)
-        args_of = lambda G: (g, G, g, T, H, 2, 128)  # noqa: E731
+        args_of = lambda G: (g, G, None, T, H, 2, 128)  # noqa: E731  (no cu_seqlens: a None argument)
         grid = (2 * configs.cdiv(T, configs.CHUNK), H, 1)
         cached, direct = torch.empty_like(g), torch.empty_like(g)
         for _ in range(2):  # the first launch fills the cache, the second takes it

@@ -7,6 +7,8 @@ a scalar decay has its prep stage write ``G`` itself (``scalar_cumsum``), which 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -20,11 +22,12 @@ from .switches import Decay
 
 @triton.jit
 def chunk_cumsum_kernel(g, G, cu_seqlens, T, H, N, K,
-                        VECTOR: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+                        VECTOR: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     """G = log2(e) x the cumulative sum of the log decay g inside each chunk, fp32 (decays are 2^(G_t - G_s)).
 
     g, G: [tokens, H] (one gate per token) or [tokens, H, K] (VECTOR). Grid (slots, H, K blocks).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
     slot, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
@@ -44,13 +47,12 @@ def scalar_cumsum(g, G, t0, nrows, h, H, C: tl.constexpr):
     tl.store(G + (t0 * H + h) + rows * H, running_total(x, 0) * LOG2E, mask=rows < nrows)
 
 
-def cumulative_gates(plan: dict, s: Shapes, *, g: torch.Tensor, G: torch.Tensor, cu_seqlens: torch.Tensor,
-                     decay: int) -> None:
+def cumulative_gates(plan: dict, s: Shapes, *, g: torch.Tensor, G: torch.Tensor,
+                     cu_seqlens: Optional[torch.Tensor], decay: Decay) -> None:
     """G = log2(e) x the chunk-local cumulative sum of g.
 
     g, G: [B, T, H] (scalar decay) or [B, T, H, K] (per-channel decay) fp32; cu_seqlens: [N + 1] int32 or None.
     """
     nkb = cdiv(s.K, s.BK) if decay == Decay.CHANNEL else 1
     launch_kernel(plan, "cumsum", chunk_cumsum_kernel, (s.slots, s.H, nkb),
-                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == Decay.CHANNEL), IS_VARLEN=int(s.varlen),
-                  C=CHUNK, BK=s.BK)
+                  g, G, cu_seqlens, s.T, s.H, s.N, s.K, VECTOR=int(decay == Decay.CHANNEL), C=CHUNK, BK=s.BK)

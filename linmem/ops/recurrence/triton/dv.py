@@ -6,6 +6,8 @@ gradients of the reverse pass. (The delta rule's dv comes from its WY factors, i
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -15,12 +17,12 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, load_state, locate_chunk, store_rows
 from .numerics import masked_exp2, mm
 from .scores import bonus_scores
-from .switches import CHANNEL_DECAY, SCALAR_DECAY
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 
 @triton.jit
 def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
-              DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+              DECAY: tl.constexpr, BONUS: tl.constexpr,
               C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The additive rule's value gradient for one chunk and V block: dv = A^T dO + (k e^(Gamma-G)) dH,
     plus the bonus's scale (q u k) dO.
@@ -29,6 +31,7 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
     from ``state_bwd_kernel``; dv: [tokens, H, V] in the input dtype. Inside the sequential pass these products
     would take two thirds of the pass's time; here they run in parallel. Grid (V blocks, slots, H).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     vb, slot, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
@@ -56,12 +59,12 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
     store_rows(dv, dvt, t0, nrows, h, H, V, rows, vr)
 
 
-def additive_dv(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: torch.Tensor,
-                A: torch.Tensor, do: torch.Tensor, dHs: torch.Tensor, dv: torch.Tensor, cu_seqlens: torch.Tensor,
-                scale: float, decay: int, bonus: bool) -> None:
+def additive_dv(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: Optional[torch.Tensor],
+                u: Optional[torch.Tensor], A: torch.Tensor, do: torch.Tensor, dHs: torch.Tensor, dv: torch.Tensor,
+                cu_seqlens: Optional[torch.Tensor], scale: float, decay: Decay) -> None:
     """dv [B, T, H, V] from A [B, T, H, C] (the forward's scaled scores), do [B, T, H, V] and dHs [slots, H, K, V]
     (the chunk-end state gradients); q, k: [B, T, H, K], G: [B, T, H(, K)] fp32, u: the bonus [H, K]."""
     bv = s.dv_BV(decay)
     launch_kernel(plan, "dv", dv_kernel, (cdiv(s.V, bv), s.slots, s.H),
                   q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                  BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, BK=s.BK, BV=bv)
+                  BONUS=int(u is not None), C=CHUNK, BK=s.BK, BV=bv)

@@ -8,6 +8,8 @@ term ``e^Gamma sum_v h dH + sum_t k_t dk_t(end state)``, summed in reverse insid
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +26,7 @@ from .switches import BOTH_SIDES, CHANNEL_DECAY, KEY_SIDE, NO_DECAY, QUERY_SIDE,
 @triton.jit
 def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg, du,
                  cu_seqlens, scale, T, H, N, K, V,
-                 DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr,
                  SIDE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CSPAN: tl.constexpr,
                  KP: tl.constexpr, KGRID: tl.constexpr):
     """The gradients of one chunk per key channel: dq, dk, dg, du.
@@ -56,6 +58,7 @@ def grads_kernel(q, k, G, u, d, hs, dHs, do, dA_in, dov_in, dqi, dki, dq, dk, dg
     chunk-end term sum(h dH). The launcher splits the rules without a decay, and the scalar decays with fp32
     inputs.
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
     tl.static_assert(SIDE == BOTH_SIDES or DECAY != CHANNEL_DECAY)
     tl.static_assert(DELTA == 0 or BONUS == 0)  # dg holds the query side's sums alone where a bonus needs them
     QS: tl.constexpr = SIDE != KEY_SIDE  # the query side: dq
@@ -238,10 +241,11 @@ def gate_grad_parts(s: Shapes, g: torch.Tensor, decay: int, bonus: bool, dtype: 
     return torch.empty(kgrid if decay == Decay.SCALAR else 1, *g.shape, device=g.device, dtype=torch.float32)
 
 
-def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, u: torch.Tensor,
-                      d: torch.Tensor, hs: torch.Tensor, dHs: torch.Tensor, do: torch.Tensor, dA: torch.Tensor,
-                      dov: torch.Tensor, dqi: torch.Tensor, dki: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                      dg: torch.Tensor, du: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, decay: int,
+def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: Optional[torch.Tensor],
+                      u: Optional[torch.Tensor], d: torch.Tensor, hs: torch.Tensor, dHs: torch.Tensor,
+                      do: torch.Tensor, dA: torch.Tensor, dov: Optional[torch.Tensor], dqi: Optional[torch.Tensor],
+                      dki: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dg: Optional[torch.Tensor],
+                      du: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float, decay: Decay,
                       delta: bool, bonus: bool) -> None:
     """dq, dk [B, T, H, K] (the delta rule's dk holds its WY part, which this adds to), dg (the gate gradient's
     parts, :func:`gate_grad_parts`), du [slots, H, K] fp32 (the bonus's, per chunk). q, k: [B, T, H, K]; G:
@@ -250,10 +254,10 @@ def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor
     dqi, dki: the intra-chunk stage's [B, T, H, K] fp32 (per-channel decays)."""
     bk, kgrid = key_blocks(s, decay, bonus, q.dtype)
     args = (q, k, G, u, d, hs, dHs, do, dA, dov, dqi, dki, dq, dk, dg, du, cu_seqlens, scale, s.T, s.H, s.N, s.K, s.V)
-    flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK,
+    flags = dict(DECAY=decay, DELTA=int(delta), BONUS=int(bonus), C=CHUNK,
                  BK=bk, BV=s.BV, CSPAN=configs.CHUNK_SPAN, KP=s.BKF, KGRID=kgrid)
     grid = (s.slots * kgrid, s.H)
-    if decay == Decay.NONE or (decay == Decay.SCALAR and q.dtype == torch.float32):  # the query side, then the key side
+    if decay == Decay.NONE or (decay == Decay.SCALAR and q.dtype == torch.float32):  # query side, then key side
         tag = "_scalar" if decay != Decay.NONE else ""
         launch_kernel(plan, "grads" + tag + "_query", grads_kernel, grid, *args, **flags, SIDE=Side.QUERY)
         launch_kernel(plan, "grads" + tag + "_key", grads_kernel, grid, *args, **flags, SIDE=Side.KEY)

@@ -7,6 +7,8 @@ pairs, for the chunks whose gates fall too far for the key-channel stage's one-r
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,7 @@ def _half_pairs(dq, dk, dA_in, q, k, G, Gq, Gs, t0, nrows, h, H, K, C: tl.conste
 
 @triton.jit
 def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
-                       BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       BONUS: tl.constexpr,
                        C: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
                        CSPAN: tl.constexpr, KP: tl.constexpr):
     """Per-channel decays: the intra-chunk parts of dq and dk for one block of RB rows of a chunk and
@@ -76,6 +78,7 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
     to 2^SPAN and no exponential per pair.
     Grid (K blocks, slots * C / RB, H).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
     MT: tl.constexpr = tl.float32  # tf32 products (tf32x3 for fp32 inputs), also from a bf16 dA (as grads_kernel)
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     NB: tl.constexpr = C // RB
@@ -143,11 +146,11 @@ def intra_grads_kernel(q, k, G, dA_in, dqi, dki, cu_seqlens, T, H, N, K,
 
 
 def intra_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, dA: torch.Tensor,
-                cu_seqlens: torch.Tensor, bonus: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: Optional[torch.Tensor], bonus: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dqi, dki) [B, T, H, K] fp32 from q, k [B, T, H, K], G [B, T, H, K] fp32 and dA [B, T, H, C]."""
     dqi, dki = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)
     grid = (cdiv(s.K, s.BK), s.slots * (CHUNK // configs.INTRA_ROWS), s.H)
     launch_kernel(plan, "intra_grads", intra_grads_kernel, grid, q, k, G, dA, dqi, dki, cu_seqlens, s.T, s.H, s.N,
-                  s.K, BONUS=int(bonus), IS_VARLEN=int(s.varlen), C=CHUNK, RB=configs.INTRA_ROWS, BK=s.BK,
-                  SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
+                  s.K, BONUS=int(bonus), C=CHUNK, RB=configs.INTRA_ROWS, BK=s.BK, SPAN=configs.BLOCK_SPAN,
+                  CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
     return dqi, dki

@@ -49,9 +49,10 @@ _COMPILED: dict = {}
 
 
 def _arg_key(args: tuple) -> tuple:
-    """What Triton's dispatcher specializes the non-constexpr arguments on, or more: a tensor's dtype and whether
-    its address is 16-byte aligned, a number's equality to 1, divisibility by 16 and 32-bit range."""
-    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+    """What Triton's dispatcher specializes the arguments before the constexprs on, or more: a tensor's dtype and
+    whether its address is 16-byte aligned, None (a constexpr, for an absent tensor), a number's equality to 1,
+    divisibility by 16 and 32-bit range."""
+    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else None if a is None
                   else (a == 1, a % 16 == 0, -2147483648 <= a < 2147483648) for a in args])
 
 
@@ -147,9 +148,9 @@ def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, const
     that config and what launch returned.
 
     The first argument is an input activation, whose dtype fixes every other tensor's, and each kernel
-    name has one call site, which passes its constexprs in one order: so the key reads one dtype and the
-    constexprs' values as given (sorting them and reading every argument's dtype would cost microseconds a launch)."""
-    key = (name, args[0].dtype, *constexprs.values(), tries[0])
+    name has one call site, which passes its constexprs in one order: so the key reads one dtype, which arguments
+    are absent (None) and the constexprs' values as given (sorting them and reading every argument's dtype would cost microseconds a launch)."""
+    key = (name, args[0].dtype, *[a is None for a in args], *constexprs.values(), tries[0])
     if key in _FITTING:
         tries = tries[tries.index(_FITTING[key]):]
     for i, config in enumerate(tries):

@@ -6,6 +6,8 @@ RWKV-6 bonus ``scale (q . (u k)) v``), with ``Gq = G`` (``G`` of the previous to
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -55,17 +57,19 @@ def _output_block(q, d, v, G, hs, A, o, qg, qku, eq, slot, t0, nrows, h, H, K, V
 
 @triton.jit
 def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N, K, V,
-                  DECAY: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr,
+                  DECAY: tl.constexpr, BONUS: tl.constexpr,
                   C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr,
                   CSPAN: tl.constexpr, KP: tl.constexpr):
     """Per chunk: A = scale A_qk (stored for the backward), o = scale (q e^Gq) h + A d (+ bonus).
 
     d: the writes [tokens, H, V] (v, or the delta rule's corrected writes); v: the values
     (read only for the bonus); u: [H, K]; hs: chunk-start states [slots, H, K, V];
-    A_out: [tokens, H, C]; o: [tokens, H, V]. STORE_QG (the delta rule with a per-channel decay): also
+    A_out: [tokens, H, C]; o: [tokens, H, V]. qg given (the delta rule with a per-channel decay): also
     store the decayed queries of the inter-chunk product, qg = q e^G ([tokens, H, K], q's dtype), which
     ``state_bwd_kernel`` reads instead of q and G. Grid (slots, H).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
+    STORE_QG: tl.constexpr = qg is not None
     HT: tl.constexpr = hs.dtype.element_ty
     AT: tl.constexpr = A_out.dtype.element_ty
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
@@ -92,14 +96,14 @@ def output_kernel(q, k, d, v, G, u, hs, A_out, o, qg, cu_seqlens, scale, T, H, N
 
 
 def chunk_output(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, d: torch.Tensor, v: torch.Tensor,
-                 G: torch.Tensor, u: torch.Tensor, hs: torch.Tensor, A: torch.Tensor, o: torch.Tensor,
-                 Qg: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, decay: int, bonus: bool,
-                 store_qg: bool) -> None:
+                 G: Optional[torch.Tensor], u: Optional[torch.Tensor], hs: torch.Tensor, A: torch.Tensor,
+                 o: torch.Tensor, Qg: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                 decay: Decay) -> None:
     """o [B, T, H, V] and the scaled scores A [B, T, H, C] (``configs.Precision.scores``). q, k: [B, T, H, K];
     d: the writes [B, T, H, V] (v, or the delta rule's corrected writes); v: the values (read for the bonus);
-    G: [B, T, H(, K)] fp32; u: the bonus [H, K]; hs: the chunk-start states [slots, H, K, V]; Qg (``store_qg``,
-    the delta rule with a per-channel decay): q e^G [B, T, H, K], stored here for the backward's pass."""
+    G: [B, T, H(, K)] fp32; u: the bonus [H, K]; hs: the chunk-start states [slots, H, K, V]; Qg (the delta rule
+    with a per-channel decay): q e^G [B, T, H, K], stored here for the backward's pass."""
     launch_kernel(plan, "output_vector" if decay == Decay.CHANNEL else "output", output_kernel, (s.slots, s.H),
                   q, k, d, v, G, u, hs, A, o, Qg, cu_seqlens, scale, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                  BONUS=int(bonus), IS_VARLEN=int(s.varlen), STORE_QG=int(store_qg), C=CHUNK, SB=configs.PAIR_SUB,
-                  BK=s.scores_BK(decay), BV=s.BV, SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
+                  BONUS=int(u is not None), C=CHUNK, SB=configs.PAIR_SUB, BK=s.scores_BK(decay), BV=s.BV,
+                  SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)

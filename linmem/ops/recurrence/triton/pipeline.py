@@ -83,29 +83,25 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
     ``Tt``: T transposed per chunk [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states'
     dtype; ``Qg``, ``Kg``: the delta rule's queries and keys decayed by a per-channel decay, see
-    :func:`saved_buffers`).
+    :func:`saved_buffers`). Absent tensors reach the kernels as None.
     """
     plan = plan_for("forward", q, k, v, g, beta, u, h0, cu_seqlens, scale, decay, output_final)
     s = shapes_of(q, v, cu_seqlens)
-    cu = cu_seqlens if cu_seqlens is not None else q
-    delta, bonus = beta is not None, u is not None
+    delta = beta is not None
     G, hs, A, d, Tt, Wt, Qg, Kg = saved_buffers(q, v, g, delta, cu_seqlens)
-    Gp = G if G is not None else q
     if decay == Decay.CHANNEL or (decay == Decay.SCALAR and not delta):  # (the delta rule's prep stores a scalar G)
-        cumulative_gates(plan, s, g=g, G=G, cu_seqlens=cu, decay=decay)
+        cumulative_gates(plan, s, g=g, G=G, cu_seqlens=cu_seqlens, decay=decay)
     factors = None
     if delta:
-        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if decay == Decay.SCALAR else k, G=Gp, Tt=Tt, Wt=Wt,
-                                     Kg=Kg if Kg is not None else k, cu_seqlens=cu, decay=decay)
+        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if decay == Decay.SCALAR else None, G=G, Tt=Tt,
+                             Wt=Wt, Kg=Kg, cu_seqlens=cu_seqlens, decay=decay)
     hN = torch.empty(s.N, s.H, s.K, s.V, device=q.device, dtype=torch.float32) if output_final else None
     forward_pass(plan, s, k=Kg if Kg is not None else k, vu=factors.U if delta else v,
-                           W=factors.W if delta else k, G=Gp, hs=hs, d=d if delta else v,
-                           h0=h0 if h0 is not None else hs, hN=hN if hN is not None else hs, cu_seqlens=cu,
-                           factors=factors, decay=decay, initial=h0 is not None, final=output_final)
+                 W=factors.W if delta else None, G=G, hs=hs, d=d, h0=h0, hN=hN, cu_seqlens=cu_seqlens,
+                 factors=factors, decay=decay)
     o = torch.empty_like(v)
-    chunk_output(plan, s, q=q, k=k, d=d if delta else v, v=v, G=Gp, u=u if bonus else q, hs=hs, A=A, o=o,
-                        Qg=Qg if Qg is not None else q, cu_seqlens=cu, scale=scale, decay=decay, bonus=bonus,
-                        store_qg=Qg is not None)
+    chunk_output(plan, s, q=q, k=k, d=d if delta else v, v=v, G=G, u=u, hs=hs, A=A, o=o, Qg=Qg,
+                 cu_seqlens=cu_seqlens, scale=scale, decay=decay)
     return o, hN, (G, hs, A, d, Tt, Wt, Qg, Kg)
 
 
@@ -119,24 +115,20 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     G, hs, A, d, Tt, Wt, Qg, Kg = saved
     s = shapes_of(q, v, cu_seqlens)
     dev = q.device
-    cu = cu_seqlens if cu_seqlens is not None else q
     delta, bonus = beta is not None, u is not None
-    Gp = G if G is not None else q
     do = do.contiguous()
     dhN = dhN.contiguous() if dhN is not None else None
     plan = plan_for("backward", q, k, v, g, beta, u, h0, cu_seqlens, *saved, do, dhN, scale, decay)
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
-    backward_pass(plan, s, q=Qg if Qg is not None else q, k=Kg if Kg is not None else k,
-                            Wt=Wt if delta else q, G=Gp, A=A, do=do, dd=dd if delta else q, dHs=dHs,
-                            dhN=dhN if dhN is not None else dHs, dh0=dh0 if dh0 is not None else dHs, cu_seqlens=cu,
-                            scale=scale, decay=decay, delta=delta, bonus=bonus, final=dhN is not None,
-                            initial=dh0 is not None)
+    backward_pass(plan, s, q=Qg if Qg is not None else q, k=Kg if Kg is not None else k, Wt=Wt, G=G, A=A, do=do,
+                  dd=dd, dHs=dHs, dhN=dhN, dh0=dh0, cu_seqlens=cu_seqlens, scale=scale, decay=decay, delta=delta,
+                  bonus=bonus)
     dv = torch.empty_like(v)
     if not delta:
-        additive_dv(plan, s, q=q, k=k, G=Gp, u=u if bonus else q, A=A, do=do, dHs=dHs, dv=dv, cu_seqlens=cu,
-                       scale=scale, decay=decay, bonus=bonus)
+        additive_dv(plan, s, q=q, k=k, G=G, u=u, A=A, do=do, dHs=dHs, dv=dv, cu_seqlens=cu_seqlens, scale=scale,
+                    decay=decay)
     dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
     # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it. A
     # per-channel decay's dA and dL feed tf32 products instead, and stay fp32 for fp16 inputs (the products' right
@@ -152,21 +144,18 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dg = dg_parts[0] if decay != Decay.NONE else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     wy_fused = delta and decay in configs.WY_FUSED and q.dtype == torch.bfloat16
-    score_grads(plan, s, q=q, v=v, beta=beta if delta else q, G=Gp, Tt=Tt if delta else q,
-                            d=d if delta else v, do=do, dd=dd if delta else dA, dA=dA, dL=dL if delta else dA,
-                            Y=Y if delta else dA, dv=dv, dbeta=dbeta if delta else q, dov=dov if bonus else q, k=k,
-                            hs=hs, dk=dk, dg=dg if decay != Decay.NONE else q, cu_seqlens=cu, scale=scale, decay=decay,
-                            delta=delta, bonus=bonus, wy_fused=wy_fused)
+    score_grads(plan, s, q=q, v=v, beta=beta, G=G, Tt=Tt, d=d if delta else v, do=do, dd=dd, dA=dA, dL=dL, Y=Y,
+                dv=dv, dbeta=dbeta, dov=dov, k=k, hs=hs, dk=dk, dg=dg, cu_seqlens=cu_seqlens, scale=scale,
+                decay=decay, delta=delta, bonus=bonus, wy_fused=wy_fused)
     if delta and not wy_fused:  # dk's and dg's parts through W and L first; the key-channel stage adds the rest
-        wy_grads(plan, s, k=k, beta=beta, G=Gp, hs=hs, Y=Y, dL=dL, dk=dk, dbeta=dbeta,
-                          dg=dg if decay != Decay.NONE else q, cu_seqlens=cu, decay=decay)
-    dqi = dki = dq  # per-channel decays: the intra-chunk parts of dq and dk
+        wy_grads(plan, s, k=k, beta=beta, G=G, hs=hs, Y=Y, dL=dL, dk=dk, dbeta=dbeta, dg=dg, cu_seqlens=cu_seqlens,
+                 decay=decay)
+    dqi = dki = None  # per-channel decays: the intra-chunk parts of dq and dk
     if decay == Decay.CHANNEL:
-        dqi, dki = intra_grads(plan, s, q=q, k=k, G=Gp, dA=dA, cu_seqlens=cu, bonus=bonus)
-    key_channel_grads(plan, s, q=q, k=k, G=Gp, u=u if bonus else q, d=d if delta else v, hs=hs, dHs=dHs,
-                            do=do, dA=dA, dov=dov if bonus else q, dqi=dqi, dki=dki, dq=dq, dk=dk,
-                            dg=dg if decay != Decay.NONE else q, du=du if bonus else q, cu_seqlens=cu, scale=scale,
-                            decay=decay, delta=delta, bonus=bonus)
+        dqi, dki = intra_grads(plan, s, q=q, k=k, G=G, dA=dA, cu_seqlens=cu_seqlens, bonus=bonus)
+    key_channel_grads(plan, s, q=q, k=k, G=G, u=u, d=d if delta else v, hs=hs, dHs=dHs, do=do, dA=dA, dov=dov,
+                      dqi=dqi, dki=dki, dq=dq, dk=dk, dg=dg, du=du, cu_seqlens=cu_seqlens, scale=scale, decay=decay,
+                      delta=delta, bonus=bonus)
     if decay == Decay.SCALAR and dg_parts.shape[0] > 1:
         dg = dg_parts.sum(0)
     return dq, dk, dv, dg, dbeta, (du.sum(0) if bonus else None), dh0

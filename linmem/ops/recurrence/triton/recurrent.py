@@ -14,7 +14,7 @@ from . import configs
 from .configs import cdiv, pow2
 from .launch import launch_kernel, on_inputs_device, plan_for
 from .numerics import exp, total
-from .switches import CHANNEL_DECAY, CONSTANT_DECAY, SCALAR_DECAY, Decay
+from .switches import CHANNEL_DECAY, CONSTANT_DECAY, SCALAR_DECAY
 
 
 @triton.jit
@@ -66,7 +66,8 @@ def recurrent_kernel(q, k, v, g, beta, u, S, o, scale, T, H, K, V,
 def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torch.Tensor:
     """Tokens q, k: [N, T, H, K], v: [N, T, H, V] against ``state`` [N, H, K, V] fp32 (updated in place).
 
-    g: None (``Decay.NONE``), [N, T, H] (``SCALAR``), [N, T, H, K] (``CHANNEL``) or [H] (``CONSTANT``); beta:
+    g: None (``Decay.NONE``), [N, T, H] (``Decay.SCALAR``), [N, T, H, K] (``Decay.CHANNEL``) or [H]
+    (``Decay.CONSTANT``); beta:
     [N, T, H] or None; u: [H, K] or None. Returns o: [N, T, H, V] in the dtype of q.
     """
     plan = plan_for("step", q, k, v, g, beta, u, state, scale, decay)
@@ -76,7 +77,6 @@ def recurrent_step(q, k, v, g, beta, u, state, scale: float, decay: int) -> torc
     BK = pow2(K)
     BV = min(pow2(V), configs.RECURRENT_BV)
     launch_kernel(plan, "recurrent", recurrent_kernel, (cdiv(V, BV), N * H),
-                  q, k, v, g if decay != Decay.NONE else q, beta if beta is not None else q,
-                  u if u is not None else q, state, o, scale, T, H, K, V, DECAY=decay, DELTA=int(beta is not None),
+                  q, k, v, g, beta, u, state, o, scale, T, H, K, V, DECAY=decay, DELTA=int(beta is not None),
                   BONUS=int(u is not None), BK=BK, BV=BV)
     return o

@@ -7,6 +7,8 @@ bonus ``dO_t . d_t``. Stored for the WY and key-channel stages.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -17,13 +19,13 @@ from .launch import launch_kernel
 from .layout import load_gate_rows, load_rows, locate_chunk, store_rows
 from .numerics import bf16_parts, masked_exp2, mm, mm_parts, total
 from .wy_grads import wy_grads_chunk
-from .switches import SCALAR_DECAY
+from .switches import SCALAR_DECAY, Decay
 
 
 @triton.jit
 def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, dbeta, dov_out,
                        k, hs, dk, dg, cu_seqlens, scale, T, H, N, K, V,
-                       DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr,
                        WY: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SPAN: tl.constexpr, CSPAN: tl.constexpr, KP: tl.constexpr):
     """The gradients of one chunk that loop over value channels, stored for ``wy_grads_kernel`` and
@@ -46,7 +48,8 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
     the tensor cores as loaded, rather than widened to fp32 in registers first. fp16 and fp32 inputs: both in tf32
     (tf32x3 for fp32).
     """
-    WYT: tl.constexpr = Tt.dtype.element_ty  # the delta rule's WY factors
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
+    WYT: tl.constexpr = Tt.dtype.element_ty if DELTA else tl.float32  # the delta rule's WY factors
     WT: tl.constexpr = d.dtype.element_ty  # the writes: v, or the corrected writes
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SPLIT: tl.constexpr = DELTA and WT == tl.bfloat16  # bf16 inputs' delta rule: bf16 products (see above)
@@ -110,11 +113,12 @@ def score_grads_kernel(q, v, beta, G, Tt, d, do, dd, dA_out, dL_out, Y_out, dv, 
         tl.store(dov_out + (t0 * H + h) + rows * H, dov, mask=valid)
 
 
-def score_grads(plan: dict, s: Shapes, *, q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
-                Tt: torch.Tensor, d: torch.Tensor, do: torch.Tensor, dd: torch.Tensor, dA: torch.Tensor,
-                dL: torch.Tensor, Y: torch.Tensor, dv: torch.Tensor, dbeta: torch.Tensor, dov: torch.Tensor,
-                k: torch.Tensor, hs: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, cu_seqlens: torch.Tensor,
-                scale: float, decay: int, delta: bool, bonus: bool, wy_fused: bool) -> None:
+def score_grads(plan: dict, s: Shapes, *, q: torch.Tensor, v: torch.Tensor, beta: Optional[torch.Tensor],
+                G: Optional[torch.Tensor], Tt: Optional[torch.Tensor], d: torch.Tensor, do: torch.Tensor,
+                dd: Optional[torch.Tensor], dA: torch.Tensor, dL: Optional[torch.Tensor], Y: Optional[torch.Tensor],
+                dv: torch.Tensor, dbeta: Optional[torch.Tensor], dov: Optional[torch.Tensor], k: torch.Tensor,
+                hs: torch.Tensor, dk: torch.Tensor, dg: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                scale: float, decay: Decay, delta: bool, bonus: bool, wy_fused: bool) -> None:
     """dA [B, T, H, C]; the delta rule's dL [B, T, H, C], Y [B, T, H, V], dv [B, T, H, V] and dbeta [B, T, H] fp32
     (its value part, or whole with ``wy_fused``); the bonus's dov [B, T, H] fp32. From d (the writes: v, or the
     delta rule's corrected writes), do, the delta rule's dd and Tt (T transposed per chunk). ``wy_fused``: the WY
@@ -122,6 +126,6 @@ def score_grads(plan: dict, s: Shapes, *, q: torch.Tensor, v: torch.Tensor, beta
     launch_kernel(plan, ("score_wy_grads" if wy_fused else "score_grads_delta") if delta else "score_grads",
                   score_grads_kernel, (s.slots, s.H),
                   q, v, beta, G, Tt, d, do, dd, dA, dL, Y, dv, dbeta, dov, k, hs, dk, dg, cu_seqlens, scale, s.T,
-                  s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
-                  WY=int(wy_fused), C=CHUNK, SB=configs.PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, SPAN=configs.BLOCK_SPAN,
-                  CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
+                  s.H, s.N, s.K, s.V, DECAY=decay, DELTA=int(delta), BONUS=int(bonus), WY=int(wy_fused), C=CHUNK,
+                  SB=configs.PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN,
+                  KP=s.BKF)

@@ -7,6 +7,8 @@ additive rule's ``dd`` (its ``dv``) is off this path: ``dv.py`` computes it in p
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,7 @@ from .launch import launch_sequential
 from .layout import (first_state_tiles, load_gate_rows, load_rows, load_state, sequence_state, store_rows,
                      store_state_tiles)
 from .numerics import exp2, masked_exp2, mm
-from .switches import CHANNEL_DECAY, SCALAR_DECAY
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 
 @triton.jit
@@ -71,8 +73,7 @@ def _state_grad_step(dS, q, Wt, G, dO, dd, eg, slot, t0, nrows, h, H, K, rows, k
 
 @triton.jit
 def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scale, T, H, N, K, V,
-                     DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     HAS_DFINAL: tl.constexpr, STORE_DINIT: tl.constexpr,
+                     DECAY: tl.constexpr, DELTA: tl.constexpr, BONUS: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The reverse sequential pass: the gradients of the chunk-end states (and of the delta rule's writes).
 
@@ -93,6 +94,8 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
     loads its chunk-end gates a chunk ahead too (``gates.end_gates``, one [KB] vector per state tile), except for
     fp32 inputs, whose pass spills and is faster loading them in place.
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
+    HAS_DFINAL: tl.constexpr = dhN is not None
     X: tl.constexpr = q.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     SD: tl.constexpr = dHs.dtype.element_ty
     NKB: tl.constexpr = BKF // KB
@@ -144,19 +147,18 @@ def state_bwd_kernel(q, k, Wt, G, A, do, dd_out, dHs, dhN, dh0, cu_seqlens, scal
                                    BONUS, C, X, GATES_AHEAD)
             dS3 = _state_grad_step(dS3, q, Wt, G, dO, dd, eg3, slot, t0, nrows, h, H, K, rows, kb3, scale, DECAY, DELTA,
                                    BONUS, C, X, GATES_AHEAD)
-    if STORE_DINIT:
+    if dh0 is not None:
         store_state_tiles(dh0, dS0, dS1, dS2, dS3, n, h, H, K, V, kb0, vr, NKB)
 
 
-def backward_pass(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, Wt: torch.Tensor, G: torch.Tensor,
-                  A: torch.Tensor, do: torch.Tensor, dd: torch.Tensor, dHs: torch.Tensor, dhN: torch.Tensor,
-                  dh0: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, decay: int, delta: bool, bonus: bool,
-                  final: bool, initial: bool) -> None:
-    """The chunk-end state gradients dHs [slots, H, K, V], the delta rule's dd [B, T, H, V] and (``initial``) the
-    initial state's gradient dh0 [N, H, K, V] fp32, from do [B, T, H, V] and (``final``) the final state's
-    gradient dhN [N, H, K, V]. q, k: [B, T, H, K] (the delta rule with a per-channel decay: Qg and Kg, decayed);
-    Wt: the delta rule's W transposed per chunk [slots, H, K, C]; A: the forward's scaled scores [B, T, H, C]."""
+def backward_pass(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, Wt: Optional[torch.Tensor],
+                  G: Optional[torch.Tensor], A: torch.Tensor, do: torch.Tensor, dd: Optional[torch.Tensor],
+                  dHs: torch.Tensor, dhN: Optional[torch.Tensor], dh0: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], scale: float, decay: Decay, delta: bool, bonus: bool) -> None:
+    """The chunk-end state gradients dHs [slots, H, K, V], the delta rule's dd [B, T, H, V] and the initial state's
+    gradient dh0 [N, H, K, V] fp32 (if given), from do [B, T, H, V] and the final state's gradient dhN [N, H, K, V]
+    (zeros if None). q, k: [B, T, H, K] (the delta rule with a per-channel decay: Qg and Kg, decayed); Wt: the
+    delta rule's W transposed per chunk [slots, H, K, C]; A: the forward's scaled scores [B, T, H, C]."""
     launch_sequential(plan, "state_bwd", state_bwd_kernel, s, delta, decay,
                       q, k, Wt, G, A, do, dd, dHs, dhN, dh0, cu_seqlens, scale, s.T, s.H, s.N, s.K, s.V,
-                      DECAY=decay, DELTA=int(delta), BONUS=int(bonus), IS_VARLEN=int(s.varlen),
-                      HAS_DFINAL=int(final), STORE_DINIT=int(initial), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))
+                      DECAY=decay, DELTA=int(delta), BONUS=int(bonus), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))

@@ -19,7 +19,7 @@ from .layout import (first_state_tiles, load_gate_rows, load_rows, load_state, s
                      store_state_tiles)
 from .numerics import exp2, masked_exp2, mm, mm_split
 from .wy_prep import Factors
-from .switches import CHANNEL_DECAY, SCALAR_DECAY
+from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 
 @triton.jit
@@ -66,8 +66,8 @@ def _pass_mm(a, b, DT: tl.constexpr, SPLIT: tl.constexpr, X: tl.constexpr):
 
 @triton.jit
 def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
-                     DECAY: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, W_T: tl.constexpr, NARROW: tl.constexpr,
+                     DECAY: tl.constexpr, DELTA: tl.constexpr,
+                     W_T: tl.constexpr, NARROW: tl.constexpr,
                      C: tl.constexpr, BKF: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
     """The sequential pass over chunks: stores the chunk-start states and carries the state.
 
@@ -85,7 +85,9 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
     narrower than half the SMs (NARROW, ``configs.NARROW_BF16_FACTORS``), where it stays one tf32 product on the
     k tile widened: there the pass is bound by its chain of dependent products, which a second product lengthens.
     """
-    IT: tl.constexpr = W.dtype.element_ty  # k, or the delta rule's WY factors
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
+    HAS_INIT: tl.constexpr = h0 is not None
+    IT: tl.constexpr = W.dtype.element_ty if DELTA else k.dtype.element_ty  # the delta rule's WY factors, or k
     # WORKAROUND(triton 3.6, sm_90): k^T d on the bf16 d tile it stores gives NaN at V blocks of 16 and 32: tf32
     PT: tl.constexpr = tl.float32 if DELTA else IT  # the dtype of k^T d
     SPLIT: tl.constexpr = DELTA and IT == tl.bfloat16  # W h as two bf16 products (numerics.mm_split)
@@ -117,21 +119,21 @@ def state_fwd_kernel(k, vu, W, G, hs, d_out, h0, hN, cu_seqlens, T, H, N, K, V,
         if NKB > 2:
             S2 = _state_step(S2, k, G, d, t0, nrows, h, H, K, rows, kb2, DECAY, DELTA, PT, SPLIT_KD, X)
             S3 = _state_step(S3, k, G, d, t0, nrows, h, H, K, rows, kb3, DECAY, DELTA, PT, SPLIT_KD, X)
-    if STORE_FINAL:
+    if hN is not None:
         store_state_tiles(hN, S0, S1, S2, S3, n, h, H, K, V, kb0, vr, NKB)
 
 
-def forward_pass(plan: dict, s: Shapes, *, k: torch.Tensor, vu: torch.Tensor, W: torch.Tensor, G: torch.Tensor,
-                 hs: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, hN: torch.Tensor, cu_seqlens: torch.Tensor,
-                 factors: Optional[Factors], decay: int, initial: bool, final: bool) -> None:
+def forward_pass(plan: dict, s: Shapes, *, k: torch.Tensor, vu: torch.Tensor, W: Optional[torch.Tensor],
+                 G: Optional[torch.Tensor], hs: torch.Tensor, d: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                 hN: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], factors: Optional[Factors],
+                 decay: Decay) -> None:
     """The chunk-start states hs [slots, H, K, V] (the states' dtype), the delta rule's corrected writes d
-    [B, T, H, V] and (``final``) the final state hN [N, H, K, V] fp32, from the initial state h0 [N, H, K, V] fp32
-    (``initial``). k: [B, T, H, K] (the delta rule with a per-channel decay: Kg, the keys decayed to the chunk's
-    end); vu: v or the delta rule's U; W: the delta rule's W (``factors``), else k; G: [B, T, H(, K)] fp32."""
+    [B, T, H, V] and the final state hN [N, H, K, V] fp32 (if given), from the initial state h0 [N, H, K, V] fp32
+    (or zeros if None). k: [B, T, H, K] (the delta rule with a per-channel decay: Kg, the keys decayed to the
+    chunk's end); vu: v or the delta rule's U; W: the delta rule's W (``factors``); G: [B, T, H(, K)] fp32."""
     delta = factors is not None
     bf16 = delta and factors.bf16
     launch_sequential(plan, "state_fwd_bf16" if bf16 else "state_fwd", state_fwd_kernel, s, delta, decay,
                       k, vu, W, G, hs, d, h0, hN, cu_seqlens, s.T, s.H, s.N, s.K, s.V,
-                      DECAY=decay, DELTA=int(delta), IS_VARLEN=int(s.varlen), HAS_INIT=int(initial),
-                      STORE_FINAL=int(final), W_T=int(delta and factors.transposed),
+                      DECAY=decay, DELTA=int(delta), W_T=int(delta and factors.transposed),
                       NARROW=int(delta and factors.narrow), C=CHUNK, BKF=s.BKF, KB=s.state_KB(delta))

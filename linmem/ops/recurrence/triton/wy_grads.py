@@ -9,6 +9,8 @@ runs :func:`wy_grads_chunk` itself (``configs.WY_FUSED``) and this launch is ski
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ from .switches import CHANNEL_DECAY, SCALAR_DECAY, Decay
 
 @triton.jit
 def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N, K, V,
-                    DECAY: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    DECAY: tl.constexpr,
                     C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     SPAN: tl.constexpr, CSPAN: tl.constexpr, KP: tl.constexpr):
     """The delta rule's key gradients through its WY factors, for one chunk; ``grads_kernel`` adds the rest.
@@ -41,6 +43,7 @@ def wy_grads_kernel(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, cu_seqlens, T, H, N
     A kernel of its own rather than a part of ``grads_kernel``, whose registers it would fill (one 8-warp program
     per SM).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     db = load_gate_rows(dbeta, t0, nrows, h, H, tl.arange(0, C))
@@ -148,14 +151,14 @@ def _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, 
     return db
 
 
-def wy_grads(plan: dict, s: Shapes, *, k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, hs: torch.Tensor,
-             Y: torch.Tensor, dL: torch.Tensor, dk: torch.Tensor, dbeta: torch.Tensor, dg: torch.Tensor,
-             cu_seqlens: torch.Tensor, decay: int) -> None:
+def wy_grads(plan: dict, s: Shapes, *, k: torch.Tensor, beta: torch.Tensor, G: Optional[torch.Tensor],
+             hs: torch.Tensor, Y: torch.Tensor, dL: torch.Tensor, dk: torch.Tensor, dbeta: torch.Tensor,
+             dg: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], decay: Decay) -> None:
     """dk's WY part -> dk [B, T, H, K], the gate gradient's -> dg ([B, T, H, K] per channel, [B, T, H] summed over
     the channels for a scalar decay; before the reverse cumulative sum), dbeta [B, T, H] fp32 completed (it holds
     the value part). Y [B, T, H, V] and dL [B, T, H, C]: from the score-gradient stage; hs: the chunk-start
     states [slots, H, K, V]."""
-    launch_kernel(plan, "wy_grads_vector" if decay == Decay.CHANNEL else "wy_grads", wy_grads_kernel, (s.slots, s.H),
-                  k, beta, G, hs, Y, dL, dk, dbeta, dg, cu_seqlens, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                  IS_VARLEN=int(s.varlen), C=CHUNK, SB=configs.PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV,
-                  SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
+    launch_kernel(plan, "wy_grads_vector" if decay == Decay.CHANNEL else "wy_grads", wy_grads_kernel,
+                  (s.slots, s.H), k, beta, G, hs, Y, dL, dk, dbeta, dg, cu_seqlens, s.T, s.H, s.N, s.K, s.V,
+                  DECAY=decay, C=CHUNK, SB=configs.PAIR_SUB, BK=s.wy_BK(decay), BV=s.BV, SPAN=configs.BLOCK_SPAN,
+                  CSPAN=configs.CHUNK_SPAN, KP=s.BKF)

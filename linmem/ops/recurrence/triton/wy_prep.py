@@ -7,6 +7,8 @@ state pass are ``d = U - W h``. ``T`` and ``W`` are also stored transposed, as t
 
 from __future__ import annotations
 
+from typing import Optional
+
 from typing import NamedTuple
 
 import torch
@@ -70,8 +72,8 @@ def unit_lower_inverse(Lp, t0, nrows, h, H, C: tl.constexpr, SB: tl.constexpr, X
     products per doubling, six for SB = 16, instead of SB - 1 dependent substitution steps, and no
     product grows past the inverse's own blocks; the four blocks' chains are independent. (The nilpotent
     series ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` takes as many products, but its powers of L grow with
-    correlated keys and beta near 2: their cancellation cost ``T x`` up to 5% relative error in fp32,
-    ``scripts/wy_inverse_accuracy.py``.)
+    correlated keys and beta near 2: their cancellation costs ``T x`` up to 5% relative error in fp32,
+    ``dev/kernels/wy_inverse_accuracy.py``.)
     Then the blocks below the diagonal, ``T_ij = -D_i sum_{j<=m<i} L_im T_mj`` ((I + L) T = I solved
     for block (i, j)), nearest the diagonal first: 16 products of [SB, SB] blocks, none on the six
     zero blocks above the diagonal. Products in IEEE fp32 for fp32 inputs (X), else bf16 x3 (:func:`_inv_mm`).
@@ -118,7 +120,7 @@ def _factor_product(Tp, x, X: tl.constexpr):
 
 @triton.jit
 def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K, V,
-                      DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, C: tl.constexpr,
+                      DECAY: tl.constexpr, C: tl.constexpr,
                       SB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, CSPAN: tl.constexpr,
                       KP: tl.constexpr):
     """Delta rule, per chunk: T = (I + diag(beta) strict(A_kk))^-1 [C, C], W = T (beta k e^G) [C, K],
@@ -129,7 +131,7 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     outputs Tt: [tokens, H, C] (fp32, T transposed: row s of a chunk holds T[:, s]; first used as scratch for L),
     W: [tokens, H, K], Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd
     product), U: [tokens, H, V] (W and U fp32, or bf16 where ``configs.factors_dtype`` says so; W is stored only if
-    STORE_W: with bf16 factors Wt holds the same values, and the forward pass reads those). The backward reads
+    W is given: with bf16 factors Wt holds the same values, and the forward pass reads those). The backward reads
     T and W only transposed, and fp32 operands of tensor-core products must not be transposed on the way
     in: they would go through shared memory one element at a time. A per-channel decay (CHANNEL_DECAY) also
     stores the keys decayed to the chunk's end, kg = k e^(Gamma - G) ([tokens, H, K], k's dtype), which the
@@ -138,6 +140,8 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     W and U are one [C, C] product per column block, on T read back whole (a strided load of Tt) with its
     columns scaled by beta (and e^G), so that the keys and values enter as they are (:func:`_factor_product`).
     """
+    IS_VARLEN: tl.constexpr = cu_seqlens is not None  # packed sequences
+    STORE_W: tl.constexpr = W is not None  # else Wt holds W (bf16 factors the forward pass reads transposed)
     X: tl.constexpr = k.dtype.element_ty == tl.float32  # fp32 inputs: fp32-accurate products
     slot, h = tl.program_id(0), tl.program_id(1)
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
@@ -201,21 +205,20 @@ class Factors(NamedTuple):
     narrow: bool  # bf16 factors on a grid narrower than half the SMs (configs.NARROW_BF16_FACTORS)
 
 
-def wy_factors(plan: dict, s: Shapes, *, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-               G: torch.Tensor, Tt: torch.Tensor, Wt: torch.Tensor, Kg: torch.Tensor, cu_seqlens: torch.Tensor,
-               decay: int) -> Factors:
-    """T, W and U of every chunk: Tt [B, T, H, C] fp32 (T transposed per chunk), Wt [slots, H, K, C] (W
-    transposed per chunk, in the states' dtype), Kg [B, T, H, K] (k e^(Gamma - G), per-channel decays) are filled
-    in; W and U come back. k: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H]; g: the log decay of a scalar decay
-    [B, T, H] (whose G [B, T, H] this stage writes), else read nowhere; G: [B, T, H(, K)] fp32."""
+def wy_factors(plan: dict, s: Shapes, *, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               g: Optional[torch.Tensor], G: Optional[torch.Tensor], Tt: torch.Tensor, Wt: torch.Tensor,
+               Kg: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], decay: Decay) -> Factors:
+    """T, W and U of every chunk: Tt [B, T, H, C] fp32 (T transposed per chunk), Wt [slots, H, K, C] (W transposed
+    per chunk, in the states' dtype) and, for a per-channel decay, Kg [B, T, H, K] (k e^(Gamma - G)) are filled
+    in; W and U come back. k: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H]; g: a scalar decay's log decay
+    [B, T, H], whose G [B, T, H] this stage writes (else None); G: [B, T, H(, K)] fp32, None without a decay."""
     dtype = factors_dtype(s, k.dtype, decay, k.device)
     bf16 = dtype == torch.bfloat16
     transposed = bf16 and decay in configs.W_READ_TRANSPOSED  # Wt is then bf16 too (the states' dtype)
     narrow = bf16 and not fills_half(s, decay, k.device)
-    W = Wt if transposed else torch.empty_like(k, dtype=dtype)
+    W = None if transposed else torch.empty_like(k, dtype=dtype)  # else the pass reads W from Wt
     U = torch.empty_like(v, dtype=dtype)
     launch_kernel(plan, "prep_vector" if decay == Decay.CHANNEL else "prep", delta_prep_kernel, (s.slots, s.H),
-                  k, v, beta, g, G, Tt, W, Wt, U, Kg, cu_seqlens, s.T, s.H, s.N, s.K, s.V, DECAY=decay,
-                  IS_VARLEN=int(s.varlen), STORE_W=int(not transposed), C=CHUNK, SB=SUB, BK=s.BK, BV=s.BV,
-                  SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
-    return Factors(W, U, transposed, bf16, narrow)
+                  k, v, beta, g, G, Tt, W, Wt, U, Kg, cu_seqlens, s.T, s.H, s.N, s.K, s.V, DECAY=decay, C=CHUNK,
+                  SB=SUB, BK=s.BK, BV=s.BV, SPAN=configs.BLOCK_SPAN, CSPAN=configs.CHUNK_SPAN, KP=s.BKF)
+    return Factors(Wt if transposed else W, U, transposed, bf16, narrow)

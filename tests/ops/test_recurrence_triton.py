@@ -34,7 +34,7 @@ from tests.helpers import make_inputs, rel_err  # noqa: E402
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
-from linmem.ops.recurrence.triton import configs, launch, numerics, pipeline  # noqa: E402
+from linmem.ops.recurrence.triton import configs, cumsum, launch, numerics, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -686,6 +686,86 @@ def test_fake_outputs_match_the_kernels(combo):
     torch.library.opcheck(ops.chunk_fwd_op, args, test_utils=("test_faketensor",))
 
 
+# ---------------------------------------------------------------- log decays of -inf (decay 0: forget everything)
+
+
+def _gates_with_minus_inf(t: dict, pattern: str) -> dict:
+    """t with its log decays set per ``pattern``: "few" puts -inf at a few tokens (and, per channel, a few
+    channels), "all" everywhere, "mixed" beside finite gates far below where exp underflows (down to -3e38, whose
+    chunk sums would overflow) and gates near 0."""
+    g = t["log_decay"].clone()
+    if pattern == "all":
+        g[:] = float("-inf")
+    elif g.dim() == 1:  # a constant decay: one per head
+        g[0] = float("-inf")
+    else:
+        channel = (slice(None),) if g.dim() == 3 else (slice(None), slice(0, None, 5))
+        g[(slice(None), 3, slice(None), *channel[1:])] = float("-inf")
+        g[(slice(None), 40, slice(None), *channel[1:])] = float("-inf")
+        g[:, 64] = float("-inf")  # the first token of a chunk
+        if pattern == "mixed":
+            g[:, 10] = -3e38
+            g[:, 11] = -3e38
+            g[:, 20:26] = -1e4
+            g[:, 50] = -150.0
+            g[:, 51] = -104.0
+            g[:, 52] = -90.0
+            g[:, 60:63] = -1e-7
+    return {**t, "log_decay": g}
+
+
+@pytest.mark.parametrize("combo, pattern, varlen", [
+    (("scalar", "additive", False), "few", False),
+    (("vector", "delta", False), "few", False),
+    (("vector", "additive", True), "mixed", False),
+    (("scalar", "delta", False), "mixed", True),
+    (("vector", "additive", False), "all", False),
+    (("constant", "delta", False), "few", False),
+], ids=lambda x: combo_id(x) if isinstance(x, tuple) else str(x))
+def test_minus_inf_gates_equal_the_reference(combo, pattern, varlen):
+    """A log decay of -inf (decay 0) at a few tokens and channels, everywhere, or beside finite gates far below
+    where exp underflows: the outputs, the final state and the gradients of q, k, v, beta, the bonus and the initial
+    state equal the reference's, and the gate gradient is finite and the reference's (0 at a -inf gate): the
+    cumulative-sum stage floors each log decay at ``cumsum.LOG_DECAY_FLOOR``, below which its decay is 0 in fp32.
+    (Gates above the floor load unchanged: every other test holds the kernels to the same bits there.)"""
+    if varlen:
+        t, cu = packed(combo, [5, 0, 70, 1, 33], H=1, K=16, V=16)
+        kwargs = {"cu_seqlens": cu}
+    else:
+        t, kwargs = inputs(combo, B=1, T=70, H=1, K=16, V=16), {}
+    t = _gates_with_minus_inf(t, pattern)
+    gen = seeded("minus inf", combo, pattern)
+    do = torch.randn(t["v"].shape, generator=gen).to(DEVICE)
+    N = t["initial_state"].shape[0]
+    dS = torch.randn(N, 1, 16, 16, generator=gen).to(DEVICE)
+    o_ref, S_ref, g_ref = run("reference", {n: x.double() for n, x in t.items()}, do.double(), dS.double(), **kwargs)
+    o, S, g = run("triton", t, do, dS, **kwargs)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+    for name in t:
+        assert torch.isfinite(g[name]).all(), name
+        if name != "log_decay":
+            assert rel_err(g[name], g_ref[name]) < FP32_TOL, name
+    dg, dg_ref = g["log_decay"].double(), g_ref["log_decay"]
+    assert torch.isfinite(dg_ref).all()
+    if dg_ref.abs().max() > 0:
+        assert rel_err(dg, dg_ref) < FP32_TOL
+    # at a floored gate the reference's gradient is 0 (e^-104 in float64), and the kernels' is the cancellation of
+    # terms of the size of q dq and k dk (see test_extreme_per_channel_gates_equal_the_reference): held to their
+    # fp32 rounding
+    floored = t["log_decay"] < cumsum.LOG_DECAY_FLOOR.value
+    assert dg_ref[floored].abs().max() < 1e-30 and dg[floored].abs().max() < 2e-5
+
+
+def test_minus_inf_gates_in_the_decoding_kernel():
+    """The fused recurrent kernel (a few tokens without autograd) takes -inf log decays as decay 0, like the chunk
+    kernels and the reference."""
+    t = _gates_with_minus_inf(inputs(("vector", "delta", False), B=2, T=5, H=2, K=16, V=8), "all")
+    with torch.no_grad():
+        o_ref, S_ref = linear_recurrence(**t, output_final_state=True, backend="reference")
+        o, S = linear_recurrence(**t, output_final_state=True, backend="triton")
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.gpu
@@ -696,8 +776,6 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
     """The launcher's cache of compiled kernels (``launch._run``) launches, for each variant of the arguments that
     Triton specializes on (a misaligned tensor, an integer that is 1 or not divisible by 16), the kernel Triton's
     dispatcher compiles for it, and gives its results bit for bit."""
-    from linmem.ops.recurrence.triton import cumsum
-
     kernel = cumsum.chunk_cumsum_kernel
     base = torch.randn(4096 + 1, generator=seeded("cached-launch")).cuda()
     constexprs = dict(VECTOR=0, C=configs.CHUNK, BK=64)

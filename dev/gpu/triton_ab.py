@@ -33,7 +33,8 @@ DECAY_CODES = {"none": 0, "constant": 1, "scalar": 1, "vector": 2}  # the kernel
 def load_revision(label: str, folder: Path):
     """(forward, backward) launchers of the kernel package copied in ``folder``, imported as its own package."""
     name = f"triton_ab_{label}"
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     package = importlib.util.module_from_spec(spec)
     package.__path__ = [str(folder)]
     sys.modules[name] = package
@@ -69,7 +70,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds")
     parser.add_argument("--gates", type=float, default=1.0,
-                        help="log decays this many times the bench's (10, 100: the per-channel block and pairwise paths)")
+                        help="log decays this many times the bench's (10, 100: the per-channel block, pairwise paths)")
     args = parser.parse_args()
     revisions = {}
     for item in args.rev:
@@ -78,7 +79,8 @@ def main() -> int:
     labels = list(revisions)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, H = {args.heads}, "
-          f"K = V = {args.dim}, gates x{args.gates:g}; fwd+bwd ms (launchers alone), median of {args.rounds} interleaved rounds")
+          f"K = V = {args.dim}, gates x{args.gates:g}; fwd+bwd ms (launchers alone), median of {args.rounds} "
+          "interleaved rounds")
     print(f"{'op':16s} {'shape':9s} " + " ".join(f"{x:>10s}" for x in labels) + "   ratios to " + labels[0]
           + "   largest difference from " + labels[0])
     worst = 1.0
@@ -86,8 +88,8 @@ def main() -> int:
         B, T = map(int, shape.split("x"))
         for op in args.ops.split(","):
             torch.manual_seed(0)
-            t = {n: (x.detach() if isinstance(x, torch.Tensor) else x)
-                 for n, x in memory_inputs(op, B, T, args.heads, args.dim, DTYPES[args.dtype], "cuda", args.gates).items()}
+            made = memory_inputs(op, B, T, args.heads, args.dim, DTYPES[args.dtype], "cuda", args.gates)
+            t = {n: (x.detach() if isinstance(x, torch.Tensor) else x) for n, x in made.items()}
             decay = DECAY_CODES[MEMORY_OPS[op][0]]
             do = torch.randn_like(t["v"])
             results = {x: call(revisions[x], t, decay, do) for x in labels}  # also the warm-up (compiles)

@@ -25,8 +25,8 @@ GPU idles (1 x 256) that is the host time::
     python dev/kernels/host_time.py --base /tmp/base/linmem/ops/recurrence/triton --shapes 1x256
 
 The cases take ``kernel_ab.py``'s options (``--ops``, ``--shapes``, ``--dtype``, ``--heads``, ``--dim``, and
-``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
-interpreter's). A timing is a benchmark, never a test.
+``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter
+(tiny shapes; the times are then the interpreter's). A timing is a benchmark, never a test.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Find kernels of the recurrence that do not give the same bits twice: every launch of one forward+backward is
 run again, several times, on its inputs as they were, and each rerun's outputs are compared bit for bit.
 
-A race that Triton compiles into a kernel (as it did for the per-channel gradient kernel at 4 warps and 2 or 3
-stages on Hopper, until its chunk-end term read tiles of its own) can change a few columns of a few chunks in most runs while every error-ratio test passes,
-since they hardly move a tensor's norm. This check sees such a race at the launch it happens in. On a GPU::
+A race that Triton compiles into a kernel (as it does for the per-channel gradient kernel at 4 warps and 2 or 3
+stages on Hopper when its chunk-end term reads the tiles of its products) can change a few columns of a few chunks
+in most runs while every error-ratio test passes, since they hardly move a tensor's norm. This check sees such a
+race at the launch it happens in. On a GPU::
 
     python dev/kernels/kernel_reruns.py --ops gla,kda --shapes 4x4096
     python dev/kernels/kernel_reruns.py --ops gla --launch grads_vector=4,3     # a config to vet before landing it

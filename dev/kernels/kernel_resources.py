@@ -60,7 +60,8 @@ POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp3
 
 def load_package(folder: Path, name: str = "kernels_under_test"):
     """The kernel package in ``folder``, imported as the package ``name`` without running its ``__init__``."""
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     package = importlib.util.module_from_spec(spec)
     package.__path__ = [str(folder)]
     sys.modules[name] = package

@@ -5,7 +5,7 @@
 and result rounded as the GPU would round them. Printed: the relative error ``|T x - T_exact x| /
 |T_exact x|`` for random x [64, 128], for
 
-- ``series``: the diagonal blocks from ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` in fp32 (the series that doubling replaces);
+- ``series``: the diagonal blocks from ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` in fp32 (what doubling replaces);
 - ``doubling``: the diagonal blocks by doubling, ``D - D Lo D``, in fp32 (the kernel's way for fp32 inputs);
 - ``doubling tf32``: the same with every product's operands rounded to tf32;
 - ``doubling tf32x3``: the same with each product as three tf32 products, ``a_hi b_hi + a_hi b_lo +

@@ -1,10 +1,10 @@
-"""The "triton" backend of the unified recurrence (DESIGN section 7, invariants 1-3).
+"""The "triton" backend of the unified recurrence.
 
 Every kernel equals the reference loop: outputs, final states and every input gradient, by
 the error ratio ``rms(x - ref) / rms(ref)``. On a machine without CUDA the kernels run on
 the CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set below before the
 kernels are first imported) at small shapes; ``gpu`` tests repeat the checks at real
-shapes on CUDA, with DESIGN's fp32 bound there too (fp32 inputs' products run as three tf32
+shapes on CUDA, with the fp32 bound there too (fp32 inputs' products run as three tf32
 products, ``tf32x3``: error ratios near 6e-7 on an H200; one tf32 product would give about 1e-3).
 
 bf16 is measured against the fp32 reference on the same (bf16-rounded) inputs and
@@ -596,9 +596,9 @@ def test_extreme_per_channel_gates_equal_the_reference(combo):
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c[1] == "delta"], ids=combo_id)
 def test_correlated_keys_and_beta_near_two_equal_the_reference(combo):
     """Keys near one direction and beta in (1.9, 2) (the delta rule with negative eigenvalues): the chunk's
-    (I + L)^-1 keeps entries of order 1 while the powers of L grow. An inverse that forms those powers
-    (the nilpotent series, before 2026-11-22) lost T to their cancellation: error ratios 3.7e-3 to 3.9e-2
-    here without a decay or with a scalar one."""
+    (I + L)^-1 keeps entries of order 1 while the powers of L grow. An inverse that forms those powers (the
+    nilpotent series, ``dev/kernels/wy_inverse_accuracy.py``) loses T to their cancellation: error ratios 3.7e-3 to
+    3.9e-2 here without a decay or with a scalar one."""
     t = inputs(combo, B=1, T=128, H=1, K=16, V=16)
     gen = seeded("correlated keys", combo)
     direction = torch.randn(16, generator=gen, dtype=torch.float64)
@@ -672,7 +672,8 @@ def test_custom_op_traces_without_graph_breaks(combo):
     assert torch.equal(o_c, o_e) and torch.equal(S_c, S_e)
 
 
-@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True), ("vector", "delta", False)],
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True),
+                                   ("vector", "delta", False)],
                          ids=combo_id)
 def test_fake_outputs_match_the_kernels(combo):
     """The custom ops' fake implementations (what torch.compile traces with) give every output, the
@@ -805,7 +806,8 @@ def test_gpu_real_shapes(combo, dtype):
 
 @gpu
 @pytest.mark.parametrize("KV", [(64, 256), (256, 64), (100, 72)], ids=lambda kv: f"K{kv[0]}V{kv[1]}")
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "delta", False), ("scalar", "additive", True)],
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "delta", False),
+                                   ("scalar", "additive", True)],
                          ids=combo_id)
 def test_gpu_head_dims(combo, KV):
     compare(inputs(combo, B=1, T=300, H=2, K=KV[0], V=KV[1], dtype=torch.bfloat16), LOW_TOL)
@@ -825,7 +827,8 @@ def test_gpu_wide_grid(combo):
     """B * H above the SM count: the sequential passes' V blocks and stages of ``configs.SEQUENTIAL``; the delta
     rule's forward pass with bf16 W and U ("state_fwd_bf16")."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", Decay.of(combo[0])
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    delta, decay = combo[1] == "delta", Decay.of(combo[0])
     if delta:
         assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
@@ -877,7 +880,8 @@ def test_gpu_narrow_grid(combo):
     ``configs.NARROW_STAGES`` (one program per SM)."""
     H = configs.sm_count(torch.device(DEVICE)) // 4 - 1
     t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", Decay.of(combo[0])
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    delta, decay = combo[1] == "delta", Decay.of(combo[0])
     if delta:  # bf16 W and U on this grid too (configs.NARROW_BF16_FACTORS), k^T d in tf32
         assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
@@ -889,9 +893,9 @@ def test_gpu_narrow_grid(combo):
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_backward_is_deterministic(combo):
     """Three forward+backward runs on the same inputs give the same bits. At this size (bf16, 2 x 4096, 16 heads
-    of 128) the per-channel ``grads_kernel`` at 2 or 3 stages, as Triton 3.6 compiles it for Hopper, changed a few
-    key columns of dq and dg in most runs while every error ratio passed (``configs.LAUNCH``, session 28), until
-    its chunk-end term read tiles of its own (session 29)."""
+    of 128) the per-channel ``grads_kernel`` at 2 or 3 stages, as Triton 3.6 compiles it for Hopper, changes a few
+    key columns of dq and dg in most runs while every error ratio passes, when its chunk-end term reads the tiles
+    of its products (it reads tiles of its own: see the WORKAROUND in ``grads.py``)."""
     t = inputs(combo, B=2, T=4096, H=16, K=128, V=128, dtype=torch.bfloat16)
     gen = seeded("determinism", combo)
     do = torch.randn(2, 4096, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)

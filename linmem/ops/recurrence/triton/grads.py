@@ -4,6 +4,15 @@ bonus's gradient.
 ``dq = scale (e^Gq dO h^T + dA (k e^-G) e^Gq)``, ``dk = e^(Gamma - G) (d dH^T) + dA^T (q e^Gq) e^-G`` (plus the
 bonus terms and the delta rule's WY part), and the gate gradient ``dG_t = q_t dq_t - k_t dk_t`` plus the chunk-end
 term ``e^Gamma sum_v h dH + sum_t k_t dk_t(end state)``, summed in reverse inside the chunk.
+
+``grads_kernel`` takes what every gradient of a key channel reads, by role: the inputs (q, k, G, the bonus u, the
+writes d), what the forward and the earlier stages saved (the chunk-start states hs, the chunk-end state
+gradients dHs, the score gradient dA, the bonus's dov, the intra-chunk parts dqi and dki of a per-channel decay),
+the cotangent do, the outputs (dq, dk, the gate gradient's parts dg, the bonus's du), and the layout (cu_seqlens,
+scale, T, H, N, K, V). A configuration that lacks one of them passes None, a compile-time constant. Its
+constexprs are the switches of the rule (DECAY, DELTA, BONUS), of the launch's share of the work (SIDE, KGRID)
+and the tile sizes (C, BK, BV, KP, CSPAN). Splitting it further would cost loads that its gradients share: dq, dk
+and the gate gradient read the same q, k and dA tiles.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def _launch_fitting(name: str, tries: list, launch, describe, args: tuple, const
 
     The first argument is an input activation, whose dtype fixes every other tensor's, and each kernel
     name has one call site, which passes its constexprs in one order: so the key reads one dtype, which arguments
-    are absent (None) and the constexprs' values as given (sorting them and reading every argument's dtype would cost microseconds a launch)."""
+    are absent (None) and the constexprs' values as given (sorting them and reading every argument's dtype would
+    cost microseconds a launch)."""
     key = (name, args[0].dtype, *[a is None for a in args], *constexprs.values(), tries[0])
     if key in _FITTING:
         tries = tries[tries.index(_FITTING[key]):]

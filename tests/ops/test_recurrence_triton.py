@@ -757,6 +757,16 @@ def test_minus_inf_gates_equal_the_reference(combo, pattern, varlen):
     assert dg_ref[floored].abs().max() < 1e-30 and dg[floored].abs().max() < 2e-5
 
 
+def test_spans_stay_below_the_gate_floor():
+    """The span bounds that pick the per-channel paths stay below the floored gate's fall (158.7 in log2 units), so
+    a chunk holding a floored gate takes the pairwise path; a setting past that is refused, as is an unknown one."""
+    assert max(configs.BLOCK_SPAN, configs.CHUNK_SPAN) <= configs.MAX_SPAN < -cumsum.LOG_DECAY_FLOOR.value * 1.4426
+    for bad in ({"CHUNK_SPAN": 200}, {"BLOCK_SPAN": 151}, {"CHUNK": 32}):
+        with pytest.raises(ValueError, match="override"):
+            with configs.override(**bad):
+                pass
+
+
 def test_minus_inf_gates_in_the_decoding_kernel():
     """The fused recurrent kernel (a few tokens without autograd) takes -inf log decays as decay 0, like the chunk
     kernels and the reference."""

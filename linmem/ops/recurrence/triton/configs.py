@@ -117,6 +117,10 @@ BLOCK_SPAN = 64
 CHUNK_SPAN = 64
 #: SMs assumed by the Triton interpreter (the H200's), so CPU tests take the blocks small GPU grids take
 INTERPRETER_SMS = 132
+#: the most BLOCK_SPAN and CHUNK_SPAN may be: a gate at the chunk kernels' floor (``cumsum.LOG_DECAY_FLOOR``, -110,
+#: 158.7 in log2 units) must fall past them, so that a chunk holding one never splits its decays by a factor that
+#: overflows
+MAX_SPAN = 150
 
 #: the names :func:`override` may change
 SETTINGS = ("LAUNCH", "MAX_REGISTERS", "WY_FUSED", "RECURRENT_BV", "SEQUENTIAL", "BF16_FACTORS_MAX_K",
@@ -146,6 +150,9 @@ def override(**changes) -> Iterator[None]:
     unknown = set(changes) - set(SETTINGS)
     if unknown:
         raise ValueError(f"override: {sorted(unknown)} are not settings; expected some of {', '.join(SETTINGS)}")
+    for name in ("BLOCK_SPAN", "CHUNK_SPAN"):
+        if changes.get(name, 0) > MAX_SPAN:
+            raise ValueError(f"override: {name} must be at most MAX_SPAN = {MAX_SPAN}, got {changes[name]}")
     saved = {name: module[name] for name in changes}
     for name, value in changes.items():
         old = module[name]

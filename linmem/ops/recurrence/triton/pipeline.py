@@ -48,9 +48,9 @@ from .output import chunk_output
 from .score_grads import score_grads
 from .state_bwd import backward_pass
 from .state_fwd import forward_pass
+from .switches import Decay
 from .wy_grads import wy_grads
 from .wy_prep import wy_factors
-from .switches import Decay
 
 
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,

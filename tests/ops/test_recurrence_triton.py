@@ -807,6 +807,34 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
 
 
 @gpu
+def test_gpu_fast_launch_switch(tmp_path):
+    """``LINMEM_TRITON_FAST_LAUNCH=0``: every launch goes through Triton's dispatcher (no compiled kernel kept for
+    the fast path), with the same results as the fast path's."""
+    import subprocess
+
+    script = (
+        "import sys, torch\n"
+        "from linmem.ops import linear_recurrence\n"
+        "from linmem.ops.recurrence.triton import launch\n"
+        "from tests.helpers import make_inputs\n"
+        "t = {n: x.cuda() for n, x in make_inputs('vector', 'delta', False, B=1, T=200, H=2, K=64, V=64, "
+        "dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).items()}\n"
+        "for _ in range(2):\n"
+        "    o, S = linear_recurrence(**t, output_final_state=True, backend='triton')\n"
+        "torch.save((o.cpu(), S.cpu()), sys.argv[1])\n"
+        "print(launch.FAST_LAUNCH, sum(e is not None for e in launch._COMPILED.values()))\n")
+    runs = {}
+    for switch in ("1", "0"):
+        env = {**os.environ, "LINMEM_TRITON_FAST_LAUNCH": switch}
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / switch)], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        runs[switch] = (out, torch.load(tmp_path / switch))
+    assert runs["1"][0][0] == "True" and int(runs["1"][0][1]) > 0
+    assert runs["0"][0] == ["False", "0"]
+    assert all(torch.equal(a, b) for a, b in zip(runs["1"][1], runs["0"][1]))
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_real_shapes(combo, dtype):

@@ -193,11 +193,10 @@ def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
     but a scalar decay's gate gradient, a sum over every channel, which each block then writes as its own part
     (summed after the kernel). On the grid two 4-warp programs share an SM, where the loop's 8-warp program ran
     alone. Not on the grid: RWKV-6 (per-channel decay with a bonus), which is faster in the loop; a scalar decay's
-    fp32 query and key sides, which join their row sums through dg; and a scalar decay with fp16 inputs:
-    # WORKAROUND(triton 3.6, sm_90): on the grid the fp16 gated delta rule's dk came out 1.1e-2 off the loop's
-    """
+    fp32 query and key sides, which join their row sums through dg; and a scalar decay with fp16 inputs (below)."""
     if decay == Decay.CHANNEL:
         return not bonus
+    # WORKAROUND(triton 3.6, sm_90): on the grid the fp16 gated delta rule's dk comes out 1.1e-2 off the loop's
     return decay == Decay.NONE or dtype == torch.bfloat16
 
 

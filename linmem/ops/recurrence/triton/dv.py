@@ -54,7 +54,8 @@ def dv_kernel(q, k, G, u, A, do, dHs, dv, cu_seqlens, scale, T, H, N, K, V,
             lastk = tl.load(G + (last_row * H + h) * K + cols, mask=cols < Klive, other=0.0)
             kt = kt * masked_exp2(valid[:, None], lastk[None, :] - load_rows(G, t0, nrows, h, H, K, rows, cols, False))
         dvt += mm(kt, load_state(dHs, slot, h, H, K, V, cols, vr, Klive, False), dHs.dtype.element_ty, X)
-    if BONUS:  # a loop of its own: with the k tile above also read here, Triton 3.6 miscompiles it at 3 stages
+    # WORKAROUND(triton 3.6, sm_90): the k tile of the products read again for the bonus miscompiles at 3 stages
+    if BONUS:  # a loop of its own
         dvt += scale * bonus_scores(q, k, u, t0, nrows, h, H, K, rows, BK)[:, None] * dO
     store_rows(dv, dvt, t0, nrows, h, H, V, rows, vr)
 

@@ -71,10 +71,11 @@ def wy_grads_chunk(k, beta, G, hs, Y, dL_in, dk, dbeta, dg, db, slot, h, t0, nro
     one_ref = False
     if DECAY == CHANNEL_DECAY:
         one_ref = chunk_span(G, t0, nrows, h, H, K, KP) <= CSPAN
-    if one_ref:
-        for k0 in range(0, K, BK):
-            db = _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V, k0 + tl.arange(0, BK),
-                             LT, C, BV, X)
+    if one_ref:  # a runtime branch: the constexpr test keeps the other decay kinds, whose G is None, from compiling it
+        if DECAY == CHANNEL_DECAY:
+            for k0 in range(0, K, BK):
+                db = _wy_one_ref(k, G, hs, Y, dL_in, dk, dg, b, db, slot, h, t0, nrows, H, K, V,
+                                 k0 + tl.arange(0, BK), LT, C, BV, X)
     else:
         blocks = False
         if DECAY == SCALAR_DECAY:

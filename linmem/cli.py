@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -145,15 +144,6 @@ def _bench_ops(args: argparse.Namespace) -> int:
     from .bench.ops import BenchConfig, main
 
     shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(","))
-    if args.launch:
-        from .ops.recurrence.triton import launch
-
-        for item in args.launch.split(","):
-            name, _, config = item.partition("=")
-            if name not in launch.LAUNCH or not re.fullmatch(r"\d+x\d+", config.lower()):
-                raise SystemExit(f"--launch {item!r}: expected KERNEL=WARPSxSTAGES with KERNEL one of "
-                                 f"{', '.join(launch.LAUNCH)}")
-            launch.LAUNCH[name] = tuple(int(x) for x in config.lower().split("x"))
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
@@ -256,7 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
     ops.add_argument("--accuracy", action="store_true",
                      help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
-    ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads_key=8x2,output=8x2 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
     layers = bench_sub.add_parser("layers", add_help=False,  # its options and --help: linmem.bench.layers
                                   help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.fused import swiglu
 from ..ops.routing import (
     GROUPED_BACKENDS,
     ROUTERS,
@@ -56,8 +56,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: ``[..., D]``; ``token_mask`` is accepted for the feed-forward interface (a dense MLP needs none)."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(*self.gate_up(x).chunk(2, dim=-1)))
 
 
 @dataclass
@@ -140,7 +139,7 @@ class MoEFeedForward(nn.Module):
         """SwiGLU of every expert on its rows: rows ``[A, D]`` sorted by expert -> ``[A, D]``."""
         backend = self.args.expert_backend
         gate, up = grouped_linear(rows, self.gate_up, group_sizes, backend).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down, group_sizes, backend)
+        return grouped_linear(swiglu(gate, up), self.down, group_sizes, backend)
 
     def inactive_parameter_count(self) -> int:
         """Parameters of the experts a token does not use: ``(E - k) * (gate_up + down of one expert)``."""

@@ -23,6 +23,7 @@ from linmem.layers import LayerState, MixerArgs, build_mixer, mixer_names, modul
 from linmem.layers.gla import gla_log_decay, gla_log_decay_derivative  # noqa: E402
 from linmem.layers.hgrn2 import HGRN2  # noqa: E402
 from linmem.layers.modules import ShortConvolution, mamba2_log_decay, pointwise, token_shift  # noqa: E402
+from linmem.layers.moe import swiglu_down  # noqa: E402
 from linmem.models import LinmemConfig, LinmemForCausalLM  # noqa: E402
 from linmem.models.modeling import causal_lm_loss  # noqa: E402
 from linmem.ops import parallel  # noqa: E402
@@ -133,6 +134,19 @@ def test_gates_recompute_their_derivatives_from_their_input_alone():
     bf16 = x.detach().to(torch.bfloat16).requires_grad_(True)
     assert saved_bytes(lambda t: pointwise(t, gla_log_decay, gla_log_decay_derivative), bf16) == 0
     assert saved_bytes(mamba2_log_decay, bf16, A_log.float(), dt_bias.float()) == 0, "only the (bf16) inputs are kept"
+
+
+def test_swiglu_down_recomputes_its_product_in_the_backward():
+    torch.manual_seed(2)
+    projected = torch.randn(2, 5, 16, requires_grad=True)  # [gate | up], one projection's output
+    weight = torch.randn(6, 8, requires_grad=True)
+    gate, up = projected.chunk(2, dim=-1)
+    y, ref = swiglu_down(gate, up, weight), F.linear(F.silu(gate) * up, weight)
+    cotangent = torch.randn_like(y)
+    grads = zip(torch.autograd.grad(y, (projected, weight), cotangent),
+                torch.autograd.grad(ref, (projected, weight), cotangent))
+    assert max(rel_err(got, want) for got, want in grads) < 1e-6
+    assert saved_bytes(lambda p, w: swiglu_down(*p.chunk(2, dim=-1), w), projected, weight) == 0
 
 
 def tiny_model(**fields) -> LinmemForCausalLM:

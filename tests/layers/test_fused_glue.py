@@ -181,7 +181,7 @@ def test_chunked_loss_equals_the_loss_of_the_logits_with_its_gradients():
                     is not None, reason="the Triton kernels were imported before TRITON_INTERPRET=1 could be set")
 def test_packed_model_compiles_into_one_graph_equal_to_eager():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = tiny_model(layer_pattern="L", memory="gated_deltanet", recurrence_backend="triton").to(device)
+    model = tiny_model(layer_pattern="LN", memory="gated_deltanet", recurrence_backend="triton").to(device)
     ids = torch.randint(0, 40, (1, 10), device=device)
     cu = torch.tensor([0, 4, 10], device=device)
     params = [p for p in model.parameters()]

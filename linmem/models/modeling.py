@@ -33,7 +33,7 @@ from ..layers.moe import MoEFeedForward, SwiGLU
 from ..layers.recurrent import activation_dtype
 from ..ops.fused import linear_cross_entropy
 from ..ops.routing import RouterStats
-from .cache import LinmemCache
+from .cache import LinmemCache, StaticLinmemCache
 from .config import LinmemConfig
 
 #: the name of the decoding cache in the model's inputs and outputs, as the installed transformers calls it
@@ -202,6 +202,8 @@ class LinmemModel(LinmemPreTrainedModel):
             use_cache = cache is not None or (not self.training and cu_seqlens is None)
         if use_cache and cache is None:
             cache = LinmemCache(self.config.num_hidden_layers)
+        if isinstance(cache, StaticLinmemCache):
+            cache.check_room(T)  # before any layer writes its part of the cache
         past = cache.get_seq_length() if cache is not None else 0
         token_mask = _token_mask(attention_mask, T)
         if position_ids is None:

@@ -46,6 +46,7 @@ from torch import nn
 
 from ..ops import parallel
 from ..ops.attention import cached_attention, cumulative_forget, forgetting_attention
+from ..ops.fused import gated_rms_norm
 from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
 from .modules import RMSNorm, RotaryEmbedding, positions_in_sequence
 
@@ -356,10 +357,14 @@ class _Attention(Mixer):
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
-        if self.args.output_norm:
-            o = self.o_norm(o)
+        gate = None
         if self.args.output_gate:
             gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        if self.args.output_norm and gate is not None:  # one fused pass: RMSNorm(o) * sigmoid(gate)
+            o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps, activation="sigmoid")
+        elif self.args.output_norm:
+            o = self.o_norm(o)
+        elif gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 

@@ -66,6 +66,12 @@ def build_model(section: ModelSection, vocab_size: int,
     ``special_tokens``: bos/eos/pad token ids of the tokenizer (``model.options`` may override them).
     """
     options = {**(special_tokens or {}), **section.options}
+    if section.pretrained is not None:
+        model = LinmemForCausalLM.from_pretrained(section.pretrained, **section.options)
+        if vocab_size > model.config.vocab_size:
+            raise ConfigError(f"model.pretrained {section.pretrained} has {model.config.vocab_size} tokens, fewer than "
+                              f"the task's {vocab_size}: give the data the model's tokenizer")
+        return model
     if section.recipe is not None:
         config = model_recipe(section.recipe).build_config(vocab_size=vocab_size, **options)
     else:
@@ -182,6 +188,12 @@ class Trainer:
         self.task = task if task is not None else build_task(config.data)
         special = self.task.codec.special_tokens() if self.task.codec is not None else {}
         self.model = build_model(config.model, self.task.vocab_size, special).to(self.device)
+        if config.lora.rank:  # adapters on the targets, everything else frozen
+            from ..linearize.lora import apply_lora
+
+            lora = config.lora
+            self.model = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                    targets=lora.targets, train_modules=lora.train_modules)
         o = config.optim
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps,
@@ -203,7 +215,6 @@ class Trainer:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
-
     def _resume(self) -> None:
         try:
             path = latest_valid_checkpoint(self.checkpoint_dir)
@@ -232,7 +243,12 @@ class Trainer:
         path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(),
                                keep=self.config.run.keep_checkpoints)
-        self.model.save_pretrained(self.out_dir / "model")  # the latest weights, loadable with from_pretrained
+        if self.config.lora.rank:  # the adapter, and the merged weights in model/
+            from ..linearize.lora import ADAPTER_DIR, save_lora
+
+            save_lora(self.model, self.out_dir / ADAPTER_DIR, self.out_dir / "model")
+        else:
+            self.model.save_pretrained(self.out_dir / "model")  # the latest weights, loadable with from_pretrained
         if self.task.codec is not None and self.task.codec.tokenizer is not None:
             self.task.codec.tokenizer.save_pretrained(str(self.out_dir / "model"))
         self.saved_step = self.step

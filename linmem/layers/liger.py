@@ -141,7 +141,8 @@ def rope_frequencies(dim: int, theta: float, scaling: Optional[dict] = None,
 
 
 class ScaledRotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half form, as Llama) with a frequency scaling: x ``[B, T, H, D]``.
+    """Rotary position embedding (rotate-half form, as Llama) with a frequency scaling, applied to q and k
+    ``[B, T, H, D]`` (their head counts may differ) at ``position_ids [B, T]``.
 
     The frequencies are computed in ``forward`` (no buffer), so a model built on the meta device has
     nothing to restore.
@@ -151,14 +152,19 @@ class ScaledRotaryEmbedding(nn.Module):
         super().__init__()
         self.dim, self.theta, self.scaling = dim, theta, scaling
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, H, D], position_ids: [B, T] -> rotated x."""
-        freq = rope_frequencies(self.dim, self.theta, self.scaling, x.device)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: [B, T, H, D], position_ids: [B, T] -> rotated q, k."""
+        freq = rope_frequencies(self.dim, self.theta, self.scaling, q.device)
         angles = position_ids.float()[..., None] * freq  # [B, T, D/2]
         cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
         sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+        return rotate(q), rotate(k)
 
 
 # ---------------------------------------------------------------- arguments
@@ -272,7 +278,7 @@ class _PretrainedProjections(Mixer):
             B, T = hidden.shape[:2]
             seen = cache.seen_tokens if cache is not None else 0
             position_ids = (seen + positions_in_sequence(T, cu_seqlens, hidden.device)).expand(B, T)
-        return self.rope(q, position_ids), self.rope(k, position_ids)
+        return self.rope(q, k, position_ids)
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: Optional[int],

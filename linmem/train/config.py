@@ -168,6 +168,8 @@ class TrainConfig:
             (self.lora.alpha > 0, "lora.alpha must be > 0"),
             (0 <= self.lora.dropout < 1, "lora.dropout must lie in [0, 1)"),
             (self.lora.rank == 0 or bool(self.lora.targets), "lora.targets must name at least one module"),
+            (self.lora.rank == 0 or self.model.pretrained is not None,
+             "lora.rank > 0 adapts a trained model: set model.pretrained (e.g. a folder written by linmem linearize)"),
             (self.data.batch_size >= 1, "data.batch_size must be >= 1"),
             (self.data.tokens_per_batch >= 2, "data.tokens_per_batch must be >= 2"),
             (self.optim.lr > 0, "optim.lr must be > 0"),

@@ -53,7 +53,7 @@ def loop_liger_gla(mixer, x: torch.Tensor) -> torch.Tensor:
     q, k, v = mixer.project(x)
     k, v = (x.repeat_interleave(H // HKV, dim=2) for x in (k, v))
     positions = torch.arange(T).expand(B, T)
-    q_rot, k_rot = mixer.rope(q, positions), mixer.rope(k, positions)
+    q_rot, k_rot = mixer.rope(q, k, positions)
     state = x.new_zeros(B, H, K, v.shape[-1])
     out = []
     for t in range(T):

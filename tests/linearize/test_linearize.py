@@ -1,4 +1,4 @@
-"""linearize on tiny Llama / Qwen2 / Qwen3 checkpoints made here with transformers: the converted folder
+"""linearize on tiny Llama / Mistral / Qwen2 / Qwen3 checkpoints made here with transformers: the converted folder
 loads with AutoModelForCausalLM, adds no parameter and holds every pretrained tensor bit for bit; with
 the memory branch at weight 0 and a window covering the sequence, Liger Attention is the base model's
 attention (and full-attention layers always are); generate with the real window cache equals the full
@@ -7,6 +7,7 @@ forward; unsupported checkpoints are refused with a named error before anything 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,14 @@ def hf_model(family: str):
     if family == "llama":  # tied embeddings, Llama 3.1 RoPE scaling, head_dim 8
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True,
                                           rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})
+    elif family == "mistral":  # a sliding window in every layer
+        config = transformers.MistralConfig(**common, sliding_window=6)
     elif family == "qwen2":  # q/k/v biases
         config = transformers.Qwen2Config(**common)
     else:  # q/k norms, head_dim 16 != hidden / heads
         config = transformers.Qwen3Config(**common, head_dim=16)
-    model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                   "qwen3": transformers.Qwen3ForCausalLM}[family]
+    model_class = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                   "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
     torch.manual_seed(0)
     model = model_class(config).eval()
     with torch.no_grad():
@@ -51,7 +54,7 @@ def hf_model(family: str):
 def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     root = tmp_path_factory.mktemp("hf")
     saved = {}
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
         model = hf_model(family)
         model.save_pretrained(root / family)
         saved[family] = (root / family, model)
@@ -62,10 +65,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_weights_copied_bit_for_bit_and_window_branch_alone_is_the_base_attention(family, checkpoints, tmp_path):
     source, base = checkpoints[family]
-    options = LinearizeOptions(memory="gla", window=16, memory_weight=0.0, keep_attention=2)
+    window = 6 if family == "mistral" else 16  # Mistral's own window in every layer; else covering the sequence
+    options = LinearizeOptions(memory="gla", window=window, memory_weight=0.0, keep_attention=2)
     result = linearize(source, tmp_path / "liger", options)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "liger").eval()
     assert type(model) is LinmemForCausalLM and model.config.layer_pattern == "LN" == result.layer_pattern
@@ -74,8 +78,7 @@ def test_weights_copied_bit_for_bit_and_window_branch_alone_is_the_base_attentio
     ours = model.state_dict()
     for name, tensor in base.state_dict().items():
         if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            gate_up = ours[name.replace("gate_proj", "gate_up").replace("up_proj", "gate_up").replace("mlp.gate_up",
-                                                                                                     "mlp.gate_up")]
+            gate_up = ours[re.sub(r"mlp\.(gate|up)_proj", "mlp.gate_up", name)]
             half = tensor.shape[0]
             tensor_in_ours = gate_up[:half] if ".gate_proj." in name else gate_up[half:]
         else:

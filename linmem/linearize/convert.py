@@ -106,7 +106,7 @@ def liger_config(arch: Architecture, options: LinearizeOptions) -> LinmemConfig:
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new one")
+        raise ValueError(f"--out {out} exists and is not an empty folder; give a new one")
 
 
 def build_model(source: Path, config: LinmemConfig, seed: int) -> tuple[LinmemForCausalLM, int, list[str]]:
@@ -155,7 +155,7 @@ def linearize(source: Union[str, Path], out: Union[str, Path], options: Optional
     ``out`` then holds a LinmemForCausalLM (``AutoModelForCausalLM.from_pretrained(out)`` after
     ``import linmem``), the source's tokenizer and generation files, and ``linearize.json`` (the
     options and parameter counts). Raises :class:`UnsupportedCheckpointError` (an unsupported family,
-    shape or option), ``ValueError`` (an option out of range) or ``FileExistsError`` before writing.
+    shape or option) or ``ValueError`` (an option out of range, an ``out`` folder in use) before writing.
     """
     source, out = Path(source), Path(out)
     options = options or LinearizeOptions()

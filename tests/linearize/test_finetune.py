@@ -106,4 +106,8 @@ def test_linearize_then_lora_saves_an_adapter_and_a_merged_model(tmp_path, token
     assert before.keys() == after.keys()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all(name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj") for name in changed)
-    assert (run / "model" / "tokenizer.json").is_file() and "val_loss" in json.loads((run / "finished.json").read_text())["metrics"]
+    assert "val_loss" in json.loads((run / "finished.json").read_text())["metrics"]
+    from linmem.train.runs import load_run
+
+    text = load_run(run).generate("Repeat the word beta.", max_new_tokens=3, temperature=0)  # the run's tokenizer
+    assert text.startswith("Repeat the word beta.")

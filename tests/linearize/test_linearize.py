@@ -149,6 +149,6 @@ def test_bad_options_and_a_used_folder_are_refused(checkpoints, tmp_path):
         linearize(source, tmp_path / "b", LinearizeOptions(memory="gsa", slots=5))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not an empty folder"):
+    with pytest.raises(ValueError, match="not an empty folder"):
         linearize(source, tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

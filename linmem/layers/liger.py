@@ -43,7 +43,7 @@ computed and keeps no cache.
 
 Decoding cache: the memory's state ``recurrent [B, H, K, V]`` (GSA: ``slot_keys [B, H, K, M]`` and
 ``recurrent [B, H, M, V]``), and the window's KV ring (``k``, ``v``, ``key_mask``, W slots) as the
-attention layers keep it (:func:`linmem.layers.attention.extend_cache`); ``llama_attention`` keeps a
+attention layers keep it (:func:`linmem.layers.attention.update_kv_cache`); ``llama_attention`` keeps a
 growing KV cache, or a ring of ``window`` slots.
 """
 
@@ -60,7 +60,7 @@ from torch import nn
 
 from ..ops import linear_recurrence, linear_recurrence_step
 from ..ops.attention import cached_attention, forgetting_attention
-from .attention import extend_cache
+from .attention import update_kv_cache
 from .base import (
     LayerState,
     Mixer,
@@ -286,15 +286,21 @@ class _PretrainedProjections(Mixer):
                cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         """Softmax attention of this call's queries over the cached and the new keys: o [B, T, H, V].
 
-        The cache grows, or is a ring of ``window`` slots (:func:`~linmem.layers.attention.extend_cache`)."""
-        if cache is None and token_mask is None:
+        The cache's buffers grow, or are a ring of ``window`` slots
+        (:func:`~linmem.layers.attention.update_kv_cache`); a call whose keys are all its own and all
+        present is plain causal attention."""
+        fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
+        if cache is None and fresh:
             return forgetting_attention(q, k, v, window=window, cu_seqlens=cu_seqlens)
         B, T = q.shape[:2]
         present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
         keys = {"k": k, "v": v, "key_mask": present}
+        read_window = window
         if cache is not None:
-            keys = extend_cache(cache, keys, window)
-        return cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], window=window,
+            keys, read_window = update_kv_cache(cache, keys, window)
+        if fresh:
+            return forgetting_attention(q, k, v, window=window)
+        return cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], window=read_window,
                                 cu_seqlens=cu_seqlens)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -308,8 +314,9 @@ class PretrainedAttention(_PretrainedProjections):
 
     Example:
         >>> from linmem.layers import build_mixer
-        >>> attn = build_mixer("llama_attention", PretrainedAttentionArgs(hidden_size=32, num_heads=4,
-        ...                    num_kv_heads=2, qkv_bias=True, rope_scaling_params={"rope_type": "linear", "factor": 4.0}))
+        >>> args = PretrainedAttentionArgs(hidden_size=32, num_heads=4, num_kv_heads=2, qkv_bias=True,
+        ...                                rope_scaling_params={"rope_type": "linear", "factor": 4.0})
+        >>> attn = build_mixer("llama_attention", args)
         >>> attn(torch.randn(2, 7, 32)).shape
         torch.Size([2, 7, 32])
     """

@@ -90,11 +90,13 @@ def test_weights_copied_bit_for_bit_and_window_branch_alone_is_the_base_attentio
 
 
 def test_generate_with_the_window_cache_equals_the_full_forward(checkpoints, tmp_path):
-    linearize(checkpoints["llama"][0], tmp_path / "liger", LinearizeOptions(memory="gla", window=4))
+    linearize(checkpoints["llama"][0], tmp_path / "liger", LinearizeOptions(memory="gla", window=4, keep_attention=2))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "liger").eval()
     ids = torch.randint(1, VOCAB, (2, 7))
     with torch.no_grad():
         generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        static = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+        assert torch.equal(static, generated)
         x = ids
         for _ in range(8):
             x = torch.cat([x, model(x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)

@@ -111,3 +111,14 @@ def test_linearize_then_lora_saves_an_adapter_and_a_merged_model(tmp_path, token
 
     text = load_run(run).generate("Repeat the word beta.", max_new_tokens=3, temperature=0)  # the run's tokenizer
     assert text.startswith("Repeat the word beta.")
+
+
+def test_fine_tuning_a_saved_model_under_torchrun_is_refused(monkeypatch):
+    from linmem.train.config import ConfigError, TrainConfig
+    from linmem.train.trainer import check_launch
+
+    config = TrainConfig()
+    config.model.pretrained, config.lora.rank = "checkpoints/liger", 8
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2: fine-tuning a saved model"):
+        check_launch(config)

@@ -1,4 +1,4 @@
-"""Command line: ``linmem train | eval | generate | data prepare | tokenizer train | bench | demo``.
+"""Command line: ``linmem train | eval | generate | data prepare | tokenizer train | linearize | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
     torchrun --nproc-per-node 4 -m linmem.cli train --recipe R parallel.dp=2 parallel.sp=2   # several GPUs
@@ -8,6 +8,7 @@
     linmem tokenizer train --out tok --vocab-size 8192             # BPE on local text (stdlib by default)
     linmem generate runs/text --prompt "def main(" --max-new-tokens 200 --top-p 0.9 --stop "def "
     linmem data prepare data/stdlib                 # tokenize once into memory-mapped shards
+    linmem linearize --from ckpt/llama --out ckpt/liger --memory gla --window 64   # Liger: no new parameters
     linmem train data.task=text data.text.prepared=data/stdlib
     linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
@@ -140,6 +141,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _linearize(args: argparse.Namespace) -> int:
+    from .linearize.command import main
+
+    _quiet_transformers()
+    return main(args.passed_on)
+
+
 def _bench_ops(args: argparse.Namespace) -> int:
     from .bench.ops import BenchConfig, main
 
@@ -224,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--errors", default="replace", choices=["replace", "strict"], help="invalid UTF-8 in files")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (about)")
     prepare.set_defaults(func=_data_prepare)
+
+    linearize = sub.add_parser("linearize", parents=[common], add_help=False,  # its options: linmem.linearize.command
+                               help="convert a local Llama / Mistral / Qwen2 / Qwen3 checkpoint into a Liger model")
+    linearize.set_defaults(func=_linearize, passes_on=True)
 
     bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -174,6 +174,36 @@ def rebase_forget(cache: LayerState) -> None:
         last.zero_()
 
 
+def update_kv_cache(
+    cache: LayerState, new: dict[str, torch.Tensor], window: Optional[int]
+) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+    """Write the call's keys into the cache's buffers (a ring of ``window`` slots with a window); the keys
+    to attend over and the window to apply.
+
+    ``new`` holds the call's ``k``, ``v``, ``key_mask`` and (FoX) ``cum_forget`` counted from the
+    call's first token (``[B, T, ...]``). One token (a decoding step) is written at the device
+    position of a static cache and reads the whole buffers, contiguous and of a fixed size, so the
+    step can be replayed from a CUDA graph: empty slots are masked, and a ring in slot order needs
+    no window, as every key it holds is inside it. A longer call reads the first ``n + T`` slots,
+    or, when it wraps the ring, the ring in time order followed by its own keys.
+    """
+    n, T = cache.seen_tokens, new["k"].shape[1]
+    S = _ensure_buffers(cache, new, window)
+    if "cum_forget" in new:  # continue the row's cumulative forget sum
+        last = cache.get("forget_last")
+        new = {**new, "cum_forget": last[:, None] + new["cum_forget"]}
+        last.copy_(new["cum_forget"][:, -1])
+    if T == 1:
+        _write(cache, new, cache.position if cache.static else n, S)
+        return {name: cache.get(name) for name in new}, None
+    if n + T <= S:
+        _write(cache, new, n, S)
+        return {name: cache.get(name)[:, :n + T] for name in new}, window
+    keys = {name: torch.cat([_time_ordered(cache.get(name), n, S).to(x.dtype), x], 1) for name, x in new.items()}
+    _write(cache, new, n, S)
+    return keys, window
+
+
 class _Attention(Mixer):
     """Causal softmax attention with q/k/v/o projections (no bias), GQA, an optional window and the
     "Pro" options; subclasses choose RoPE and the forget gate."""
@@ -330,30 +360,8 @@ class _Attention(Mixer):
     def update_cache(
         self, cache: LayerState, new: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
-        """Write the call's keys into the cache's buffers; the keys to attend over and the window to apply.
-
-        ``new`` holds the call's ``k``, ``v``, ``key_mask`` and (FoX) ``cum_forget`` counted from the
-        call's first token (``[B, T, ...]``). One token (a decoding step) is written at the device
-        position of a static cache and reads the whole buffers, contiguous and of a fixed size, so the
-        step can be replayed from a CUDA graph: empty slots are masked, and a ring in slot order needs
-        no window, as every key it holds is inside it. A longer call reads the first ``n + T`` slots,
-        or, when it wraps the ring, the ring in time order followed by its own keys.
-        """
-        n, T = cache.seen_tokens, new["k"].shape[1]
-        S = _ensure_buffers(cache, new, self.window)
-        if "cum_forget" in new:  # continue the row's cumulative forget sum
-            last = cache.get("forget_last")
-            new = {**new, "cum_forget": last[:, None] + new["cum_forget"]}
-            last.copy_(new["cum_forget"][:, -1])
-        if T == 1:
-            _write(cache, new, cache.position if cache.static else n, S)
-            return {name: cache.get(name) for name in new}, None
-        if n + T <= S:
-            _write(cache, new, n, S)
-            return {name: cache.get(name)[:, :n + T] for name in new}, self.window
-        keys = {name: torch.cat([_time_ordered(cache.get(name), n, S).to(x.dtype), x], 1) for name, x in new.items()}
-        _write(cache, new, n, S)
-        return keys, self.window
+        """:func:`update_kv_cache` with this layer's window."""
+        return update_kv_cache(cache, new, self.window)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""

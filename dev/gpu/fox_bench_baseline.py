@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from linmem.ops.recurrence.triton.common import _INTERP, LOG2E, exp2, locate_chunk, rounded, sequence_bounds, total
+from linmem.ops.recurrence.triton.layout import locate_chunk, sequence_bounds
+from linmem.ops.recurrence.triton.numerics import _INTERP, LOG2E, exp2, rounded, total
 
 #: (block_m, block_n, warps, stages) of each kernel at head dim 128, bf16/fp16
 TILES = {"forward": (128, 64, 8, 3), "dq": (128, 32, 8, 2), "dkdv": (32, 64, 8, 2)}
@@ -36,7 +37,7 @@ def dot(a, b, DT: tl.constexpr):
 
 @triton.jit
 def row_max(x, axis: tl.constexpr):
-    """tl.max spelled with Triton builtins (see ``recurrence.triton.common.total``); its combine function is the
+    """tl.max spelled with Triton builtins (see ``recurrence.triton.numerics.total``); its combine function is the
     one the interpreter reduces with numpy."""
     return tl.reduce(x, axis, tl.standard._elementwise_max)
 

@@ -47,7 +47,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..recurrence.triton.common import exp, rounded, sequence_bounds, total
+from ..recurrence.triton.layout import sequence_bounds
+from ..recurrence.triton.numerics import exp, rounded, total
 
 
 @triton.jit

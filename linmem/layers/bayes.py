@@ -182,6 +182,7 @@ class BayesianMemory(MemoryMixer):
     def step_memory(
         self, step: FilterArgs, state: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        o, _, state = bayes_filter_step(step.q, step.k, step.v, state, **step.filter_kwargs())
+        o, _, state = bayes_filter_step(step.q, step.k, step.v, state, **step.filter_kwargs(),
+                                        backend=self.args.backend)
         return o, state
 

@@ -31,6 +31,8 @@ logger = logging.getLogger("linmem.ops")
 
 #: names accepted by ``backend=``
 BACKENDS = ("auto", "reference", "delta", "triton")
+#: the backends of :func:`bayes_filter_step`
+STEP_BACKENDS = ("auto", "reference", "triton")
 #: input dtypes of the Triton kernels
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -218,6 +220,7 @@ def bayes_filter_step(
     reset: bool = False,
     scale: Optional[float] = None,
     return_variance: bool = False,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], State]:
     """One decoding step of :func:`bayes_filter` against a state ``(M, P)``.
 
@@ -225,7 +228,9 @@ def bayes_filter_step(
     log_decay, obs_noise, process_noise ``[B, H]``; ``state = (M [B, H, K, V], P [B, H, K, K])`` in fp32
     (fp64 for fp64 inputs). Returns ``(o [B, H, V], var [B, H] or None, state)``. When no gradient is being
     recorded the state is updated in place and the same tensors are returned (on CUDA by the forward kernel);
-    otherwise new tensors are returned and ``state`` is left untouched.
+    otherwise new tensors are returned and ``state`` is left untouched. ``backend``: ``"auto"`` (the forward
+    kernel on CUDA, else the PyTorch step), ``"triton"`` (the kernel, on the CPU through the interpreter) or
+    ``"reference"`` (the PyTorch step); a kernel that cannot serve the step falls back to PyTorch (logged).
 
     Example:
         >>> import torch
@@ -253,7 +258,12 @@ def bayes_filter_step(
     acc = compute_dtype(q)
     if M.dtype != acc or P.dtype != acc:
         raise TypeError(f"bayes_filter_step: `state` must be {acc} for {q.dtype} inputs, got {M.dtype}, {P.dtype}")
-    reason = _step_kernel_refusal(inputs, (M, P))
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"bayes_filter_step: unknown `backend` {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
+    if backend == "reference" or (backend == "auto" and q.device.type != "cuda"):
+        reason = "backend 'reference'" if backend == "reference" else "'auto' runs the kernel on CUDA only"
+    else:
+        reason = _step_kernel_refusal(inputs, (M, P))
     if reason is None:
         from .launch import Launch, _pow2, default_warps, filter_forward
 

@@ -1,6 +1,7 @@
 """Command line: ``linmem train | eval | generate | data prepare | tokenizer train | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
+    torchrun --nproc-per-node 4 -m linmem.cli train --recipe R parallel.dp=2 parallel.sp=2   # several GPUs
     linmem eval runs/gdn                            # the run's own metric
     linmem eval runs/text --suite niah,position-loss --lengths 1024,2048,4096
     linmem eval runs/text --harness my_task --include-path tasks/   # lm-evaluation-harness (linmem[eval])
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import traceback
@@ -37,25 +39,25 @@ USAGE_ERROR = 2  # exit status of a refused command (argparse's)
 def _train(args: argparse.Namespace) -> int:
     from .train import Trainer, load_config
     from .train.rundir import check_run_directory
-    from .train.trainer import check_single_process, resolve_device
+    from .train.trainer import check_launch
 
     config = load_config(args.config, recipe=args.recipe, overrides=args.overrides)
-    check_single_process()
-    resolve_device(config.run.device)
+    check_launch(config)
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 speaks
     finished = check_run_directory(config)
     if finished is not None:
-        print(f"{config.run.out_dir} holds a finished run ({finished['step']} steps); nothing to do. "
-              f"Final metrics: {_metrics_line(finished['metrics'])}. To train longer, raise schedule.steps.")
+        say(f"{config.run.out_dir} holds a finished run ({finished['step']} steps); nothing to do. "
+            f"Final metrics: {_metrics_line(finished['metrics'])}. To train longer, raise schedule.steps.")
         return 0
-    print(config.to_yaml())
+    say(config.to_yaml())
     _quiet_transformers()
     trainer = Trainer(config)
-    print(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}", flush=True)
+    say(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}", flush=True)
     result = trainer.train()
     if result.already_finished:  # another process finished it in the meantime
-        print(f"{config.run.out_dir} holds a finished run ({result.steps} steps); nothing to do.")
+        say(f"{config.run.out_dir} holds a finished run ({result.steps} steps); nothing to do.")
         return 0
-    print(f"done: {result.steps} steps, skipped {result.skipped_steps}; metrics: {_metrics_line(result.metrics)}")
+    say(f"done: {result.steps} steps, skipped {result.skipped_steps}; metrics: {_metrics_line(result.metrics)}")
     return 0
 
 
@@ -295,6 +297,9 @@ def _is_usage_error(err: BaseException) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # OpenMP threads that sleep between parallel regions: spinning ones collapse CPU training on a shared
+    # machine (read once, when a subcommand first imports torch)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args, passed_on = parser.parse_known_args(argv)
     if passed_on and not getattr(args, "passes_on", False):

@@ -10,13 +10,16 @@
    fla is importable); sliding windows W = 512 ... 4096 (ours, gated) beside SDPA full causal; pruning on
    (tolerance 1e-3, half the heads forgetting strongly) with its measured error; peak memory of each.
 4. Decoding: one token against caches of 2K ... 32K keys, batch 8 (ours beside SDPA).
-5. ``--sweep``: the candidate tiles of each kernel (``TILE_CANDIDATES``), checked, then timed at 4 x 4096.
+5. ``variants`` (at (B, T) = (8, 2K), (2, 8K), (1, 32K), gated, bf16, D = 128): each kernel's own time (forward,
+   dq pass, dkdv pass) for every candidate tile of ``TILE_CANDIDATES`` (each checked against the reference first)
+   and for the frozen baseline kernels of ``fox_bench_baseline.py``; then fwd+bwd of SDPA flash causal, fla, the
+   baseline and the new kernels (gated and plain) with the default tiles and with the fastest tiles of this shape.
 
 One table is printed; everything is written as JSON to ``$OUT/fox_bench.json`` (or ``--out``). The checks of 1
-always run; ``--only`` picks among the other sections, ``--shapes`` the (B, T) of 3, so that each call stays
+always run; ``--only`` picks among the other sections, ``--shapes`` the (B, T) of 3 and 5, so that each call stays
 within a time limit (the Triton and FlexAttention compilations of a fresh machine take minutes).
 
-    python dev/gpu/fox_bench.py [--quick] [--only accuracy,train,decode,sweep] [--shapes 8x2048,1x32768]
+    python dev/gpu/fox_bench.py [--quick] [--only accuracy,train,decode,variants] [--shapes 8x2048,1x32768]
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import fox_bench_baseline as base  # noqa: E402
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.triton import launch  # noqa: E402
 
@@ -43,14 +48,15 @@ SHAPES = [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]
 WINDOWS = [512, 1024, 2048, 4096]
 CACHES = [2048, 8192, 32768]
 PRUNE_TOLERANCE = 1e-3
-#: (block_m, block_n, warps, stages) tried by --sweep, per kernel (the defaults are ``launch.TILES``)
+#: (block_m, block_n, warps, stages) timed by ``--only variants`` per kernel at D = 128 (the first: launch.TILES); the
+#: others compile for sm_90 with few or no spills (``fox_compile.py --candidates``): forward at 2 programs per SM and
+#: with 128 keys a tile; dq with 32 keys; dkdv with 64 queries a tile (2 or 3 stages) and at 2 programs per SM
 TILE_CANDIDATES = {
-    "forward": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2),
-                (128, 128, 8, 2)],
-    "dq": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2), (128, 64, 8, 3)],
-    "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (16, 64, 4, 3), (32, 64, 8, 3),
-             (64, 128, 8, 3)],
+    "forward": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)],
 }
+VARIANT_SHAPES = [(8, 2048), (2, 8192), (1, 32768)]
 
 
 # ---------------------------------------------------------------- helpers
@@ -155,15 +161,15 @@ def run_row(row: Row, step: Callable, reps: int) -> Row:
 # ---------------------------------------------------------------- 1. correctness
 
 
-def check_case(name: str, dtype, dim: int, **kw) -> dict:
-    """One variant at B = 2, T = 1000 (not a multiple of any tile), H = 4, Hkv = 2, against the reference in fp32
-    (fp64 for fp32 inputs): outputs and every gradient."""
-    B, T = (1, 1000) if "cu_seqlens" in kw else (2, 1000)
-    q, k, v = qkv(B, T, 4, 2, dim, dtype)
-    log_f = gates(B, T, 4, strong_half=kw.pop("strong", False))
+def check_case(name: str, dtype, dim: int, T: int = 1000, heads: int = 4, kv_heads: int = 2, **kw) -> dict:
+    """One variant at B = 2, T = 1000 (not a multiple of any tile), H = 4, Hkv = 2 (or as given), against the
+    reference in fp32 (fp64 for fp32 inputs): outputs and every gradient."""
+    B = 1 if "cu_seqlens" in kw else 2
+    q, k, v = qkv(B, T, heads, kv_heads, dim, dtype)
+    log_f = gates(B, T, heads, strong_half=kw.pop("strong", False))
     ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     tol = 1e-4 if dtype == torch.float32 else 5e-3
-    do = torch.randn(B, T, 4, dim, device="cuda").to(dtype)
+    do = torch.randn(B, T, heads, dim, device="cuda").to(dtype)
     forget = kw.pop("forget", True)
 
     def op(backend, cast):
@@ -390,32 +396,190 @@ def decoding(reps: int) -> list[Row]:
     return rows
 
 
-# ---------------------------------------------------------------- 5. tile sweep
+# ---------------------------------------------------------------- 5. variants: per-kernel times of candidate tiles
 
 
-def sweep(reps: int) -> list[dict]:
-    """Each candidate tile of each kernel: the gated bf16 check, then the fwd+bwd time at 4 x 4096."""
-    results = []
-    B, T = 4, 4096
+def baseline_launch(kernel, name: str, heads: int, block: int, args: tuple, H: int, Hkv: int, gated: bool) -> None:
+    """Launch one frozen kernel (``fox_bench_baseline``) on a fixed-length batch: grid (T / its tile's ``block``
+    side, B * heads), causal, no window, key mask, packing or pruning."""
+    BM, BN, warps, stages = base.TILES[name]
+    B, T, _, dim = args[0].shape
+    kernel[(triton.cdiv(T, (BM, BN)[block]), B * heads)](
+        *args, G=H // Hkv, D=dim, DV=dim, BM=BM, BN=BN, IS_VARLEN=False, HAS_FORGET=gated, HAS_WINDOW=False,
+        HAS_KEY_MASK=False, PRUNE=False, num_warps=warps, num_stages=stages)
+
+
+def baseline_forward(q, k, v, c, scale):
+    """q: [B, T, H, D], k, v: [B, T, Hkv, D], c: [B, T, H] fp32 or None -> o [B, T, H, D], lse [B, T, H] fp32."""
+    B, T, heads, _ = q.shape
+    o, lse = torch.empty_like(q), q.new_empty(B, T, heads, dtype=torch.float32)
+    baseline_launch(base.forward_kernel, "forward", heads, 0,
+                    (q, k, v, c, None, o, lse, None, None, scale, 0.0, 0, B, T, T, heads), heads, k.shape[2],
+                    c is not None)
+    return o, lse
+
+
+def baseline_dq(q, k, v, c, o, lse, do, scale):
+    """-> dq and the corrected delta [B, T, H] fp32."""
+    B, T, heads, _ = q.shape
+    dq, delta = torch.empty_like(q), torch.empty_like(lse)
+    baseline_launch(base.dq_kernel, "dq", heads, 0,
+                    (q, k, v, c, None, o, do, lse, delta, dq, None, None, scale, 0.0, 0, B, T, heads), heads,
+                    k.shape[2], c is not None)
+    return dq, delta
+
+
+def baseline_dkdv(q, k, v, c, lse, delta, do, scale):
+    """-> dk, dv and dc [B, T, H] fp32 (None without c)."""
+    B, T, heads, _ = q.shape
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dc = torch.empty_like(c) if c is not None else None
+    baseline_launch(base.dkdv_kernel, "dkdv", k.shape[2], 1,
+                    (q, k, v, c, None, do, lse, delta, dk, dv, dc, None, None, scale, 0.0, 0, B, T, heads), heads,
+                    k.shape[2], c is not None)
+    return dk, dv, dc
+
+
+class BaselineAttention(torch.autograd.Function):
+    """The frozen kernels under autograd: (q, k, v, c or None, scale) -> o."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c, scale):
+        o, lse = baseline_forward(q, k, v, c, scale)
+        ctx.save_for_backward(q, k, v, c, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, c, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        dq, delta = baseline_dq(q, k, v, c, o, lse, do, ctx.scale)
+        dk, dv, dc = baseline_dkdv(q, k, v, c, lse, delta, do, ctx.scale)
+        return dq, dk, dv, dc, None
+
+
+def baseline_attention(q, k, v, log_forget=None):
+    """Forgetting attention through the frozen kernels (causal, no window): [B, T, H, D] -> [B, T, H, D]."""
+    c = None if log_forget is None else log_forget.float().cumsum(1).contiguous()
+    return BaselineAttention.apply(q, k, v, c, q.shape[-1] ** -0.5)
+
+
+def kernel_inputs(B: int, T: int) -> dict:
+    """Gated bf16 inputs at (B, T), H = 16, D = 128, and what each kernel reads: c head-major (new kernels) and
+    token-major (baseline), o and lse of the forward, delta of the dq pass, a cotangent do."""
     q, k, v = qkv(B, T)
-    log_f = gates(B, T)
-    step = fwd_bwd(lambda q, k, v, f: forgetting_attention(q, k, v, log_forget=f), [q, k, v, log_f])
-    for kernel, candidates in TILE_CANDIDATES.items():
-        default = launch.TILES[kernel][D]
-        for cand in candidates:
-            launch.TILES[kernel][D] = launch.Tiles(*cand)
-            entry = {"kernel": kernel, "tiles": cand, "default": launch.Tiles(*cand) == default}
-            check = _guarded(kernel, lambda: check_case("gated bf16 D128", torch.bfloat16, 128))
-            entry["check_ok"] = check.get("ok", False)
-            if entry["check_ok"]:
-                entry["ms"] = run_row(Row("sweep", kernel, B, T), step, reps).ms
-            else:
-                entry["check"] = check
-            results.append(entry)
-            print(f"sweep {kernel:8s} {cand}: " + (f"{entry['ms']:.3f} ms" if entry.get("ms") else "FAILED check"),
-                  flush=True)
-        launch.TILES[kernel][D] = default
-    return results
+    c = gates(B, T).cumsum(1)
+    x = dict(q=q, k=k, v=v, c_tok=c.contiguous(), c=c.transpose(1, 2).contiguous(), scale=D ** -0.5,
+             do=torch.randn(B, T, H, D, device="cuda").to(torch.bfloat16))
+    x["o"], x["lse"] = launch.attention_forward(q, k, v, x["c"], None, None, None, x["scale"], None, None)
+    x["o_tok"], x["lse_tok"] = baseline_forward(q, k, v, x["c_tok"], x["scale"])
+    x["delta_tok"] = baseline_dq(q, k, v, x["c_tok"], x["o_tok"], x["lse_tok"], x["do"], x["scale"])[1]
+    return x
+
+
+def kernel_steps(x: dict) -> dict[str, Callable]:
+    """One closure per kernel of the new path (current launch.TILES) and of the baseline. The dkdv pass reads the
+    u of a dq pass with the same tiles (its query tiles), made here."""
+    q, k, v, c, do, scale = x["q"], x["k"], x["v"], x["c"], x["do"], x["scale"]
+    common = (q, k, v, c, None, None, None)
+    _, delta, u = launch.backward_dq(*common, x["o"], x["lse"], do, scale, None, None)
+    base = (q, k, v, x["c_tok"])
+    return {
+        "forward": lambda: launch.attention_forward(*common, scale, None, None),
+        "dq": lambda: launch.backward_dq(*common, x["o"], x["lse"], do, scale, None, None),
+        "dkdv": lambda: launch.backward_dkdv(*common, x["lse"], delta, u, do, scale, None, None),
+        "baseline forward": lambda: baseline_forward(*base, scale),
+        "baseline dq": lambda: baseline_dq(*base, x["o_tok"], x["lse_tok"], do, scale),
+        "baseline dkdv": lambda: baseline_dkdv(*base, x["lse_tok"], x["delta_tok"], do, scale),
+    }
+
+
+def candidate_ok(kernel: str, tiles: tuple) -> dict:
+    """The gated bf16 check with ``tiles`` for ``kernel``, compiled as it is timed (B = 2, T = 1024, H = Hkv = 16,
+    D = 128: the sizes' divisibility by 16 and B > 1 select the same specialisation)."""
+    saved = launch.TILES[kernel][D]
+    launch.TILES[kernel][D] = launch.Tiles(*tiles)
+    try:
+        return _guarded(f"{kernel} {tiles}", lambda: check_case(f"{kernel} {tiles}", torch.bfloat16, D, T=1024,
+                                                                heads=H, kv_heads=H))
+    finally:
+        launch.TILES[kernel][D] = saved
+
+
+def variants(shapes, reps: int) -> tuple[list[Row], dict]:
+    """Per shape: each kernel's time at each checked candidate tile (the others at their defaults), the baseline's,
+    and the default's again (how far repeated timings drift); then fwd+bwd of the peers, the baseline, and the new
+    kernels at the default and the fastest tiles."""
+    checks = {(kern, t): candidate_ok(kern, t) for kern, cands in TILE_CANDIDATES.items() for t in cands}
+    for (kern, t), check in checks.items():
+        errs = " ".join(f"{n}={e:.1e}" for n, e in check.items() if isinstance(e, float) and n != "tol")
+        print(f"check {kern} {t}: {'ok' if check.get('ok') else 'FAILED'} {errs} {check.get('error', '')}", flush=True)
+    defaults = {kern: launch.TILES[kern][D] for kern in TILE_CANDIDATES}
+    rows, best = [], {}
+    for B, T in shapes:
+        x = kernel_inputs(B, T)
+        fastest = {}
+        for kern, cands in TILE_CANDIDATES.items():
+            for t in cands:
+                name = f"{kern} {'x'.join(map(str, t))}" + (" (default)" if launch.Tiles(*t) == defaults[kern] else "")
+                if not checks[(kern, t)].get("ok"):
+                    rows.append(Row("kernel", name, B, T, note="failed its check"))
+                    continue
+                launch.TILES[kern][D] = launch.Tiles(*t)
+                row = run_row(Row("kernel", name, B, T), kernel_steps(x)[kern], reps)
+                launch.TILES[kern][D] = defaults[kern]
+                rows.append(row)
+                if row.ms is not None and (kern not in fastest or row.ms < fastest[kern][1]):
+                    fastest[kern] = (t, row.ms)
+            rows.append(run_row(Row("kernel", f"baseline {kern} {'x'.join(map(str, base.TILES[kern]))}", B, T),
+                                kernel_steps(x)[f"baseline {kern}"], reps))
+            again = f"{kern} {'x'.join(map(str, dataclasses.astuple(defaults[kern])))} (default, again)"
+            rows.append(run_row(Row("kernel", again, B, T), kernel_steps(x)[kern], reps))
+        best[f"{B}x{T}"] = {kern: t for kern, (t, _) in fastest.items()}
+        del x
+        q, k, v = qkv(B, T)
+        log_f = gates(B, T)
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        sdpa = run_row(Row("fwd+bwd", "sdpa flash causal", B, T),
+                       fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [qh, kh, vh]),
+                       reps)
+        cases = [("fla parallel_forgetting_attn", None, [q, k, v, log_f]),
+                 ("baseline gated", baseline_attention, [q, k, v, log_f]),
+                 ("baseline log_forget=None", lambda q, k, v: baseline_attention(q, k, v), [q, k, v]),
+                 ("ours gated (default tiles)", lambda q, k, v, f: forgetting_attention(q, k, v, log_forget=f),
+                  [q, k, v, log_f]),
+                 ("ours log_forget=None (default tiles)", lambda q, k, v: forgetting_attention(q, k, v), [q, k, v])]
+        tuned = {kern: launch.Tiles(*t) for kern, t in best[f"{B}x{T}"].items()}
+        label = " ".join(f"{kern} {'x'.join(map(str, dataclasses.astuple(t)))}" for kern, t in tuned.items())
+        if any(tuned[kern] != defaults[kern] for kern in tuned):
+            cases += [("ours gated (fastest tiles)", "tuned gated", [q, k, v, log_f]),
+                      ("ours log_forget=None (fastest tiles)", "tuned plain", [q, k, v])]
+        rows.append(sdpa)
+        for name, fn, leaves in cases:
+            row = Row("fwd+bwd", name, B, T, note=label if "fastest" in name else "")
+            if fn is None:
+                try:
+                    fn = fla_fn()
+                except Exception as error:
+                    row.note = f"not run: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+                    rows.append(row)
+                    continue
+            if isinstance(fn, str):
+                gated = fn == "tuned gated"
+                fn = (lambda q, k, v, f: forgetting_attention(q, k, v, log_forget=f)) if gated else \
+                    (lambda q, k, v: forgetting_attention(q, k, v))
+                for kern, t in tuned.items():
+                    launch.TILES[kern][D] = t
+            run_row(row, fwd_bwd(fn, leaves), reps)
+            for kern in TILE_CANDIDATES:
+                launch.TILES[kern][D] = defaults[kern]
+            if row.ms is not None and sdpa.ms is not None:
+                row.vs_sdpa = row.ms / sdpa.ms
+            rows.append(row)
+        del q, k, v, qh, kh, vh
+        torch.cuda.empty_cache()
+    return rows, {"checks": {f"{kern} {t}": c for (kern, t), c in checks.items()}, "fastest": best}
 
 
 # ---------------------------------------------------------------- main
@@ -438,14 +602,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes, two windows, fewer repetitions")
     parser.add_argument("--only", default="accuracy,train,decode",
-                        help="sections after the checks: accuracy, train, decode, sweep (comma-separated)")
-    parser.add_argument("--shapes", help="(B, T) of the training times, e.g. 8x2048,1x32768")
+                        help="sections after the checks: accuracy, train, decode, variants (comma-separated)")
+    parser.add_argument("--shapes", help="(B, T) of the training and variant times, e.g. 8x2048,1x32768")
+    parser.add_argument("--reps", type=int, help="timed repetitions per row (default 20, 5 with --quick)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "fox_bench.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fox_bench needs a CUDA device")
-    import triton
-
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "tiles": {k: {d: dataclasses.astuple(t) for d, t in v.items()} for k, v in launch.TILES.items()}}
     print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}", flush=True)
@@ -479,13 +642,17 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     windows = WINDOWS[::3] if args.quick else WINDOWS
-    reps = 5 if args.quick else 20
+    reps = args.reps or (5 if args.quick else 20)
     rows = timings(shapes, windows, reps, skip) if "train" in sections else []
     if "decode" in sections:
         rows += decoding(reps * 5)
+    if "variants" in sections:
+        if {"gated", "plain"} & skip:
+            print("variants not timed: the gated or plain checks failed", flush=True)
+        else:
+            variant_rows, report["variants"] = variants(VARIANT_SHAPES if not args.shapes else shapes, reps)
+            rows += variant_rows
     report["rows"] = [dataclasses.asdict(r) for r in rows]
-    if "sweep" in sections:
-        report["sweep"] = sweep(reps)
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -10,18 +10,19 @@ Model code is written for one device; this package parallelises it (as torchtita
   :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
 * :func:`shard_sequence`, :class:`DataParallelBatches`, :func:`global_lm_loss`: each rank's share
   of the batch and the loss over the global batch;
-* :func:`save_distributed` / :func:`load_distributed` (DCP, reshardable) and :func:`export_pretrained`.
+* :func:`save_distributed` / :func:`load_distributed` (DCP, reshardable; :func:`write_shards` /
+  :func:`read_shards` for the shards alone) and :func:`export_pretrained`.
 
 Launch: ``torchrun --nproc-per-node N ...``; NCCL on GPU, gloo on CPU.
 """
 
 from .attention import sp_attention
 from .batch import DataParallelBatches, global_lm_loss, next_token_targets, shard_sequence, split_packing
-from .checkpoint import export_pretrained, load_distributed, save_distributed
+from .checkpoint import export_pretrained, load_distributed, read_shards, save_distributed, write_shards
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh, build_mesh, init_distributed
 from .expert import ExpertParallelMoE, expert_parallel, global_router_stats
 from .handler import SequenceParallel, sequence_parallel
-from .parallelize import check_model, clip_grad_norm_, parallelize
+from .parallelize import check_model, checkpoint_blocks, clip_grad_norm_, parallelize
 from .sequence import PieceLayout, sp_halo, sp_linear_recurrence
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "SequenceParallel",
     "build_mesh",
     "check_model",
+    "checkpoint_blocks",
     "clip_grad_norm_",
     "expert_parallel",
     "export_pretrained",
@@ -43,6 +45,7 @@ __all__ = [
     "load_distributed",
     "next_token_targets",
     "parallelize",
+    "read_shards",
     "save_distributed",
     "sequence_parallel",
     "shard_sequence",
@@ -50,4 +53,5 @@ __all__ = [
     "sp_halo",
     "sp_linear_recurrence",
     "split_packing",
+    "write_shards",
 ]

@@ -32,7 +32,7 @@ IGNORE_INDEX = -100
 class DataParallelBatches:
     """The batches of data-parallel rank ``rank`` of ``size``: batch ``step * size + rank`` of ``source``.
 
-    Wraps a batch source (``__next__``, ``state_dict``, ``load_state_dict``); its state is the
+    Wraps a batch source (iterable, with ``state_dict`` and ``load_state_dict``); its state is the
     source's, identical on every rank.
 
     Example:
@@ -47,12 +47,13 @@ class DataParallelBatches:
         if not 0 <= rank < size:
             raise ValueError(f"DataParallelBatches: `rank` must lie in [0, size = {size}), got {rank}")
         self.source, self.rank, self.size = source, rank, size
+        self.batches = iter(source)  # a source may be iterable (a round robin) rather than an iterator
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        batches = [next(self.source) for _ in range(self.size)]
+        batches = [next(self.batches) for _ in range(self.size)]
         return batches[self.rank]
 
     def state_dict(self) -> dict:
@@ -156,18 +157,27 @@ def shard_sequence(
                               last_start=bounds[-2], varlen=True)
 
 
-def global_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+def global_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: Optional[ProcessGroup], *,
+                   num_targets: Optional[float] = None) -> torch.Tensor:
     """This rank's share of the mean next-token cross-entropy over the global batch.
 
     Returns ``world * sum(local CE) / (target tokens over all ranks of group)``: its mean over the
     ranks is the global mean, and so is the mean of its gradients (FSDP's reduction).
-    logits ``[B, T, vocab]``, targets ``[B, T]`` (-100 = ignore), group: every rank of the run.
+    logits ``[B, T, vocab]``, targets ``[B, T]`` (-100 = ignore), group: every rank of the run;
+    ``num_targets``: the target tokens over all ranks when the caller counted them already (default:
+    this call counts them, one all-reduce).
+
+    Example (one process):
+        >>> logits, targets = torch.zeros(1, 3, 4), torch.tensor([[1, 2, -100]])
+        >>> round(float(global_lm_loss(logits, targets, None)), 4)  # log(4): uniform over 4 tokens
+        1.3863
     """
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
+    world = dist.get_world_size(group) if group is not None else 1
+    if num_targets is not None:
+        return loss_sum * world / max(num_targets, 1)
     count = (targets != IGNORE_INDEX).sum().to(torch.float32)
-    world = 1
     if group is not None:
         dist.all_reduce(count, group=group)
-        world = dist.get_world_size(group)
     return loss_sum * world / count.clamp_min(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["save_distributed", "load_distributed", "export_pretrained"]
+__all__ = ["save_distributed", "load_distributed", "write_shards", "read_shards", "export_pretrained"]
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -40,6 +41,45 @@ def _barrier() -> None:
 
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+#: The optimizer's state and its groups' settings keyed by parameter name ("param_groups.<name>.lr"), so that
+#: a run whose groups differ (split by device mesh under expert parallelism, or not) loads them.
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The model's (and optimizer's) state keyed by parameter names, as this rank holds it (shards)."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer, options=_BY_NAME)
+    return {"model": model_state, "optim": optim_state}
+
+
+def write_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Every rank writes its shards of ``model`` (and ``optimizer``) into the folder ``path`` (DCP).
+
+    The files record global shapes: :func:`read_shards` loads them on any number of ranks, or on
+    one process without a process group.
+    """
+    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+
+
+def read_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Load what :func:`write_shards` wrote into ``model`` (and ``optimizer``), whatever layout wrote it.
+
+    ``model`` is parallelised (and ``optimizer`` built) as for training, or a plain model on one
+    process (no process group needed): DCP reshards.
+    """
+    state = _state(model, optimizer)
+    with warnings.catch_warnings():  # one process loads without a process group, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_BY_NAME)
 
 
 def save_distributed(
@@ -60,12 +100,7 @@ def save_distributed(
     if _is_main() and partial.exists():
         shutil.rmtree(partial)
     _barrier()
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-    dcp.save(state, checkpoint_id=str(partial))
+    write_shards(partial, model, optimizer)
     if _is_main():
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state or {}))
     _barrier()
@@ -86,16 +121,7 @@ def load_distributed(
     path = Path(path)
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"load_distributed: {path} is not a complete checkpoint (no {TRAINER_STATE})")
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    read_shards(path, model, optimizer)
     return json.loads((path / TRAINER_STATE).read_text())
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelConfig", "ParallelMesh", "ParallelConfigError", "build_mesh", "init_distributed"]
+__all__ = ["ParallelConfig", "ParallelMesh", "ParallelConfigError", "TORCHRUN_ENVIRONMENT", "build_mesh",
+           "init_distributed"]
 
 
 class ParallelConfigError(ValueError):
@@ -34,6 +36,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts
     fsdp: bool = True  # shard parameters also between forward and backward (off: keep them gathered)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    timeout_minutes: float = 10.0  # a collective waiting longer fails the run (a rank that died or hangs)
 
     @property
     def world_size(self) -> int:
@@ -60,6 +63,9 @@ class ParallelConfig:
         for name in ("fsdp", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ParallelConfigError(f"parallel.{name} must be true or false, got {getattr(self, name)!r}")
+        timeout = self.timeout_minutes
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ParallelConfigError(f"parallel.timeout_minutes must be a number > 0, got {timeout!r}")
         if world_size is not None and world_size != self.world_size:
             raise ParallelConfigError(
                 f"parallel.dp * parallel.sp = {self.dp} * {self.sp} = {self.world_size} must equal the number of "
@@ -122,16 +128,25 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
     )
 
 
-def init_distributed(device_type: Optional[str] = None) -> None:
+#: What torchrun sets for every process; without them there is no process group to join.
+TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(device_type: Optional[str] = None, timeout_minutes: float = 10.0) -> None:
     """Initialise the default process group from torchrun's environment: NCCL on GPU (one device per
-    local rank), gloo on CPU. Does nothing when already initialised."""
+    local rank), gloo on CPU. Does nothing when already initialised.
+
+    ``timeout_minutes``: a collective that waits longer raises on its rank (NCCL: the watchdog ends
+    the process) instead of hanging after another rank died.
+    """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        raise ParallelConfigError("init_distributed: no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR); launch "
+    missing = [name for name in TORCHRUN_ENVIRONMENT if name not in os.environ]
+    if missing:
+        raise ParallelConfigError(f"init_distributed: no torchrun environment ({', '.join(missing)} unset); launch "
                                   "with `torchrun --nproc-per-node N ...`")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=timeout_minutes))

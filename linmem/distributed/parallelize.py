@@ -33,7 +33,7 @@ from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import expert_parallel
 
-__all__ = ["parallelize", "clip_grad_norm_", "check_model"]
+__all__ = ["parallelize", "checkpoint_blocks", "clip_grad_norm_", "check_model"]
 
 
 def check_model(model: nn.Module, config: ParallelConfig) -> None:
@@ -54,7 +54,21 @@ def check_model(model: nn.Module, config: ParallelConfig) -> None:
         )
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None) -> nn.Module:
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing per block, in place: every block of ``model.layers`` recomputes its
+    activations in the backward pass (parameter names do not change). Returns the model.
+
+    Example:
+        >>> from linmem.models import LinmemConfig, LinmemForCausalLM
+        >>> model = checkpoint_blocks(LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2)))
+    """
+    for block in _blocks(model):
+        checkpoint(block)
+    return model
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None, *,
+                param_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Apply ``config`` to ``model`` in place (every rank, same initial weights); returns the model.
 
     Args:
@@ -62,6 +76,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
             blocks with ``mixer`` and ``mlp``) on this rank's device.
         mesh: from :func:`~linmem.distributed.config.build_mesh`.
         config: the layout (default: the one the mesh was built from); its sizes must be the mesh's.
+        param_dtype: the dtype FSDP gathers parameters in for compute (gradients are reduced in fp32,
+            routers stay fp32); default bf16 on GPU, fp32 on CPU.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -83,14 +99,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
             if isinstance(block.mlp, MoEFeedForward):
                 expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
     if config.activation_checkpointing:
-        for block in blocks:
-            checkpoint(block)
+        checkpoint_blocks(model)
     if world == 1:
         return model
 
     on_gpu = mesh.device_type == "cuda"
-    compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
-        else MixedPrecisionPolicy()
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if on_gpu else torch.float32
+    compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     reshard = config.fsdp
     for block in blocks:

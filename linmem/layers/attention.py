@@ -21,12 +21,17 @@ The FoX paper's "Pro" block options apply to every attention mixer (the paper's 
 for v with its own gate), ``output_norm`` (per-head RMSNorm of o) and ``output_gate``
 (o * sigmoid(W_g x)).
 
-Decoding cache (a :class:`LayerState`), one entry per key, batch-first and in time order:
-``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``, ``key_mask [B, S]`` (False at padding and at
-empty slots) and for FoX ``cum_forget [B, S, H]`` (fp32). Without a window the cache grows
-(S = tokens seen); with one it is a ring of S = ``window`` slots where the token at
-position p lives in slot ``p % window``. ``cache.seen_tokens`` counts every token of every
-call (padding included): it is the position of the next token and the ring's write pointer.
+Decoding cache (a :class:`LayerState`), preallocated buffers, batch-first: ``k [B, S, Hkv, D]``,
+``v [B, S, Hkv, Dv]``, ``key_mask [B, S]`` (False at padding and at empty slots) and for FoX
+``cum_forget [B, S, H]`` with ``forget_last [B, H]`` (fp32). The token at position p lives in slot
+``p % S``: with a window the buffers are a ring of S = ``window`` slots (fewer when a static
+cache's capacity is smaller), without one S covers every position: a static state's ``capacity``,
+or a dynamic state's buffers that grow by whole blocks of :data:`GROW_SLOTS`. A call writes its
+keys in place (:meth:`_Attention.update_cache`); ``cache.seen_tokens`` counts every token of every
+call (padding included): the position of the next token. FoX's cumulative forget values are carried:
+a call continues from ``forget_last``, and since any offset common to a row cancels in the softmax,
+the buffers are re-based on the newest token (:func:`rebase_forget`) every :data:`REBASE_EVERY`
+tokens only, which keeps the values of recent keys small however long decoding runs.
 """
 
 from __future__ import annotations
@@ -99,29 +104,73 @@ def previous_real_token(
     return gather(before), gather(newest[:, -1:])
 
 
-def extend_cache(cache: LayerState, new: dict[str, torch.Tensor], slots: Optional[int]) -> dict[str, torch.Tensor]:
-    """The cached entries followed by ``new`` (time order, [B, S + T, ...]); writes the cache.
+#: FoX: the cached cumulative forget values are re-based on the newest token every this many tokens
+REBASE_EVERY = 1024
+#: a dynamic KV cache grows by whole blocks of this many slots
+GROW_SLOTS = 256
 
-    ``slots=None``: the cache grows by T. ``slots=W``: a ring of W slots, slot of position
-    p = p % W; it is read in time order (oldest first, empty slots masked) and rewritten
-    with the newest W entries. ``cum_forget`` is stored relative to the newest token
-    (c_j - c_last), so the values of recent keys keep full precision however long decoding runs.
-    """
-    seen = cache.seen_tokens
-    old = {n: cache.get(n) for n in new}
-    if slots is not None and old["k"] is None:
-        old = {n: x.new_zeros(x.shape[0], slots, *x.shape[2:]) for n, x in new.items()}  # key_mask: False
-    if slots is not None:
-        old = {n: x.roll(-(seen % slots), dims=1) for n, x in old.items()}  # oldest first
-    full = {n: new[n] if old[n] is None else torch.cat([old[n].to(new[n].dtype), new[n]], 1) for n in new}
-    stored = dict(full)
-    if "cum_forget" in stored:
-        stored["cum_forget"] = full["cum_forget"] - full["cum_forget"][:, -1:]
-    if slots is not None:
-        stored = {n: x[:, -slots:].roll((seen + new["k"].shape[1]) % slots, dims=1) for n, x in stored.items()}
-    for name, x in stored.items():
-        cache.set(name, x.detach())
-    return full
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _slots(cache: LayerState, window: Optional[int], needed: int) -> int:
+    """How many slots the layer's buffers need for ``needed`` tokens (a ring of ``window`` slots with a window)."""
+    if cache.static:
+        if needed > cache.capacity:
+            raise ValueError(f"the static cache holds {cache.capacity} tokens per row; this call would make it "
+                             f"{needed}: build it with a larger `max_cache_len`")
+        return cache.capacity if window is None else min(window, cache.capacity)
+    return window if window is not None else _round_up(needed, GROW_SLOTS)
+
+
+def _ensure_buffers(cache: LayerState, new: dict[str, torch.Tensor], window: Optional[int]) -> int:
+    """Allocate the buffers (zeros: no key anywhere) or grow a dynamic cache's, so the call's tokens fit;
+    returns the slots S. ``new`` gives each entry's shape (with T tokens) and dtype."""
+    n, T = cache.seen_tokens, new["k"].shape[1]
+    S = _slots(cache, window, n + T)
+    current = cache.get("k")
+    if current is not None and current.shape[1] >= S:
+        return current.shape[1]
+    for name, x in new.items():
+        buffer = x.new_zeros(x.shape[0], S, *x.shape[2:])
+        if current is not None:  # a dynamic cache without a window grows: keep its n tokens
+            buffer[:, :n] = cache.get(name)[:, :n]
+        cache.tensors[name] = buffer
+    if "cum_forget" in new and "forget_last" not in cache:
+        cache.set("forget_last", new["cum_forget"].new_zeros(new["cum_forget"].shape[0], new["cum_forget"].shape[2]))
+    return S
+
+
+def _write(cache: LayerState, new: dict[str, torch.Tensor], first: int | torch.Tensor, S: int) -> None:
+    """Write the call's entries in place, token at position p into slot p % S (the last S of them when
+    there are more). ``first``: the position of the call's first token, a host int or a device tensor [1]."""
+    T = new["k"].shape[1]
+    keep = min(T, S)
+    start = first + (T - keep)
+    if isinstance(start, int) and start % S + keep <= S:  # contiguous slots
+        at = start % S
+        for name, x in new.items():
+            cache.get(name)[:, at:at + keep] = x[:, T - keep:]
+        return
+    index = (torch.arange(keep, device=new["k"].device) + start) % S
+    for name, x in new.items():
+        buffer = cache.get(name)
+        buffer.index_copy_(1, index, x[:, T - keep:].to(buffer.dtype))
+
+
+def _time_ordered(buffer: torch.Tensor, n: int, S: int) -> torch.Tensor:
+    """The cached entries of the last min(n, S) positions, oldest first."""
+    return buffer[:, :n] if n <= S else buffer.roll(-(n % S), dims=1)
+
+
+def rebase_forget(cache: LayerState) -> None:
+    """Subtract the newest token's cumulative forget value from every cached one (FoX; nothing otherwise).
+    Each row's keys move by the same offset, which the softmax cancels."""
+    last = cache.get("forget_last")
+    if last is not None:
+        cache.get("cum_forget").sub_(last[:, None])
+        last.zero_()
 
 
 class _Attention(Mixer):
@@ -248,18 +297,62 @@ class _Attention(Mixer):
         token_mask: Optional[torch.Tensor],
         cu_seqlens: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """The attention of this call's queries over the cached and the new keys: o [B, T, H, V]."""
-        if cache is None and token_mask is None:
+        """The attention of this call's queries over the cached and the new keys: o [B, T, H, V].
+
+        A call whose keys are all its own and all present (no cache or an empty one, no padding) is plain
+        causal attention (:func:`forgetting_attention`, flash kernels or SDPA at any length); otherwise
+        the keys carry a mask and FoX's cumulative forget values into :func:`cached_attention`.
+        """
+        fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
+        if cache is None and fresh:
             return forgetting_attention(q, k, v, log_forget=log_forget, window=self.window, cu_seqlens=cu_seqlens)
         B, T = q.shape[:2]
         present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
         keys = {"k": k, "v": v, "key_mask": present}
         if log_forget is not None:  # padded tokens do not forget
-            keys["cum_forget"] = cumulative_forget(log_forget * present[..., None], cu_seqlens=cu_seqlens)
+            gates = log_forget if token_mask is None else log_forget * present[..., None]
+            keys["cum_forget"] = cumulative_forget(gates, cu_seqlens=cu_seqlens)
+        window = self.window
         if cache is not None:
-            keys = extend_cache(cache, keys, self.window)
-        return cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"],
-                                cum_forget=keys.get("cum_forget"), window=self.window, cu_seqlens=cu_seqlens)
+            n = cache.seen_tokens
+            keys, window = self.update_cache(cache, keys)
+        if fresh:
+            o = forgetting_attention(q, k, v, log_forget=log_forget, window=self.window)
+        else:
+            o = cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], cum_forget=keys.get("cum_forget"),
+                                 window=window, cu_seqlens=cu_seqlens)
+        if cache is not None and not cache.static and "cum_forget" in keys and \
+                (n + T) // REBASE_EVERY > n // REBASE_EVERY:
+            rebase_forget(cache)  # a static cache re-bases in its host-side step (outside any graph)
+        return o
+
+    def update_cache(
+        self, cache: LayerState, new: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+        """Write the call's keys into the cache's buffers; the keys to attend over and the window to apply.
+
+        ``new`` holds the call's ``k``, ``v``, ``key_mask`` and (FoX) ``cum_forget`` counted from the
+        call's first token (``[B, T, ...]``). One token (a decoding step) is written at the device
+        position of a static cache and reads the whole buffers, contiguous and of a fixed size, so the
+        step can be replayed from a CUDA graph: empty slots are masked, and a ring in slot order needs
+        no window, as every key it holds is inside it. A longer call reads the first ``n + T`` slots,
+        or, when it wraps the ring, the ring in time order followed by its own keys.
+        """
+        n, T = cache.seen_tokens, new["k"].shape[1]
+        S = _ensure_buffers(cache, new, self.window)
+        if "cum_forget" in new:  # continue the row's cumulative forget sum
+            last = cache.get("forget_last")
+            new = {**new, "cum_forget": last[:, None] + new["cum_forget"]}
+            last.copy_(new["cum_forget"][:, -1])
+        if T == 1:
+            _write(cache, new, cache.position if cache.static else n, S)
+            return {name: cache.get(name) for name in new}, None
+        if n + T <= S:
+            _write(cache, new, n, S)
+            return {name: cache.get(name)[:, :n + T] for name in new}, self.window
+        keys = {name: torch.cat([_time_ordered(cache.get(name), n, S).to(x.dtype), x], 1) for name, x in new.items()}
+        _write(cache, new, n, S)
+        return keys, self.window
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""

@@ -25,17 +25,53 @@ from torch import nn
 
 
 class LayerState:
-    """Named tensors one layer carries from call to call, batch-first, plus a token count."""
+    """Named tensors one layer carries from call to call, batch-first, plus a token count.
 
-    def __init__(self) -> None:
+    A dynamic state (the default) takes each tensor ``set`` gives it (a view into a larger tensor is
+    copied, so that it does not keep the larger one alive). A static state (``capacity`` given)
+    keeps the tensor it was first given under a name and copies every later value into it: after
+    the first call its tensors never move, which CUDA graphs need; attention layers size their KV
+    buffers by ``capacity`` and write where the device tensor ``position`` says. So a mixer reads
+    what it needs of a tensor it got before it ``set``s that name again.
+
+    Example:
+        >>> state = LayerState(capacity=16, position=torch.zeros(1, dtype=torch.long))
+        >>> state.set("h", torch.zeros(2, 3))
+        >>> buffer = state.get("h")
+        >>> state.set("h", torch.ones(2, 3))
+        >>> state.get("h") is buffer, float(buffer.sum())
+        (True, 6.0)
+    """
+
+    def __init__(self, *, capacity: Optional[int] = None, position: Optional[torch.Tensor] = None) -> None:
+        if (capacity is None) != (position is None):
+            raise ValueError("LayerState: give `capacity` and `position` together (a static state) or neither")
+        if capacity is not None:
+            check_int("LayerState", "capacity", capacity, minimum=1)
         self.tensors: dict[str, torch.Tensor] = {}
         self.seen_tokens = 0  # tokens processed so far (per batch row, padding included)
+        self.capacity = capacity  # static: the most tokens the KV buffers hold; None: they grow
+        self.position = position  # static: [1] long on the device, tokens written so far (read inside graphs)
+
+    @property
+    def static(self) -> bool:
+        """Whether the tensors stay where they were first put (see the class docstring)."""
+        return self.capacity is not None
 
     def get(self, name: str) -> Optional[torch.Tensor]:
         return self.tensors.get(name)
 
     def set(self, name: str, value: torch.Tensor) -> None:
-        self.tensors[name] = value
+        current = self.tensors.get(name)
+        if self.static and current is not None:
+            if value is not current:
+                if value.shape != current.shape:
+                    raise ValueError(f"LayerState: static entry {name!r} has shape {list(current.shape)}, "
+                                     f"got a value of shape {list(value.shape)}")
+                current.copy_(value)
+            return
+        owns = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        self.tensors[name] = value if owns else value.clone()
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -43,16 +79,30 @@ class LayerState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def zero_(self) -> None:
+        """Forget everything in place (a static state keeps its tensors)."""
+        for t in self.tensors.values():
+            t.zero_()
+        self.seen_tokens = 0
+
     def select_batch(self, index: torch.Tensor) -> None:
-        """Keep (and reorder) batch rows, as beam search does."""
+        """Keep (and reorder) batch rows, as beam search does; a static state reorders in place."""
+        if self.static:
+            for t in self.tensors.values():
+                t.copy_(t.index_select(0, index.to(t.device)))
+            return
         self.tensors = {n: t.index_select(0, index.to(t.device)) for n, t in self.tensors.items()}
 
     def repeat_batch(self, repeats: int) -> None:
+        if self.static and self.tensors:
+            raise ValueError("LayerState: a static state has a fixed batch size; build its cache for the "
+                             "expanded batch instead of repeating it")
         self.tensors = {n: t.repeat_interleave(repeats, dim=0) for n, t in self.tensors.items()}
 
     def __repr__(self) -> str:
         shapes = {n: tuple(t.shape) for n, t in self.tensors.items()}
-        return f"LayerState(seen_tokens={self.seen_tokens}, {shapes})"
+        kind = f"capacity={self.capacity}, " if self.static else ""
+        return f"LayerState({kind}seen_tokens={self.seen_tokens}, {shapes})"
 
 
 #: the forget gates of the ``fox`` mixer (``MixerArgs.forget_gate``)

@@ -65,8 +65,9 @@ def running_positions(
     seen = cache.get("position")
     if seen is None:
         seen = torch.zeros(batch, dtype=torch.long, device=device)
-    cache.set("position", seen + length)
-    return pos + seen[:, None]
+    positions = pos + seen[:, None]
+    cache.set("position", seen + length)  # a static cache writes into `seen`
+    return positions
 
 
 class _ConstantDecayAttention(MemoryMixer):

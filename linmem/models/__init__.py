@@ -20,6 +20,7 @@ _EXPORTS = {
     "LinmemModel": "modeling",
     "MODEL_RECIPES": "recipes",
     "ModelRecipe": "recipes",
+    "StaticLinmemCache": "cache",
     "model_recipe": "recipes",
 }
 

@@ -26,6 +26,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from ..generation import generation_forward, prepare_generation_cache
 from ..layers import LayerState, build_mixer
 from ..layers.modules import Linear, RMSNorm, normal_init, positions_in_sequence
 from ..layers.moe import MoEFeedForward, SwiGLU
@@ -207,7 +208,7 @@ class LinmemModel(LinmemPreTrainedModel):
             router_stats += layer.pop_router_stats()
         hidden = self.norm(hidden)
         if use_cache:
-            cache.seen_tokens += T
+            cache.advance(T, token_mask)
         if output_hidden_states:
             all_hidden.append(hidden)
         return LinmemModelOutput(
@@ -290,6 +291,13 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model makes its own LinmemCache
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
+                                      max_cache_length: int) -> None:
+        """``generate()``'s cache: ``cache_implementation="static"`` builds a
+        :class:`~linmem.models.cache.StaticLinmemCache` of ``max_cache_length`` tokens; without one (or
+        ``"dynamic"``) the model makes its own :class:`LinmemCache` on the first call."""
+        prepare_generation_cache(self, generation_config, model_kwargs, batch_size, max_cache_length)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
@@ -326,10 +334,22 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         ``loss`` (set its coefficients to 0 to train without); ``output_router_logits``
         (default: the config's) also returns every routed layer's logits ``[B * T, E]``.
         The decoding cache comes back under :data:`CACHE_NAME` (read it with :func:`output_cache`).
+        With a cache and ``logits_to_keep`` > 0, a prompt longer than the cache's ``prefill_chunk`` runs in
+        chunks; a one-token step against a :class:`~linmem.models.cache.StaticLinmemCache` is replayed from a
+        CUDA graph on CUDA (:func:`linmem.generation.generation_forward`).
         """
+        cache = _one_cache(cache, past_key_values)
+        served = generation_forward(
+            self, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache, labels=labels, cu_seqlens=cu_seqlens,
+            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+            logits_to_keep=logits_to_keep,
+        )
+        if served is not None:
+            return served
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
+            cache=cache, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
             use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
         hidden = out.last_hidden_state

@@ -24,15 +24,22 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from ..distributed.config import ParallelConfig
+
 #: The named recipes, shipped inside the package (found in a source checkout and an installed wheel alike).
 RECIPES = importlib.resources.files("linmem") / "recipes"
 
 #: Keys that may differ from a run directory's saved config when the run resumes: how long to train
 #: (the cosine schedule is recomputed for the new total), how often to log / evaluate / save, where and
-#: how to run. Any other difference is refused, since the checkpoint would not match the new config.
+#: how to run, over how many ranks (checkpoints reshard). ``schedule.grad_accum`` may change only with
+#: the number of data-parallel ranks, so that an optimiser step keeps its micro-batches (the trainer
+#: compares ``dp * grad_accum`` with the checkpoint's). Any other difference is refused, since the
+#: checkpoint would not match the new config.
 RESUMABLE_KEYS = (
     "schedule.steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
     "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.resume", "run.out_dir",
+    "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.activation_checkpointing",
+    "parallel.timeout_minutes", "schedule.grad_accum",
 )
 
 
@@ -128,6 +135,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     run: RunSection = field(default_factory=RunSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # ranks under torchrun; ignored on one process
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -173,6 +181,7 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         _check_model_options(self.model)
+        self.parallel.validate()  # its own values; against the processes launched by linmem.train.launch
         return self
 
 

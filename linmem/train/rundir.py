@@ -55,6 +55,14 @@ class RunLock:
         self.fd: Optional[int] = None
 
     def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock (RunError naming the holder's PID when a live process holds it)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -71,9 +79,9 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def release(self) -> None:
+        """Give the lock back (nothing when not held)."""
         if self.fd is not None:
             os.ftruncate(self.fd, 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)

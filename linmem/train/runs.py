@@ -112,7 +112,8 @@ class Run:
         """Continue ``prompt`` (text runs): greedy when temperature == 0, else sampled (top-k / top-p).
 
         Returns the prompt and its continuation, cut before ``stop``; ``stream`` receives the
-        continuation piece by piece as it is generated.
+        continuation piece by piece as it is generated. On CUDA it decodes against a static cache from a
+        CUDA graph (``cache_implementation="static"``), elsewhere against the dynamic cache: the same tokens.
         """
         check_generation_args(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
         try:
@@ -129,9 +130,10 @@ class Run:
         config = self.model.config
         pad = next((t for t in (config.pad_token_id, config.eos_token_id) if t is not None), 0)
         torch.manual_seed(seed)
+        cache = {"cache_implementation": "static"} if self.device.type == "cuda" else {}
         self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens=max_new_tokens,
                             pad_token_id=pad, streamer=text_stream,
-                            stopping_criteria=StoppingCriteriaList([_StopWhen(text_stream)]), **sampling)
+                            stopping_criteria=StoppingCriteriaList([_StopWhen(text_stream)]), **sampling, **cache)
         text_stream.end()
         return prompt + text_stream.text
 

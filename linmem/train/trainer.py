@@ -1,10 +1,19 @@
 """The trainer: AdamW with warm-up + cosine, clipping, accumulation, bf16 autocast on GPU,
-skip-and-count of non-finite steps, atomic checkpoints and exact resume.
+skip-and-count of non-finite steps, atomic checkpoints and exact resume, on one process or on
+the ranks of a torchrun launch (the ``parallel`` section: FSDP2, sequence and expert parallelism).
 
 A run owns its directory (:mod:`linmem.train.rundir`) while it trains: a second run there
 is refused, a different config is refused before anything is written, a finished run is
 left as it is. The first SIGINT / SIGTERM ends the current step, saves a checkpoint and
-raises :class:`Interrupted` (a second one stops at once).
+raises :class:`Interrupted` (a second one stops at once); under torchrun a signal that reaches
+any rank stops every rank after the same step, and they save together.
+
+Under torchrun (``WORLD_SIZE`` > 1) each rank trains on its share of every step's global batch
+(:mod:`linmem.distributed`): data-parallel rank d takes the d-th of ``dp`` consecutive batches
+of the one batch source, sequence-parallel ranks a piece of each sequence; the loss is the mean
+over the global batch. Rank 0 alone writes the run directory (metrics, config, checkpoint
+records, ``model/``) and shows the progress bar; every rank writes its checkpoint shards and runs
+the evaluation. One process with ``schedule.grad_accum = dp`` sees the same data per step.
 
 Example:
     >>> from linmem.train import Trainer, load_config
@@ -14,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
@@ -27,15 +38,23 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, check_model, checkpoint_blocks,
+                           clip_grad_norm_, export_pretrained, global_lm_loss, next_token_targets, parallelize,
+                           sequence_parallel, shard_sequence, write_shards)
+from ..distributed.batch import IGNORE_INDEX
+from ..distributed.config import TORCHRUN_ENVIRONMENT
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.modeling import LinmemCausalLMOutput
 from ..ops.routing import load_summary
-from .checkpoint import (CheckpointError, latest_valid_checkpoint, load_checkpoint, remove_stale_temporaries,
-                         save_checkpoint)
-from .config import ConfigError, ModelSection, TrainConfig
+from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
+                         load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
+from .config import ConfigError, DataSection, ModelSection, TrainConfig
 from .metrics import MetricsLog
-from .rundir import CONFIG, RunLock, check_run_directory, mark_finished, start_over, write_atomically
+from .ranks import Ranks, join
+from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
 from .tasks import Task, build_task
 
 logger = logging.getLogger("linmem.train")
@@ -94,12 +113,68 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_single_process() -> None:
-    """Refuse a launch of several processes (torchrun): each would train its own copy of the run."""
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    if world_size.isdigit() and int(world_size) > 1:
-        raise ConfigError(f"WORLD_SIZE={world_size}: distributed training is not available yet; "
-                          f"run one process (python -m linmem.cli train ... or linmem train ...)")
+def world_size() -> int:
+    """The number of processes launched (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE={text!r} is not a number of processes")
+    return int(text)
+
+
+def check_launch(config: TrainConfig) -> int:
+    """Refuse, before any work, a launch that ``config`` cannot run on; returns the number of processes.
+
+    One process: ``run.device`` must exist here (the trainer ignores the parallel section's sizes,
+    with a warning). Several (torchrun): ``parallel.dp * parallel.sp``
+    must be the number of processes, ``sp`` must divide every training sequence and ``ep`` the
+    experts, the model must suit the layout (checked on the meta device), every rank takes its own
+    device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
+    (:class:`~linmem.distributed.ParallelConfigError` or :class:`ConfigError`).
+    """
+    world, parallel = world_size(), config.parallel
+    if world == 1:
+        resolve_device(config.run.device)
+        return 1
+    parallel.validate(world)
+    for length in _sequence_lengths(config.data):
+        parallel.validate(seq_len=length)
+    if config.run.compile:
+        raise ConfigError("run.compile=true is refused with several processes: the trainer does not compile a "
+                          "parallelised model; set run.compile=false")
+    parallel_device_type(config.run.device)
+    missing = [name for name in TORCHRUN_ENVIRONMENT if name not in os.environ]
+    if missing and not dist.is_initialized():
+        raise ParallelConfigError(f"WORLD_SIZE={world} but no process group to join ({', '.join(missing)} unset): "
+                                  "launch with torchrun --nproc-per-node N -m linmem.cli train ...")
+    with torch.device("meta"):  # the structure only: any vocabulary will do
+        model = build_model(config.model, _STRUCTURE_VOCAB)
+    check_model(model, parallel)
+    return world
+
+
+_STRUCTURE_VOCAB = 1 << 20  # the vocabulary of the meta-device model that check_launch inspects
+
+
+def _sequence_lengths(data: DataSection) -> list[int]:
+    """Tokens per row of the training batches: every MQAR setting's length, or the packed row."""
+    if data.task == "mqar":
+        return sorted({seq_len for seq_len, _ in data.mqar.settings})
+    return [data.tokens_per_batch]
+
+
+def parallel_device_type(name: str) -> str:
+    """``run.device`` under torchrun: "cuda" (rank r on cuda:LOCAL_RANK) or "cpu"; a device index is refused."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cuda", "cpu"):
+        raise ConfigError(f"run.device={name!r}: under torchrun every rank takes its own device (cuda:LOCAL_RANK); "
+                          f"use auto, cuda or cpu")
+    resolve_device(name)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if name == "cuda" and local > torch.cuda.device_count():
+        raise ConfigError(f"{local} processes on this host but {torch.cuda.device_count()} CUDA devices: launch at "
+                          f"most one process per GPU")
+    return name
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -111,13 +186,16 @@ def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> 
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        matrix = p.dim() >= 2 and not name.endswith("bias")  # stacked per-memory biases (MoM) are 2-D
-        (decay if matrix and "embed" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW's groups: decayed parameters, then the others (:func:`optimizer_order`); parallelised ones
+    further split by device mesh (the experts' and the rest), since one fused update cannot mix meshes."""
+    named = dict(model.named_parameters())
+    groups: dict[tuple[bool, Any], list[torch.nn.Parameter]] = {}
+    for name in optimizer_order(model):
+        p = named[name]
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((weight_decayed(name, p), mesh), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0}
+            for (decayed, _), params in groups.items()]
 
 
 def _seed_everything(seed: int) -> None:
@@ -126,9 +204,12 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(ranks: Ranks) -> dict[str, Any]:
+    """This process's RNG states; under torchrun rank 0's (every rank seeds and draws alike, each on its own GPU)."""
     state = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64))}
-    if torch.cuda.is_available():
+    if ranks.mesh is not None and ranks.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(ranks.device)[None]
+    elif ranks.mesh is None and torch.cuda.is_available():
         state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return state
 
@@ -165,7 +246,7 @@ class _StopSignals:
 
 
 class Trainer:
-    """Train a LinmemForCausalLM on a task as the config says.
+    """Train a LinmemForCausalLM on a task as the config says, on one process or on torchrun's ranks.
 
     Args:
         config: a validated :class:`TrainConfig`.
@@ -174,14 +255,29 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, task: Optional[Task] = None) -> None:
         self.config = config.validate()
-        check_single_process()
+        world = check_launch(config)
+        p = config.parallel
+        if world == 1 and (p.dp, p.sp, p.ep) != (1, 1, 1):
+            logger.warning("parallel.dp=%d, sp=%d, ep=%d are ignored on one process: launch them with torchrun "
+                           "--nproc-per-node %d -m linmem.cli train ...", p.dp, p.sp, p.ep, p.dp * p.sp)
         self.out_dir = Path(config.run.out_dir)
-        self.device = resolve_device(config.run.device)
-        check_run_directory(config)  # a different config is refused before the data is read
-        _seed_everything(config.run.seed)
+        self.ranks = Ranks(resolve_device(config.run.device)) if world == 1 else \
+            join(config.parallel, parallel_device_type(config.run.device))
+        self.device = self.ranks.device
+        self.ranks.on_main(check_run_directory, config)  # a different config is refused before the data is read
+        _seed_everything(config.run.seed)  # the same on every rank: the same initial weights and data order
         self.task = task if task is not None else build_task(config.data)
+        self.batches = self.task.train_batches if self.ranks.mesh is None else DataParallelBatches(
+            self.task.train_batches, rank=self.ranks.mesh.dp.get_local_rank(), size=config.parallel.dp)
         special = self.task.codec.special_tokens() if self.task.codec is not None else {}
-        self.model = build_model(config.model, self.task.vocab_size, special).to(self.device)
+        bf16 = config.run.dtype == "bf16" or (config.run.dtype == "auto" and self.device.type == "cuda")
+        model = build_model(config.model, self.task.vocab_size, special).to(self.device)
+        if self.ranks.mesh is None:
+            self.model = checkpoint_blocks(model) if config.parallel.activation_checkpointing else model
+            self.autocast_dtype = torch.bfloat16 if bf16 else None
+        else:  # FSDP gathers the parameters in the compute dtype: no autocast
+            self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32)
+            self.autocast_dtype = None
         o = config.optim
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps,
@@ -189,8 +285,6 @@ class Trainer:
         s = config.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: cosine_with_warmup(step, s.warmup_steps, s.steps, s.min_lr_ratio))
-        self.autocast_dtype = torch.bfloat16 if (
-            config.run.dtype == "bf16" or (config.run.dtype == "auto" and self.device.type == "cuda")) else None
         self.forward = torch.compile(self.model) if config.run.compile else self.model
         self.step = 0
         self.skipped_steps = 0
@@ -201,56 +295,120 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         return self.out_dir / "checkpoints"
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Batches of the source that one optimiser step trains on (all ranks together)."""
+        dp = self.config.parallel.dp if self.ranks.mesh is not None else 1
+        return dp * self.config.schedule.grad_accum
+
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def _resume(self) -> None:
+    def _checkpoint_to_resume(self) -> Optional[Path]:
+        """The newest valid checkpoint (None: start at step 0), if this launch may continue it (rank 0)."""
         try:
             path = latest_valid_checkpoint(self.checkpoint_dir)
         except CheckpointError as err:
             raise CheckpointError(f"{err}; set run.resume=false to start over (removes them)") from err
         if path is None:
+            return None
+        state = json.loads((path / "trainer_state.json").read_text())
+        saved = state.get("micro_batches_per_step", state["config"]["schedule"]["grad_accum"])
+        if saved != self.micro_batches_per_step:
+            dp = self.micro_batches_per_step // self.config.schedule.grad_accum
+            fix = f"set schedule.grad_accum={saved // dp}" if saved % dp == 0 else \
+                f"launch a number of data-parallel ranks that divides {saved}"
+            raise RunError(f"{path} was trained on {saved} micro-batches per optimiser step (data-parallel ranks x "
+                           f"schedule.grad_accum); this launch takes {self.micro_batches_per_step} ({dp} x "
+                           f"{self.config.schedule.grad_accum}): {fix}, so that a step keeps its data")
+        return path
+
+    def _resume(self) -> None:
+        path = self.ranks.on_main(self._checkpoint_to_resume)
+        if path is None:
             return
-        state, rng = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        state, rng = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                     verify=False)  # rank 0 verified it
         self.step, self.skipped_steps, self.tokens_seen = state["step"], state["skipped_steps"], state["tokens_seen"]
-        self.task.train_batches.load_state_dict(state["data"])
+        self.batches.load_state_dict(state["data"])
         version, internal, gauss = state["python_rng"]
         random.setstate((version, tuple(internal), gauss))
         torch.set_rng_state(rng["torch"])
         np_state = list(np.random.get_state())
         np_state[1] = rng["numpy"].numpy().astype(np.uint32)
         np.random.set_state(tuple(np_state))
-        if "cuda" in rng and torch.cuda.is_available():
+        if "cuda" in rng and self.ranks.mesh is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"][0], self.device)
+        elif "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(rng["cuda"]))
         self.saved_step = self.step
         logger.info("resumed from %s (step %d)", path, self.step)
 
     def save(self) -> Path:
+        """A checkpoint of this step, and ``model/`` (the latest weights, loadable with from_pretrained);
+        under torchrun every rank calls it."""
         state = {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen,
-                 "data": self.task.train_batches.state_dict(), "python_rng": _python_rng(),
-                 "config": self.config.to_dict()}
-        path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
-                               scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(),
-                               keep=self.config.run.keep_checkpoints)
-        self.model.save_pretrained(self.out_dir / "model")  # the latest weights, loadable with from_pretrained
-        if self.task.codec is not None and self.task.codec.tokenizer is not None:
-            self.task.codec.tokenizer.save_pretrained(str(self.out_dir / "model"))
+                 "micro_batches_per_step": self.micro_batches_per_step, "data": self.batches.state_dict(),
+                 "python_rng": _python_rng(), "config": self.config.to_dict()}
+        keep, model_dir = self.config.run.keep_checkpoints, self.out_dir / "model"
+        if self.ranks.mesh is None:
+            path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(self.ranks),
+                                   keep=keep)
+            self.model.save_pretrained(model_dir)
+        else:
+            tmp = self.ranks.on_main(begin_checkpoint, self.checkpoint_dir, self.step)
+            write_shards(tmp, self.model, self.optimizer)
+            path = self.ranks.on_main(lambda: finish_checkpoint(
+                tmp, self.step, scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(self.ranks),
+                keep=keep))
+            export_pretrained(self.model, model_dir)
+        if self.ranks.is_main and self.task.codec is not None and self.task.codec.tokenizer is not None:
+            self.task.codec.tokenizer.save_pretrained(str(model_dir))
         self.saved_step = self.step
         return path
 
-    def _micro_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward + backward of one micro-batch: (loss, router metrics)."""
+    def _micro_step(self, batch: dict[str, torch.Tensor], num_targets: float,
+                    step_targets: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward + backward of one micro-batch: (its loss weighted by its share of the step's targets,
+        router metrics). ``num_targets``: the batch's target tokens (under torchrun: its batches' on all
+        data-parallel ranks); ``step_targets``: the step's, so that the step's loss is its mean over targets."""
+        if self.ranks.mesh is not None:
+            return self._parallel_micro_step(batch, num_targets, step_targets)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.forward(**batch, use_cache=False)
-        (out.loss / self.config.schedule.grad_accum).backward()
+        loss = out.loss * (num_targets / step_targets)
+        loss.backward()
         self.tokens_seen += batch["input_ids"].numel()
-        return out.loss.detach(), _router_metrics(out)
+        return loss.detach(), _router_metrics(out)
+
+    def _parallel_micro_step(self, batch: dict[str, torch.Tensor], num_targets: float,
+                             step_targets: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's piece of its data-parallel batch: forward and backward under the sequence-parallel
+        handler (checkpointed blocks recompute in the backward pass), the loss over the global batch."""
+        mesh, sp = self.ranks.mesh, self.config.parallel.sp
+        piece, layout = shard_sequence(batch, mesh.sp.get_local_rank(), sp)
+        piece = {k: v.to(self.device, non_blocking=True) for k, v in piece.items()}
+        cu_seqlens = piece.get("cu_seqlens")
+        handler = sequence_parallel(SequenceParallel(mesh.sp.get_group(), layout, cu_seqlens)) if sp > 1 \
+            else contextlib.nullcontext()
+        with handler:
+            out = self.forward(piece["input_ids"], position_ids=piece["position_ids"], cu_seqlens=cu_seqlens,
+                               use_cache=False)
+            loss = global_lm_loss(out.logits, piece["targets"], mesh.data.get_group(), num_targets=num_targets)
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss
+            loss = loss * (num_targets / step_targets)
+            loss.backward()
+        self.tokens_seen += piece["input_ids"].numel() * self.ranks.world
+        return loss.detach(), _router_metrics(out)
 
     def evaluate(self, progress: bool = False) -> dict[str, float]:
+        """The task's metrics (under torchrun every rank evaluates the whole held-out set; rank 0's bar)."""
         self.model.eval()
         try:
-            return self.task.evaluate(self.model, self.device, progress=progress)
+            return self.task.evaluate(self.model, self.device, progress=progress and self.ranks.is_main)
         finally:
             self.model.train()
 
@@ -259,27 +417,32 @@ class Trainer:
 
         ``stop_at`` ends the process after that step without a final checkpoint, as a
         crash would (used to test exact resume). Raises :class:`Interrupted` after saving
-        a checkpoint when SIGINT or SIGTERM arrives.
+        a checkpoint when SIGINT or SIGTERM arrives. Under torchrun rank 0 holds the lock and
+        checks the directory; a refusal stops every rank.
         """
-        with RunLock(self.out_dir):
-            finished = check_run_directory(self.config)
+        lock = RunLock(self.out_dir)
+        self.ranks.on_main(lock.acquire)
+        try:
+            finished = self.ranks.on_main(check_run_directory, self.config)
             if finished is not None:
                 return TrainResult(out_dir=self.out_dir, steps=finished["step"], metrics=finished["metrics"],
                                    already_finished=True)
             if not self.config.run.resume:
-                start_over(self.out_dir)
-            remove_stale_temporaries(self.checkpoint_dir)
+                self.ranks.on_main(start_over, self.out_dir)
+            self.ranks.on_main(remove_stale_temporaries, self.checkpoint_dir)
             if self.config.run.resume:
                 self._resume()
-            write_atomically(self.out_dir / CONFIG, self.config.to_yaml())
+            self.ranks.on_main(write_atomically, self.out_dir / CONFIG, self.config.to_yaml())
             return self._train(stop_at)
+        finally:
+            lock.release()
 
     def _train(self, stop_at: Optional[int]) -> TrainResult:
-        cfg, run = self.config, self.config.run
-        log = MetricsLog(self.out_dir, run.tensorboard)
+        cfg, run, main = self.config, self.config.run, self.ranks.is_main
+        log = MetricsLog(self.out_dir, run.tensorboard) if main else _NoMetrics()
         log.truncate_after(self.step)
         result = TrainResult(out_dir=self.out_dir, steps=self.step)
-        progress = _progress(self.step, cfg.schedule.steps, run.progress)
+        progress = _progress(self.step, cfg.schedule.steps, run.progress and main)
         try:
             with _StopSignals() as signals:  # the final save and evaluation below stop at once on Ctrl-C
                 self._steps(result, log, progress, signals, stop_at)
@@ -289,7 +452,8 @@ class Trainer:
                     self.save()  # before the evaluation: a failing evaluation loses no training
                 result.metrics = self.evaluate(progress=run.progress)
                 log.write(self.step, result.metrics)
-                mark_finished(self.out_dir, self.step, result.metrics)
+                if main:
+                    mark_finished(self.out_dir, self.step, result.metrics)
         finally:
             progress.close()
             log.close()
@@ -299,9 +463,9 @@ class Trainer:
     def _steps(self, result: TrainResult, log: MetricsLog, progress: Any, signals: _StopSignals,
                stop_at: Optional[int]) -> None:
         """Optimiser steps until schedule.steps (or ``stop_at``), logging, evaluating and saving as
-        the config says; after a signal, save and raise :class:`Interrupted`."""
+        the config says; after a signal (to any rank), save and raise :class:`Interrupted`."""
         cfg, run = self.config, self.config.run
-        batches = iter(self.task.train_batches)
+        batches = iter(self.batches)
         self.model.train()
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         while self.step < cfg.schedule.steps:
@@ -323,23 +487,32 @@ class Trainer:
                 break
             if run.save_every and self.step % run.save_every == 0 and self.step < cfg.schedule.steps:
                 self.save()
-            if signals.received is not None:
+            received = self.ranks.any_signal(signals.received)
+            if received is not None:
                 if self.saved_step != self.step:
                     self.save()
-                raise Interrupted(self.step, signals.received)
+                raise Interrupted(self.step, received)
 
     def _optimizer_step(self, batches) -> tuple[float, float, dict[str, float]]:
         """One optimiser step over grad_accum micro-batches; non-finite steps are skipped and counted.
 
-        Returns the mean loss, the gradient norm and the mean router metrics (aux loss, load).
+        The loss is the mean over the step's target tokens (of all micro-batches and ranks: a batch
+        weighs by its targets) plus the routers' losses. Returns it, the gradient norm and the mean
+        router metrics (aux loss, load), averaged over all ranks (every rank decides alike to skip).
         """
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        losses, routers = zip(*(self._micro_step(next(batches)) for _ in range(cfg.schedule.grad_accum)))
-        loss = float(torch.stack(losses).float().mean())
-        router = {name: float(torch.stack([r[name] for r in routers]).float().mean()) for name in routers[0]}
+        micro = [next(batches) for _ in range(cfg.schedule.grad_accum)]
+        counts = self.ranks.data_parallel_sum([_target_count(batch) for batch in micro])
+        step_targets = max(sum(counts), 1.0)
+        losses, routers = zip(*(self._micro_step(batch, count, step_targets) for batch, count in zip(micro, counts)))
+        values = {"loss": float(torch.stack(losses).float().sum()),
+                  **{name: float(torch.stack([r[name] for r in routers]).float().mean()) for name in routers[0]}}
+        router = self.ranks.average(values)
+        loss = router.pop("loss")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        clip_norm = torch.nn.utils.clip_grad_norm_ if self.ranks.mesh is None else clip_grad_norm_
+        grad_norm = float(clip_norm(self.model.parameters(), clip))
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -348,6 +521,24 @@ class Trainer:
                            self.step + 1, loss, grad_norm, self.skipped_steps)
         self.scheduler.step()
         return loss, grad_norm, router
+
+
+class _NoMetrics:
+    """The metrics log of ranks other than 0: they write nothing."""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _target_count(batch: dict[str, torch.Tensor]) -> int:
+    """The positions of ``batch`` that predict a token: the labels shifted by one, packed sequence ends removed."""
+    return int((next_token_targets(batch["labels"], batch.get("cu_seqlens")) != IGNORE_INDEX).sum())
 
 
 def _router_metrics(out: LinmemCausalLMOutput) -> dict[str, torch.Tensor]:

@@ -5,19 +5,28 @@
   outputs, final states and every gradient equal the one-process run (fp64, error ratio < 1e-9);
 * expert parallelism: outputs, routing losses and every gradient equal the one-process MoE;
 * training: FSDP2 (+ expert and sequence parallelism, activation checkpointing) has the
-  one-process loss curve within 1e-4, resumes exactly from its DCP checkpoint, resumes from the
-  other world size's checkpoint, and exports weights that ``from_pretrained`` loads.
+  one-process first gradients and loss curve within 1e-4 and resumes exactly from its DCP checkpoint;
+* the trainer (``linmem train`` on every rank, as torchrun starts it): dp = 2 on 2 ranks and
+  dp = 2 x sp = 2 with ep = 2 on 4 have the loss curve of one process on the same global batch,
+  a run stopped by Ctrl-C on one rank resumes exactly, the 4-rank checkpoint continues on 2 ranks,
+  a one-process checkpoint continues on 2 ranks and theirs on one process again, and ``model/``
+  loads with ``from_pretrained``.
 
 The checks without processes (configuration errors, batch sharding) run here directly.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
 
+from linmem import cli
 from linmem.distributed import (
     DataParallelBatches,
     ParallelConfig,
@@ -34,38 +43,154 @@ from linmem.distributed.attention import causal_attention_lower_right
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.ops import linear_recurrence, parallel
 from linmem.ops.attention import cached_attention, forgetting_attention
+from linmem.train import ConfigError, Trainer, load_config
+from linmem.train.checkpoint import load_checkpoint
 from linmem.train.data import ExampleBatches
+from linmem.train.metrics import read_metrics
+from linmem.train.rundir import RunLock
+from linmem.train.trainer import check_launch
 
-from . import expert_checks, model_checks, sequence_checks, training_checks
+from . import expert_checks, model_checks, sequence_checks, trainer_checks, training_checks
 from .launch import run_ranks
+from .trainer_checks import BATCH, DENSE_RUN, DP, MOE, MOE_RUN, SAVE_EVERY, STEPS, text_run
 
 
-def _four_ranks(out: str) -> None:
+def _four_ranks(out: str, corpus: str) -> None:
     sequence_checks.all_sequence_checks()
     expert_checks.all_expert_checks()
     training_checks.training_checks(ParallelConfig(dp=2, sp=2, ep=2, fsdp=False), out)
+    trainer_checks.four_ranks(Path(out), Path(corpus))
 
 
-def _two_ranks(out: str, resume_from: str) -> None:
+def _two_ranks(out: str, from_four: str, dense_cut: str, busy: str) -> None:
     sequence_checks.all_sequence_checks()
     sequence_checks.argument_checks()
     expert_checks.all_expert_checks()
-    training_checks.training_checks(ParallelConfig(dp=2, ep=2, activation_checkpointing=True), out, resume_from)
+    training_checks.training_checks(ParallelConfig(dp=2, ep=2, activation_checkpointing=True), out)
+    trainer_checks.two_ranks(Path(out), Path(from_four), Path(dense_cut), Path(busy))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models train on one thread, as every rank of the jobs does (several threads on a busy machine wait
+    on each other far longer than they compute)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _one_process(out_dir: Path, *overrides: str, stop_at=None) -> list[float]:
+    result = Trainer(load_config(overrides=[*overrides, f"run.out_dir={out_dir}"])).train(stop_at=stop_at)
+    return [result.losses[step] for step in sorted(result.losses)]
 
 
 @pytest.fixture(scope="module")
-def four_rank_checkpoint(tmp_path_factory) -> Path:
+def one_process(tmp_path_factory) -> dict[str, Any]:
+    """The one-process runs the parallel ones are compared with (trained before the jobs start, whose
+    processes then inherit the modules these runs imported): their loss curves and the text corpus."""
+    out = tmp_path_factory.mktemp("one_process")
+    (out / "corpus").mkdir()
+    for i in range(6):  # documents of 40 to 90 bytes
+        (out / "corpus" / f"{i}.txt").write_text(" ".join(f"w{i}{j}" for j in range(10 + 4 * i)))
+    return {
+        "corpus": out / "corpus",
+        "moe": _one_process(out / "moe", *MOE_RUN, f"data.batch_size={DP * BATCH}", "run.save_every=0"),
+        "text": _one_process(out / "text", *text_run(out / "corpus"), f"schedule.grad_accum={DP}", "run.save_every=0"),
+        "dense": _one_process(out / "dense", *DENSE_RUN, f"schedule.grad_accum={DP}", "run.save_every=0"),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, one_process: dict[str, Any]) -> Path:
     out = tmp_path_factory.mktemp("four_ranks")
-    run_ranks(4, _four_ranks, str(out))
-    return out / "world4"
+    run_ranks(4, _four_ranks, str(out), str(one_process["corpus"]))
+    return out
 
 
-def test_four_ranks(four_rank_checkpoint: Path) -> None:
-    assert (four_rank_checkpoint / "trainer_state.json").is_file()
+def _losses(run_dir: Path) -> list[float]:
+    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "loss" in row]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1)), f"{run_dir}: logged steps"
+    return [row["loss"] for row in rows]
 
 
-def test_two_ranks(four_rank_checkpoint: Path, tmp_path: Path) -> None:
-    run_ranks(2, _two_ranks, str(tmp_path), str(four_rank_checkpoint))
+def _assert_curve(got: list[float], ref: list[float], what: str) -> None:
+    for step, (a, b) in enumerate(zip(got, ref), 1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"{what}: step {step} loss {a:.8f}, one process {b:.8f}"
+
+
+def test_four_ranks(four_ranks: Path, one_process: dict[str, Any]) -> None:
+    assert (four_ranks / "world4" / "trainer_state.json").is_file()
+    # the trainer on dp 2 x sp 2 has the curve of one process on the same global batch
+    run = four_ranks / "four"
+    _assert_curve(_losses(run), one_process["moe"], "MoE on 4 ranks (dp 2, sp 2, ep 2)")
+    _assert_curve(_losses(four_ranks / "text"), one_process["text"], "packed rows on 4 ranks (dp 2, sp 2)")
+    assert json.loads((run / "finished.json").read_text())["step"] == STEPS
+    exported = LinmemForCausalLM.from_pretrained(run / "model")  # rank 0 wrote the last weights
+    final = LinmemForCausalLM(exported.config)
+    load_checkpoint(run / "checkpoints" / f"step_{STEPS:08d}", model=final)  # its shards on one process
+    for name, value in final.state_dict().items():
+        assert torch.equal(value, exported.state_dict()[name]), f"model/ {name} differs from the last checkpoint"
+
+
+def test_two_ranks(four_ranks: Path, one_process: dict[str, Any], tmp_path: Path) -> None:
+    from_four = tmp_path / "from_four"  # the 4-rank run as if it had stopped after its first checkpoint
+    shutil.copytree(four_ranks / "four", from_four)
+    shutil.rmtree(from_four / "checkpoints" / f"step_{STEPS:08d}")
+    (from_four / "finished.json").unlink()
+    dense = [*DENSE_RUN, f"schedule.grad_accum={DP}", f"run.out_dir={tmp_path / 'dense'}"]
+    Trainer(load_config(overrides=dense)).train(stop_at=SAVE_EVERY)  # one process, stopped after step 2
+    with RunLock(tmp_path / "busy"):  # as if another run trained there
+        run_ranks(2, _two_ranks, str(tmp_path), str(from_four), str(tmp_path / "dense"), str(tmp_path / "busy"))
+
+    whole = _losses(tmp_path / "whole")
+    _assert_curve(whole, one_process["moe"], "MoE on 2 ranks (dp 2)")
+    assert _losses(tmp_path / "cut") == whole, "the run stopped by Ctrl-C did not resume exactly"
+    _assert_curve(_losses(from_four), one_process["moe"], "4 ranks, then 2 from the 4-rank checkpoint")
+    # the dense run: steps 1-2 on one process, 3 on two ranks (stopped by Ctrl-C), 4 on one process again
+    assert list(Trainer(load_config(overrides=dense)).train().losses) == [STEPS]
+    _assert_curve(_losses(tmp_path / "dense"), one_process["dense"], "1 process, then 2 ranks, then 1 process")
+
+
+def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, caplog, capsys) -> None:
+    out = tmp_path / "never"
+
+    def launch(world: int, *overrides: str, env: bool = True) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            if env:
+                monkeypatch.setenv(name, "0")
+            else:
+                monkeypatch.delenv(name, raising=False)
+        Trainer(load_config(overrides=[*DENSE_RUN, f"run.out_dir={out}", *overrides]))
+
+    with pytest.raises(ParallelConfigError, match=r"parallel.dp \* parallel.sp = 2 \* 1 = 2 must equal .* 4"):
+        launch(4, "parallel.dp=2")
+    with pytest.raises(ParallelConfigError, match="parallel.sp = 3 must divide the sequence length 16"):
+        launch(3, "parallel.sp=3")
+    with pytest.raises(ParallelConfigError, match="parallel.ep = 2 needs MoE feed-forwards"):
+        launch(2, "parallel.dp=2", "parallel.ep=2")
+    with pytest.raises(ParallelConfigError, match="parallel.ep = 4 must divide the number of experts 6"):
+        launch(4, "parallel.dp=4", "parallel.ep=4", *MOE, "model.options.num_experts=6")
+    with pytest.raises(ConfigError, match="every rank takes its own device"):
+        launch(2, "parallel.dp=2", "run.device=cuda:1")
+    with pytest.raises(ConfigError, match="run.compile=true is refused"):
+        launch(2, "parallel.dp=2", "run.compile=true")
+    with pytest.raises(ParallelConfigError, match="no process group to join"):
+        launch(2, "parallel.dp=2", env=False)
+    with pytest.raises(ParallelConfigError, match="parallel.dp must be an int >= 1, got 0"):
+        launch(1, "parallel.dp=0")
+    with pytest.raises(ParallelConfigError, match="parallel.timeout_minutes must be a number > 0"):
+        launch(1, "parallel.timeout_minutes=0")
+    assert not out.exists()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert cli.main(["train", *DENSE_RUN, "parallel.dp=3", f"run.out_dir={out}"]) == 2
+    assert "linmem: error: parallel.dp * parallel.sp = 3 * 1 = 3 must equal" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with caplog.at_level(logging.WARNING, logger="linmem.train"):
+        assert check_launch(load_config(overrides=["parallel.dp=2"])) == 1
+        Trainer(load_config(overrides=[*DENSE_RUN, f"run.out_dir={out}", "parallel.dp=2"]))
+    assert caplog.text.count("parallel.dp=2, sp=1, ep=1 are ignored on one process") == 1
 
 
 def test_config_errors() -> None:
@@ -173,3 +298,19 @@ def test_model_sequence_parallel() -> None:
                     "run sequence-parallel (the ops are checked by the two- and four-rank jobs)")
     run_ranks(2, model_checks.model_checks)
     run_ranks(4, model_checks.model_checks)
+
+
+def test_one_process_activation_checkpointing(tmp_path: Path) -> None:
+    """On one process ``parallel.activation_checkpointing`` recomputes every block in the backward pass
+    (its mixer runs twice in a step) and trains exactly as without."""
+    steps = {}
+    for checkpointed in (False, True):
+        trainer = Trainer(load_config(overrides=[*DENSE_RUN, f"parallel.activation_checkpointing={checkpointed}",
+                                                 f"run.out_dir={tmp_path}"]))
+        calls = []
+        trainer.model.model.layers[0].mixer.register_forward_hook(lambda *args: calls.append(1))
+        loss, grad_norm, _ = trainer._optimizer_step(iter(trainer.batches))
+        steps[checkpointed] = loss, grad_norm, len(calls), [p.detach().clone() for p in trainer.model.parameters()]
+    (loss, grad_norm, calls, weights), (loss_ac, grad_norm_ac, calls_ac, weights_ac) = steps[False], steps[True]
+    assert (loss_ac, grad_norm_ac) == (loss, grad_norm) and all(map(torch.equal, weights_ac, weights))
+    assert (calls, calls_ac) == (1, 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from linmem.layers import LayerState, MixerArgs, build_mixer
+from linmem.layers import attention
 from linmem.layers.attention import DECAY_TIME_RANGE
 
 D, H = 32, 4
@@ -47,10 +48,13 @@ def test_swa_ring_buffer_is_constant_size_and_exact():
 
 
 @torch.no_grad()
-def test_softmax_cache_grows_and_counts_tokens():
+def test_softmax_cache_grows_in_blocks_and_counts_tokens(monkeypatch):
+    monkeypatch.setattr(attention, "GROW_SLOTS", 4)
     m = make("softmax")
-    out, cache = decode(m, torch.randn(1, 9, D), prefill=5)
-    assert cache.seen_tokens == 9 and cache.get("k").shape[1] == 9
+    x = torch.randn(1, 9, D)
+    out, cache = decode(m, x, prefill=5)  # 8 slots after the prefill, 12 from the 9th token on
+    assert cache.seen_tokens == 9 and cache.get("k").shape[1] == 12 and int(cache.get("key_mask").sum()) == 9
+    assert max_err(out, m(x)) < TOL
 
 
 @pytest.mark.parametrize("name", ["softmax", "swa", "fox"])

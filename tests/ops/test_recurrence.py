@@ -1,6 +1,6 @@
-"""DESIGN section 7, invariants 1-3 for the unified recurrence: every backend equals the
-reference (outputs, final states, all gradients), varlen equals one-by-one, and two pieces
-with `initial_state` equal one pass."""
+"""The unified recurrence's invariants: every backend equals the reference (outputs, final
+states, all gradients), varlen equals one-by-one, and two pieces with `initial_state` equal
+one pass."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ COMBOS = [(kind, rule, bonus) for kind in DECAY_KINDS for rule in RULES for bonu
 def combo_id(c):
     kind, rule, bonus = c
     return f"{kind}-{rule}" + ("-bonus" if bonus else "")
+
+
+def validated(tensors, **kwargs):
+    """The RecurrenceInputs of linear_recurrence(**tensors, output_final_state=True, **kwargs)."""
+    args = dict(log_decay=None, beta=None, bonus=None, a=None, b=None, initial_state=None, scale=None,
+                cu_seqlens=None, output_final_state=True)
+    args.update(tensors)
+    args.update(kwargs)
+    return validate(**args)
 
 
 def assert_close(name, x, ref, tol):
@@ -60,11 +69,9 @@ def test_chunk_equals_reference(combo, T, KV):
 def test_chunk_size_does_not_change_the_function(combo, chunk_size):
     gen = torch.Generator().manual_seed(chunk_size)
     tensors = make_inputs(*combo, B=1, T=45, H=2, K=8, V=4, generator=gen)
-    inputs = validate(**tensors, scale=None, output_final_state=True, cu_seqlens=None,
-                      **{n: None for n in ("log_decay", "beta", "bonus", "a", "b") if n not in tensors})
+    inputs = validated(tensors)
     o_ref, S_ref = linear_recurrence(**tensors, output_final_state=True, backend="reference")
-    o, S = chunk_recurrence(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind,
-                            chunk_size=chunk_size, **inputs.as_kwargs())
+    o, S = chunk_recurrence(inputs, chunk_size=chunk_size)
     assert_close("o", o, o_ref, FP32_TOL)
     assert_close("final_state", S, S_ref, FP32_TOL)
 
@@ -124,11 +131,7 @@ def test_gradcheck_chunk_float64(combo):
     names = list(tensors)
 
     def f(*xs):
-        kw = dict(zip(names, xs))
-        inputs = validate(**kw, scale=None, output_final_state=True, cu_seqlens=None,
-                          **{n: None for n in ("log_decay", "beta", "bonus", "a", "b") if n not in kw})
-        return chunk_recurrence(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, chunk_size=2,
-                                **inputs.as_kwargs())
+        return chunk_recurrence(validated(dict(zip(names, xs))), chunk_size=2)
 
     xs = tuple(tensors[n].clone().requires_grad_(True) for n in names)
     assert torch.autograd.gradcheck(f, xs, eps=1e-6, atol=1e-6, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""DESIGN section 7, invariant 6 (first half): bad inputs raise errors that name the argument."""
+"""Bad inputs of the unified recurrence raise errors that name the argument."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def good(**over):
         (dict(initial_state=torch.randn(B, H, V, K)), ValueError, ["`initial_state`", "[N, H, K, V]"]),
         (dict(cu_seqlens=torch.tensor([0, 3, 6])), ValueError, ["`cu_seqlens`", "B == 1"]),
         (dict(scale="0.5"), TypeError, ["`scale`"]),
+        (dict(scale=float("nan")), ValueError, ["`scale`", "finite number > 0", "nan"]),
+        (dict(scale=float("inf")), ValueError, ["`scale`", "finite number > 0", "inf"]),
+        (dict(scale=0.0), ValueError, ["`scale`", "> 0", "0.0"]),
+        (dict(scale=-1), ValueError, ["`scale`", "> 0", "-1"]),
+        (dict(log_decay=torch.full((B, T, H), float("nan"))), ValueError, ["`log_decay`", "not NaN", "NaN"]),
+        (dict(log_decay=torch.full((H,), float("inf"))), ValueError, ["`log_decay`", "[-inf, 0]", "inf"]),
+        (dict(beta=torch.full((B, T, H), 2.5)), ValueError, ["`beta`", "[0, 2]", "maximum of 2.5"]),
+        (dict(beta=torch.full((B, T, H), -0.1)), ValueError, ["`beta`", "[0, 2]", "minimum of -0.1"]),
+        (dict(beta=torch.full((B, T, H), float("nan"))), ValueError, ["`beta`", "[0, 2]", "NaN"]),
     ],
     ids=lambda x: None,
 )
@@ -77,6 +86,16 @@ def test_initial_state_counts_sequences_under_varlen():
     x = good(q=torch.randn(1, T, H, K), k=torch.randn(1, T, H, K), v=torch.randn(1, T, H, V))
     with pytest.raises(ValueError, match="N = number of sequences"):
         linear_recurrence(**x, cu_seqlens=torch.tensor([0, 2, 6]), initial_state=torch.zeros(1, H, K, V))
+
+
+def test_range_edges_are_accepted():
+    """-inf gates (forget everything), beta 0 and 2, and a tiny scale are valid inputs."""
+    g = torch.full((B, T, H), -0.5)
+    g[:, 2] = float("-inf")
+    beta = torch.zeros(B, T, H)
+    beta[..., 0] = 2.0
+    o, _ = linear_recurrence(**good(log_decay=g, beta=beta), scale=1e-30)
+    assert torch.isfinite(o).all()
 
 
 def test_debug_switch_toggles_value_checks_only_for_device_tensors():

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from linmem.ops import linear_recurrence
 from linmem.ops.recurrence.chunk import chunk_recurrence
-from linmem.ops.recurrence.inputs import validate
 from tests.helpers import DECAY_KINDS, RULES, make_inputs, rel_err
+from tests.ops.test_recurrence import validated
 
 
 @settings(max_examples=40, deadline=None)
@@ -22,9 +22,6 @@ def test_chunk_matches_reference_on_random_shapes(B, T, H, K, V, kind, rule, bon
     gen = torch.Generator().manual_seed(seed)
     t = make_inputs(kind, rule, bonus, B=B, T=T, H=H, K=K, V=V, generator=gen, initial_state=with_state)
     o_ref, S_ref = linear_recurrence(**t, output_final_state=True, backend="reference")
-    missing = {n: None for n in ("log_decay", "beta", "bonus", "a", "b", "initial_state") if n not in t}
-    inputs = validate(**t, **missing, scale=None, output_final_state=True, cu_seqlens=None)
-    o, S = chunk_recurrence(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, chunk_size=chunk_size,
-                            **inputs.as_kwargs())
+    o, S = chunk_recurrence(validated(t), chunk_size=chunk_size)
     assert rel_err(o, o_ref) < 1e-4
     assert rel_err(S, S_ref) < 1e-4

@@ -160,8 +160,8 @@ def test_config_mistakes_are_named(tmp_path, monkeypatch):
         tiny(tmp_path, "model.window=16")
     with pytest.raises(ConfigError, match=r"warmup_steps \(9\) must be <= schedule.steps \(4\)"):
         tiny(tmp_path, "schedule.warmup_steps=9")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="distributed training is not available yet"):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes, a parallel section of 1
+    with pytest.raises(ValueError, match=r"parallel.dp \* parallel.sp = 1 \* 1 = 1 must equal the number of processes"):
         Trainer(tiny(tmp_path))
     monkeypatch.delenv("WORLD_SIZE")
     if not __import__("torch").cuda.is_available():

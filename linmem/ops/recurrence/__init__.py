@@ -1,94 +1,37 @@
-"""The unified linear recurrence: one entry point, several backends (DESIGN.md section 3)."""
+"""The unified linear recurrence: one entry point that validates its inputs, chooses a backend and calls
+it (the backends and their registry: :mod:`.backends`)."""
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .chunk import chunk_recurrence
+from .. import parallel
+from .backends import (
+    Backend,
+    StepKernel,
+    available_backends,
+    choose_backend,
+    choose_step_kernel,
+    logger,
+    register_backend,
+    register_step_kernel,
+)
 from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
-from .reference import per_step_decay, recurrence_step, reference_recurrence
+from .reference import per_step_decay, recurrence_step
 
 __all__ = [
     "linear_recurrence",
     "linear_recurrence_step",
+    "Backend",
+    "StepKernel",
+    "RecurrenceInputs",
     "register_backend",
+    "register_step_kernel",
     "available_backends",
     "set_debug_checks",
 ]
-
-logger = logging.getLogger("linmem.ops")
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A way to compute the recurrence.
-
-    ``fn`` takes ``(q, k, v, *, decay_kind, **RecurrenceInputs.as_kwargs())``;
-    ``refusal`` returns None when the backend can serve the inputs, else the reason.
-    """
-
-    name: str
-    fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
-    refusal: Callable[[RecurrenceInputs], Optional[str]]
-
-
-_BACKENDS: dict[str, Backend] = {}
-#: the order in which "auto" tries backends: fastest first
-_AUTO_ORDER: list[str] = []
-
-
-def register_backend(backend: Backend, *, auto_priority: Optional[int] = None) -> None:
-    """Add a backend; with ``auto_priority`` it takes part in "auto" (0 = tried first)."""
-    _BACKENDS[backend.name] = backend
-    if auto_priority is not None:
-        if backend.name in _AUTO_ORDER:
-            _AUTO_ORDER.remove(backend.name)
-        _AUTO_ORDER.insert(auto_priority, backend.name)
-
-
-@dataclass(frozen=True)
-class StepKernel:
-    """A fused kernel for one decoding step: ``fn(inputs, state) -> o [B, H, V]`` updates ``state`` in place;
-    ``refusal(inputs, state)`` returns None when it can serve the step, else the reason."""
-
-    name: str
-    fn: Callable[[RecurrenceInputs, torch.Tensor], torch.Tensor]
-    refusal: Callable[[RecurrenceInputs, torch.Tensor], Optional[str]]
-
-
-_STEP_KERNELS: list[StepKernel] = []
-
-
-def register_step_kernel(kernel: StepKernel) -> None:
-    """Add a decoding kernel; ``linear_recurrence_step`` tries them in order when no gradient is recorded."""
-    _STEP_KERNELS.append(kernel)
-
-
-def available_backends() -> list[str]:
-    """Names accepted by ``backend=``."""
-    return ["auto", *_BACKENDS]
-
-
-register_backend(Backend("reference", reference_recurrence, lambda inputs: None))
-register_backend(Backend("chunk", chunk_recurrence, lambda inputs: None), auto_priority=0)
-
-
-def _choose(backend: str, inputs: RecurrenceInputs) -> Backend:
-    if backend != "auto" and backend not in _BACKENDS:
-        raise ValueError(
-            f"linear_recurrence: unknown `backend` {backend!r}; valid: {', '.join(available_backends())}"
-        )
-    wanted = list(_AUTO_ORDER) if backend == "auto" else [backend, "chunk"]
-    for name in wanted:
-        reason = _BACKENDS[name].refusal(inputs)
-        if reason is None:
-            return _BACKENDS[name]
-        logger.debug("linear_recurrence: backend %r cannot serve these inputs (%s); trying the next", name, reason)
-    return _BACKENDS["chunk"]
 
 
 def linear_recurrence(
@@ -122,18 +65,31 @@ def linear_recurrence(
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.
-        log_decay: natural-log decay (<= 0), fp32 recommended: ``None``, ``[H]``
-            (constant per head), ``[B, T, H]`` (scalar per token), ``[B, T, H, K]``
-            (per key channel) or ``[B, T, H, K, V]`` (full; reference and chunk only).
-        beta: ``[B, T, H]`` delta-rule write strength.
+        log_decay: natural-log decay in ``[-inf, 0]`` (``-inf`` forgets everything; NaN is refused),
+            fp32 recommended: ``None``, ``[H]`` (constant per head), ``[B, T, H]`` (scalar per
+            token), ``[B, T, H, K]`` (per key channel) or ``[B, T, H, K, V]`` (full; reference and
+            chunk only).
+        beta: ``[B, T, H]`` delta-rule write strength in ``[0, 2]`` (above 1: negative eigenvalues).
         bonus: ``[H, K]`` RWKV-6 bonus ``u``.
         a, b: ``[B, T, H, K]`` diagonal-plus-low-rank transition (RWKV-7); not with ``beta``.
-        scale: read-out scale, default ``K ** -0.5``.
+        scale: read-out scale, a finite number > 0; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]``, N = B, or the number of sequences with ``cu_seqlens``.
         output_final_state: also return the final state ``[N, H, K, V]`` (fp32; fp64 for fp64 inputs).
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).
         backend: ``"auto"``, ``"reference"``, ``"chunk"`` (and ``"triton"`` when installed).
             A backend that cannot serve the inputs falls back to ``"chunk"`` (logged at debug level).
+
+    Value checks (the ranges of ``log_decay`` and ``beta``, ``cu_seqlens``) run on CPU tensors,
+    and on GPU tensors with debug checks on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`).
+
+    Limits, in every backend: the delta rule is stable while ``beta * |k|^2 <= 2`` (each step's
+    ``I - beta k^T k`` then has no eigenvalue below -1), so unnormalised keys of large norm diverge
+    (L2-normalise them, as the DeltaNet layers do). The chunked backends ("chunk", "triton") give
+    ``log_decay`` gradients with an absolute error near 1e-7 (fp32 cumulative sums), so their error
+    ratio stays below 1e-4 only for moderate gates (per-token log decay above about -5, where
+    those gradients are larger than about 1e-3). A NaN or Inf in one token's k, v, beta, a or b
+    makes the outputs from that token on non-finite in the reference, and every output of its
+    64-token chunk in the chunked backends; the outputs of earlier chunks stay finite.
 
     Returns:
         ``(o, final_state)``: ``o: [B, T, H, V]`` in the dtype of ``q``; ``final_state`` or None.
@@ -152,8 +108,11 @@ def linear_recurrence(
         q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
-    chosen = _choose(backend, inputs)
-    return chosen.fn(inputs.q, inputs.k, inputs.v, decay_kind=inputs.decay_kind, **inputs.as_kwargs())
+    if (handler := parallel.sequence_handler()) is not None:  # the sequences are split over ranks
+        return handler.linear_recurrence(q, k, v, log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
+                                         initial_state=initial_state, output_final_state=output_final_state,
+                                         cu_seqlens=cu_seqlens, backend=backend)
+    return choose_backend(backend, inputs).fn(inputs)
 
 
 def linear_recurrence_step(
@@ -204,11 +163,9 @@ def linear_recurrence_step(
     if state.dtype != acc:
         raise TypeError(f"linear_recurrence_step: `state` must be {acc} for {q.dtype} inputs, got {state.dtype}")
     if not inputs.records_grad:  # the state is inputs.initial_state
-        for kernel in _STEP_KERNELS:
-            reason = kernel.refusal(inputs, state)
-            if reason is None:
-                return kernel.fn(inputs, state), state
-            logger.debug("linear_recurrence_step: kernel %r cannot serve this step (%s)", kernel.name, reason)
+        kernel = choose_step_kernel(inputs, state)
+        if kernel is not None:
+            return kernel.fn(inputs, state), state
     decay = per_step_decay(inputs.log_decay, inputs.decay_kind, q.shape[0], 1)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     o, new_state = recurrence_step(

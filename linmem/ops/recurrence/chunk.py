@@ -11,7 +11,8 @@ transition* ::
 
 Inside a chunk of C tokens, with ``G_t`` the cumulative log decay from the chunk
 start (fp32), the unknown low-rank reads ``x`` solve one unit-lower-triangular
-system (the WY/UT form of the delta rule)::
+system (the WY/UT form of the delta rule), solved with the explicit inverse of ``I - A_ba``
+(``unit_lower_inverse``)::
 
     (I - A_ba) X = (b * exp(G^(b))) S_0 + A_bk W,   A_xy[t, s] = sum_k x_tk y_sk exp(G^(x)_tk - G_sk)
 
@@ -22,41 +23,36 @@ and outputs and the next chunk's state are products with ``S_0``::
 
 so the only loop is over chunks (``S_{c+1} = M_c S_c + N_c``), never over tokens.
 Decays only ever enter as ``exp`` of a non-positive difference of cumulative
-sums, so strong gates cannot overflow. Gradients come from autograd (one hand-written
-backward: the pairwise per-channel decays inside a sub-block, ``_PairwiseScores``).
+sums, so strong gates cannot overflow; gates are clamped at ``LOG_DECAY_FLOOR`` first, so that
+``-inf`` (forget everything) gives the reference's answer instead of ``-inf - -inf``.
+Gradients come from autograd, with two hand-written backwards: the pairwise per-channel decays
+inside a sub-block (``_PairwiseScores``) and the triangular inverse (``unit_lower_inverse``).
 
 A full ``[K, V]`` decay acts column by column, so it is served by folding the V
-columns into heads (each column is a vector-decay recurrence with V = 1); varlen
-batches are padded into a batch with neutral steps (no decay, no write).
+columns into heads (each column is a vector-decay recurrence with V = 1); packed (varlen)
+sequences are laid out from chunk boundaries of one row, with neutral steps (no decay, no write)
+after each sequence's last token, and the carry restarts at each sequence's first chunk.
+
+A NaN or Inf in one token's k, v, beta, a or b reaches every output of its chunk (a masked-out
+score is 0 * NaN inside a matmul), not only the outputs from that token on as in the token loop;
+outputs of earlier chunks stay finite.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from .inputs import compute_dtype
+from .inputs import LOG_DECAY_FLOOR, RecurrenceInputs, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
 
 
 def chunk_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    decay_kind: str,
-    log_decay: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    bonus: Optional[torch.Tensor] = None,
-    a: Optional[torch.Tensor] = None,
-    b: Optional[torch.Tensor] = None,
-    scale: float,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inputs: RecurrenceInputs, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked backend of :func:`linmem.ops.linear_recurrence` (inputs already validated).
 
@@ -66,49 +62,61 @@ def chunk_recurrence(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_recurrence: `chunk_size` must be >= 1, got {chunk_size}")
-    args = dict(log_decay=log_decay, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
-                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
-    if decay_kind == "full":
-        return _fold_value_columns(q, k, v, cu_seqlens=cu_seqlens, **args)
-    if decay_kind == "constant":  # [H] -> one scalar per token
-        B, T, H, _ = q.shape
-        args["log_decay"] = log_decay[None, None, :].expand(B, T, H)
-        decay_kind = "scalar"
-    if cu_seqlens is not None:
-        return _varlen_by_padding(q, k, v, decay_kind=decay_kind, cu_seqlens=cu_seqlens, **args)
-    return _chunked(q, k, v, decay_kind=decay_kind, **args)
+    if inputs.decay_kind == "full":
+        return _fold_value_columns(inputs, chunk_size)
+    if inputs.decay_kind == "constant":  # [H] -> one scalar per token
+        B, T, H, _ = inputs.q.shape
+        inputs = replace(inputs, log_decay=inputs.log_decay[None, None, :].expand(B, T, H), decay_kind="scalar")
+    if inputs.cu_seqlens is not None:
+        return _varlen(inputs, chunk_size)
+    B, T, H, K = inputs.q.shape
+    terms = _chunk_terms(inputs, chunk_size)
+    S0 = inputs.q.new_zeros(B, H, K, inputs.v.shape[-1], dtype=terms.Q.dtype) if inputs.initial_state is None \
+        else inputs.initial_state.to(terms.Q.dtype)
+    starts, S = _carry(terms, S0)
+    o = (terms.Q @ starts + terms.O).flatten(2, 3)[:, :, :T].movedim(1, 2)  # [B, T, H, V]
+    return o.to(inputs.q.dtype), (S if inputs.output_final_state else None)
 
 
 # --------------------------------------------------------------------------------------
 # the chunked algorithm for a fixed-length batch; decay kind 'none', 'scalar' or 'vector'
 
 
-def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initial_state,
-             output_final_state, chunk_size):
-    acc, out_dtype = compute_dtype(q), q.dtype
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    n = max(1, -(-T // C))
+@dataclass
+class _ChunkTerms:
+    """Per chunk c (of C tokens): outputs ``o = Q S_c + O`` and the carry ``S_{c+1} = M S_c + N``."""
 
-    q = q.to(acc) * scale
-    k, v = k.to(acc), v.to(acc)
+    Q: torch.Tensor  # [B, H, n, C, K]: the queries against the state at the chunk start
+    O: torch.Tensor  # [B, H, n, C, V]: the chunk's own contribution
+    M: torch.Tensor  # [B, H, n, K, K] (low-rank rules), or the diagonal [B, H, n, K or 1, 1]
+    N: torch.Tensor  # [B, H, n, K, V]
+    low_rank: bool  # whether M is a matrix
+
+
+def _chunk_terms(inputs: RecurrenceInputs, C: int) -> _ChunkTerms:
+    """The closed forms of the module docstring for every chunk of every sequence, at once."""
+    acc = compute_dtype(inputs.q)
+    B, T, H, K = inputs.q.shape
+    n = max(1, -(-T // C))
+    q = inputs.q.to(acc) * inputs.scale
+    k, v = inputs.k.to(acc), inputs.v.to(acc)
+    beta, bonus = inputs.beta, inputs.bonus
     a_scale = None  # delta rule: a = a_scale * k, so scores against a are scores against k, rescaled
     if beta is not None:  # delta rule as a low-rank transition read after the decay
         beta = beta.to(acc)[..., None]
         lr_a, lr_b, w, b_after_decay = -beta * k, k, beta * v, True
         a_scale = -beta[..., 0]
-    elif a is not None:  # DPLR, read before the decay
-        lr_a, lr_b, w, b_after_decay = a.to(acc), b.to(acc), v, False
+    elif inputs.a is not None:  # DPLR, read before the decay
+        lr_a, lr_b, w, b_after_decay = inputs.a.to(acc), inputs.b.to(acc), v, False
     else:
         lr_a = lr_b = None
         w, b_after_decay = v, False
     low_rank = lr_a is not None
-    vector = decay_kind == "vector"
-    if log_decay is None:
+    vector = inputs.decay_kind == "vector"
+    if inputs.log_decay is None:
         g = q.new_zeros(B, T, H)
-    else:
-        g = log_decay.to(acc)
+    else:  # a gate below the floor has erased the state already (see LOG_DECAY_FLOOR)
+        g = inputs.log_decay.to(acc).clamp(min=LOG_DECAY_FLOOR)
 
     def chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...], zero-padded at the end
         x = x.movedim(2, 1)
@@ -130,45 +138,96 @@ def _chunked(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initia
     col = (lambda x: x) if vector else (lambda x: x[..., None])  # broadcast a decay onto [.., C, K]
 
     A_qk = _scores(q, G_q, k, G, strict=bonus is not None, vector=vector)
-    O0 = A_qk @ w
-    Q_eff = q * torch.exp(col(G_q))
+    O = A_qk @ w
+    Q = q * torch.exp(col(G_q))
     if bonus is not None:  # RWKV-6: the current token enters with weight u
         u = bonus.to(acc)[None, :, None, None, :]
-        O0 = O0 + (q * u * k).sum(-1, keepdim=True) * v_raw
+        O = O + (q * u * k).sum(-1, keepdim=True) * v_raw
 
     decay_to_end = torch.exp(col(G[:, :, :, -1:]) - col(G))  # [B, H, n, C, K or 1]
     N = (k * decay_to_end).transpose(-1, -2) @ w  # [B, H, n, K, V]
     chunk_decay = torch.exp(G[:, :, :, -1])  # [B, H, n] or [B, H, n, K]
+    M = chunk_decay[..., None] if vector else chunk_decay[..., None, None]  # the diagonal carry
 
     if low_rank:
         G_b = G if b_after_decay else G_prev
         A_bk = _scores(lr_b, G_b, k, G, strict=True, vector=vector)
         A_ba = A_bk * a_scale if a_scale is not None else _scores(lr_b, G_b, lr_a, G, strict=True, vector=vector)
-        eye = torch.eye(C, dtype=acc, device=q.device)
-        L = eye - A_ba  # unit lower triangular
-        Wx = torch.linalg.solve_triangular(L, lr_b * torch.exp(col(G_b)), upper=False, unitriangular=True)
-        X0 = torch.linalg.solve_triangular(L, A_bk @ w, upper=False, unitriangular=True)
+        L_inv = unit_lower_inverse(A_ba)  # (I - A_ba)^{-1}
+        Wx = L_inv @ (lr_b * torch.exp(col(G_b)))
+        X0 = L_inv @ (A_bk @ w)
         A_qa = A_qk * a_scale if a_scale is not None else _scores(q, G_q, lr_a, G, strict=bonus is not None,
                                                                   vector=vector)
-        O0 = O0 + A_qa @ X0
-        Q_eff = Q_eff + A_qa @ Wx
+        O = O + A_qa @ X0
+        Q = Q + A_qa @ Wx
         a_d = (lr_a * decay_to_end).transpose(-1, -2)  # [B, H, n, K, C]
         N = N + a_d @ X0
         if vector:
             M = torch.diag_embed(chunk_decay) + a_d @ Wx
         else:
             M = chunk_decay[..., None, None] * torch.eye(K, dtype=acc, device=q.device) + a_d @ Wx
+    return _ChunkTerms(Q=Q, O=O, M=M, N=N, low_rank=low_rank)
 
-    carry = chunk_decay[..., None] if vector else chunk_decay[..., None, None]  # diagonal M
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
+
+def _carry(terms: _ChunkTerms, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carry the state from chunk to chunk, ``S_{c+1} = M_c S_c + N_c``, from ``S`` [B, H, K, V].
+
+    Returns the states at the chunk starts [B, H, n, K, V] and the state after the last chunk. One op
+    per chunk (and the maps split once, not sliced per chunk, so the backward stays linear in n).
+    """
+    B, H = S.shape[:2]
+    step = torch.baddbmm if terms.low_rank else torch.addcmul  # N + M @ S, or N + M * S for a diagonal M
+    S = S.flatten(0, 1)
     starts = []
-    for c in range(n):  # carry the state from chunk to chunk
+    for M, N in zip(terms.M.flatten(0, 1).unbind(1), terms.N.flatten(0, 1).unbind(1)):
         starts.append(S)
-        S = (M[:, :, c] @ S if low_rank else carry[:, :, c] * S) + N[:, :, c]
-    S_starts = torch.stack(starts, dim=2)  # [B, H, n, K, V]
-    o = Q_eff @ S_starts + O0  # [B, H, n, C, V]
-    o = o.reshape(B, H, n * C, V)[:, :, :T].movedim(1, 2)
-    return o.to(out_dtype), (S if output_final_state else None)
+        S = step(N, M, S)
+    return torch.stack(starts, dim=1).unflatten(0, (B, H)), S.unflatten(0, (B, H))
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """``(I - A)^{-1}`` for strictly lower-triangular ``A``: [.., C, C] -> [.., C, C].
+
+    Forward substitution by blocks that double in size: from the inverses T11, T22 of two diagonal
+    blocks of ``L = I - A``, ::
+
+        [[L11, 0], [L21, L22]]^{-1} = [[T11, 0], [T22 A21 T11, T22]]      (L21 = -A21)
+
+    so log2(C) rounds of batched matmuls invert every block, starting from the 1 x 1 blocks (= 1).
+    Like forward substitution (and unlike a Neumann series) it only multiplies entries of the inverse,
+    so it is as stable; unlike a batched triangular solve (a LAPACK call per matrix and right-hand
+    side block), it is a dozen batched calls, a little faster on one CPU thread and fewer parallel
+    regions for threads that compete for cores. The backward is two matmuls:
+    ``dA = tril(T^T dT T^T, -1)``.
+    """
+    return _UnitLowerInverse.apply(A)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, A):  # noqa: D102 (documented on unit_lower_inverse)
+        C = A.shape[-1]
+        size = 1 << max(C - 1, 0).bit_length()  # the next power of two; the padding extends L by I
+        A_pad = F.pad(A, (0, size - C, 0, size - C)) if size != C else A
+        T = A.new_ones(*A.shape[:-2], size, 1, 1)  # [.., m, s, s]: the inverses of the m diagonal blocks
+        s = 1
+        while s < size:
+            m = size // (2 * s)
+            blocks = A_pad.unflatten(-1, (m, 2, s)).unflatten(-4, (m, 2, s))  # [.., m, 2, s, m, 2, s]
+            A21 = blocks.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)  # [.., m, s, s]
+            T = T.unflatten(-3, (m, 2))
+            T11, T22 = T[..., 0, :, :], T[..., 1, :, :]
+            T = torch.cat([torch.cat([T11, torch.zeros_like(T11)], -1), torch.cat([T22 @ (A21 @ T11), T22], -1)], -2)
+            s *= 2
+        T = T[..., 0, :C, :C]
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT):  # noqa: D102
+        (T,) = ctx.saved_tensors
+        Tt = T.transpose(-1, -2)
+        return (Tt @ dT @ Tt).tril(-1)
 
 
 SUB_BLOCK = 16  # exact pairwise decays only inside sub-blocks of this many tokens (vector decay)
@@ -247,56 +306,118 @@ def _masked_exp(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # reductions of the other cases to `_chunked`
 
 
-def _fold_value_columns(q, k, v, *, cu_seqlens, log_decay, beta, bonus, a, b, initial_state, **rest):
+def _fold_value_columns(inputs: RecurrenceInputs, chunk_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Full [K, V] decay: every value column is a vector-decay recurrence with V = 1."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    per_column = lambda x: x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)  # noqa: E731
-    o, S = chunk_recurrence(
-        per_column(q), per_column(k), v.reshape(B, T, H * V, 1),
+    B, T, H, K = inputs.q.shape
+    V = inputs.v.shape[-1]
+
+    def per_column(x):  # [B, T, H, K] -> [B, T, H * V, K], the row repeated for every value column
+        return None if x is None else x[:, :, :, None, :].expand(B, T, H, V, K).reshape(B, T, H * V, K)
+
+    S0 = inputs.initial_state
+    o, S = chunk_recurrence(replace(
+        inputs,
+        q=per_column(inputs.q), k=per_column(inputs.k), v=inputs.v.reshape(B, T, H * V, 1),
         decay_kind="vector",
-        log_decay=log_decay.transpose(-1, -2).reshape(B, T, H * V, K),
-        beta=None if beta is None else beta[..., None].expand(B, T, H, V).reshape(B, T, H * V),
-        bonus=None if bonus is None else bonus[:, None, :].expand(H, V, K).reshape(H * V, K),
-        a=None if a is None else per_column(a),
-        b=None if b is None else per_column(b),
-        initial_state=None if initial_state is None else
-        initial_state.transpose(-1, -2).reshape(initial_state.shape[0], H * V, K, 1),
-        cu_seqlens=cu_seqlens,
-        **rest,
-    )
+        log_decay=inputs.log_decay.transpose(-1, -2).reshape(B, T, H * V, K),
+        beta=None if inputs.beta is None else inputs.beta[..., None].expand(B, T, H, V).reshape(B, T, H * V),
+        bonus=None if inputs.bonus is None else inputs.bonus[:, None, :].expand(H, V, K).reshape(H * V, K),
+        a=per_column(inputs.a), b=per_column(inputs.b),
+        initial_state=None if S0 is None else S0.transpose(-1, -2).reshape(S0.shape[0], H * V, K, 1),
+    ), chunk_size=chunk_size)
     o = o.reshape(B, T, H, V)
     if S is not None:
         S = S.reshape(S.shape[0], H, V, K).transpose(-1, -2)
     return o, S
 
 
-def _varlen_by_padding(q, k, v, *, decay_kind, cu_seqlens, log_decay, beta, a, b, **rest):
-    """Pack -> pad: sequence n becomes row n of a batch; padded steps neither decay nor write."""
-    T = q.shape[1]
-    bounds = cu_seqlens.to(torch.int64)
-    lengths = bounds[1:] - bounds[:-1]
-    N = lengths.shape[0]
-    t_max = int(lengths.max()) if N else 0  # one host sync; the Triton backend avoids it
-    steps = torch.arange(max(t_max, 1), device=q.device)
-    valid = steps[None, :] < lengths[:, None]  # [N, t_max]
-    index = (bounds[:-1, None] + steps[None, :]).clamp(max=max(T - 1, 0))
+def _varlen(inputs: RecurrenceInputs, C: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Packed sequences (B = 1): each sequence is laid out from a chunk boundary of one long row, its last
+    chunk padded with neutral steps (no decay, no write), and the carry restarts at every sequence's first
+    chunk. Every shape follows from T, N and C, never from the lengths' values, so nothing waits for the
+    device and ``torch.compile`` traces it without graph breaks.
+    """
+    T, H, K = inputs.q.shape[1:]
+    V = inputs.v.shape[-1]
+    acc = compute_dtype(inputs.q)
+    at = _ChunkLayout.of(inputs.cu_seqlens, T, C)
+    N = at.lengths.shape[0]
+    pack = lambda x: None if x is None else _scatter_rows(x[0], at.slot, at.slots)[None]  # noqa: E731
+    packed = replace(inputs, q=pack(inputs.q), k=pack(inputs.k), v=pack(inputs.v), log_decay=pack(inputs.log_decay),
+                     beta=pack(inputs.beta), a=pack(inputs.a), b=pack(inputs.b), initial_state=None, cu_seqlens=None)
+    terms = _chunk_terms(packed, C)
+    S0 = inputs.q.new_zeros(N, H, K, V, dtype=acc) if inputs.initial_state is None else inputs.initial_state.to(acc)
+    restart = _scatter_rows(S0, at.first_chunk, at.chunks + N)[: at.chunks].movedim(0, 1)[None]  # [1, H, n, K, V]
+    # a sequence's first chunk starts from its initial state: the map of the chunk before it becomes
+    # S -> restart (M = 0, N = restart)
+    before_first = at.first[1:, None, None]
+    maps = replace(terms,
+                   M=torch.cat([torch.where(before_first, 0.0, terms.M[:, :, :-1]), terms.M[:, :, -1:]], dim=2),
+                   N=torch.cat([torch.where(before_first, restart[:, :, 1:], terms.N[:, :, :-1]), terms.N[:, :, -1:]],
+                               dim=2))
+    starts, _ = _carry(maps, torch.where(at.first[0], restart[:, :, 0], 0.0))
+    o = (terms.Q @ starts + terms.O)[0].flatten(1, 2).movedim(0, 1)  # [slots, H, V]
+    o = _scatter_rows(o, at.unpack, T + at.slots)[:T]
+    if not inputs.output_final_state:
+        return o[None].to(inputs.q.dtype), None
+    ends = (terms.M @ starts if terms.low_rank else terms.M * starts) + terms.N  # after each chunk
+    final = _scatter_rows(ends[0].movedim(1, 0), at.final_of_chunk, N + at.chunks)[:N]
+    final = torch.where((at.lengths > 0)[:, None, None, None], final, S0)  # an empty sequence keeps its state
+    return o[None].to(inputs.q.dtype), final
 
-    def pad(x):
-        if x is None:
-            return None
-        y = x[0][index]  # [N, t_max, ...]
-        keep = valid.view(N, -1, *([1] * (y.dim() - 2)))
-        return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
-    if T == 0:
-        o = v.new_zeros(1, 0, q.shape[2], v.shape[-1])
-        S0 = rest["initial_state"]
-        if not rest["output_final_state"]:
-            return o, None
-        shape = (N, q.shape[2], q.shape[3], v.shape[-1])
-        return o, (S0.to(compute_dtype(q)) if S0 is not None else q.new_zeros(shape, dtype=compute_dtype(q)))
+@dataclass
+class _ChunkLayout:
+    """Where packed tokens and sequences go when every sequence starts at a chunk boundary.
 
-    o, S = _chunked(pad(q), pad(k), pad(v), decay_kind=decay_kind, log_decay=pad(log_decay),
-                    beta=pad(beta), a=pad(a), b=pad(b), **rest)
-    return o[valid][None], S
+    Every move between the two orders is a scatter through an injective map (``_scatter_rows``).
+    """
+
+    lengths: torch.Tensor  # [N] tokens per sequence
+    chunks: int  # T // C + N: at least the sum of ceil(length / C), whatever the lengths
+    slots: int  # chunks * C
+    slot: torch.Tensor  # [T] the place of each token in the chunk-aligned row
+    unpack: torch.Tensor  # [slots] the token at each place, or T + place for padding
+    first: torch.Tensor  # [chunks] bool: the chunk is the first of a sequence
+    first_chunk: torch.Tensor  # [N] the first chunk of each sequence (chunks + n for an empty one)
+    final_of_chunk: torch.Tensor  # [chunks] the sequence that ends with each chunk, or N + chunk
+
+    @staticmethod
+    def of(cu_seqlens: torch.Tensor, T: int, C: int) -> "_ChunkLayout":
+        device = cu_seqlens.device
+        bounds = cu_seqlens.to(torch.int64)
+        lengths = bounds[1:] - bounds[:-1]
+        N = lengths.shape[0]
+        chunks = T // C + N
+        per_sequence = (lengths + C - 1) // C
+        end = per_sequence.cumsum(0)  # one past each sequence's last chunk
+        begin = end - per_sequence
+        nonempty = lengths > 0
+        t = torch.arange(T, device=device)
+        sequence = torch.searchsorted(bounds[1:], t, right=True)  # [T]
+        slot = begin[sequence] * C + (t - bounds[sequence])
+        c = torch.arange(chunks, device=device)
+        owner = torch.searchsorted(end, c, right=True).clamp(max=N - 1)
+        extra = chunks + torch.arange(N, device=device)  # out-of-range places for empty sequences
+        return _ChunkLayout(
+            lengths=lengths, chunks=chunks, slots=chunks * C, slot=slot,
+            unpack=_inverse(slot, chunks * C, offset=T),
+            first=(begin[owner] == c) & (c < end[owner]),
+            first_chunk=torch.where(nonempty, begin, extra),
+            final_of_chunk=_inverse(torch.where(nonempty, end - 1, extra), chunks + N, offset=N)[:chunks],
+        )
+
+
+# WORKAROUND(torch 2.13, inductor CPU): move rows by injective scatters, not gathers (pytorch#191837; dev/upstream/)
+def _scatter_rows(x: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out[dest[i]] = x[i]`` in ``rows`` rows of zeros, for an injective ``dest``. Its backward is a gather,
+    where a gather's would be an accumulating scatter: inductor's CPU backend (2+ threads) writes those
+    out of bounds when their source is read through a transpose."""
+    return x.new_zeros(rows, *x.shape[1:]).index_put((dest,), x)
+
+
+def _inverse(index: torch.Tensor, size: int, *, offset: int) -> torch.Tensor:
+    """For an injective ``index`` [n] into [0, size): ``inv`` [size] with ``inv[index[i]] = i``, and
+    ``inv[j] = offset + j`` where no ``index`` points (so that ``inv`` is injective too when offset >= n)."""
+    positions = torch.arange(size, device=index.device)
+    return (positions + offset).index_put((index,), torch.arange(index.shape[0], device=index.device))

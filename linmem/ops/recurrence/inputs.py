@@ -2,13 +2,14 @@
 
 Every backend receives a :class:`RecurrenceInputs` that has passed these checks, so
 backends never re-validate. Shape and dtype checks always run; checks of values
-(``log_decay <= 0``, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors
-only when debug checks are on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`), so the
-hot path never waits for the device.
+(``log_decay`` in [-inf, 0] and not NaN, ``beta`` in [0, 2], ``cu_seqlens`` monotone) run on
+CPU tensors, and on GPU tensors only when debug checks are on (``LINMEM_DEBUG=1`` or
+:func:`set_debug_checks`), so the hot path never waits for the device.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -19,6 +20,20 @@ _DEBUG_CHECKS = os.environ.get("LINMEM_DEBUG", "0") not in ("", "0", "false", "F
 
 #: the decay kinds, named by the shape of ``log_decay``
 DECAY_KINDS = ("none", "constant", "scalar", "vector", "full")
+
+#: The chunked backends clamp each token's log decay to at least this value before the cumulative sums.
+#: Without it, one ``-inf`` (RWKV-6's ``-exp(d)`` for d > 88.7, bf16 ``log(sigmoid(x))`` for x <= -100) makes
+#: a cumulative sum ``-inf`` and a difference of two of them NaN, and a finite gate near -3e38 overflows the
+#: sum. The clamp changes no result: exp(x) rounds to exactly 0 in fp32 for every x < -103.98 (below half the
+#: smallest subnormal, 2**-150), so a gate at or below the floor already erased the state, and so does the floor; the
+#: margin of 6 keeps a cumulative difference across a floored token below -104 after its fp32 rounding (at most
+#: ~0.03 for sums over a 64-token chunk). Gates above the floor are untouched, and the gradient of a clamped
+#: gate is 0, as the reference's exp(g) * dS is at a gate whose exp is 0. (With fp64 accumulation exp(-110)
+#: is 1.7e-48 rather than 0: 32 orders of magnitude below fp64's resolution of the state it multiplies.)
+LOG_DECAY_FLOOR = -110.0
+
+#: the documented range of the delta rule's write strength ``beta``; (1, 2] gives negative eigenvalues
+BETA_RANGE = (0.0, 2.0)
 
 
 def set_debug_checks(enabled: bool) -> None:
@@ -76,14 +91,6 @@ class RecurrenceInputs:
         tensors = (self.q, self.k, self.v, self.log_decay, self.beta, self.bonus, self.a, self.b, self.initial_state)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
-    def as_kwargs(self) -> dict:
-        """The inputs as keyword arguments of a backend function."""
-        return dict(
-            log_decay=self.log_decay, beta=self.beta, bonus=self.bonus, a=self.a, b=self.b,
-            scale=self.scale, initial_state=self.initial_state,
-            output_final_state=self.output_final_state, cu_seqlens=self.cu_seqlens,
-        )
-
 
 def _check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
@@ -117,6 +124,24 @@ def decay_kind_of(log_decay: Optional[torch.Tensor], B: int, T: int, H: int, K: 
         f"{shapes['constant']}, [B, T, H] = {shapes['scalar']}, [B, T, H, K] = "
         f"{shapes['vector']} or [B, T, H, K, V] = {shapes['full']}; got {_shape(log_decay)}"
     )
+
+
+def _check_range(name: str, t: torch.Tensor, low: float, high: float, meaning: str) -> None:
+    """Values of t in [low, high] (NaN is outside), checked where values are checkable."""
+    if not t.numel() or not _values_checkable(t):
+        return
+    t = t.detach()
+    outside = ~((t >= low) & (t <= high))
+    if bool(outside.any()):
+        bad = t[outside]
+        if bool(bad.isnan().any()):
+            worst = "NaN"
+        elif bool((bad > high).any()):
+            worst = f"a maximum of {float(bad.max()):g}"
+        else:
+            worst = f"a minimum of {float(bad.min()):g}"
+        raise ValueError(f"linear_recurrence: `{name}` must be {meaning}; got {int(outside.sum())} value(s) "
+                         f"outside, {worst}")
 
 
 def _check_cu_seqlens(cu: torch.Tensor, B: int, T: int) -> None:
@@ -181,17 +206,13 @@ def validate(
             raise ValueError(f"linear_recurrence: `{name}` is on {t.device}, but `q` is on {q.device}")
 
     kind = decay_kind_of(log_decay, B, T, H, K, V)
-    if log_decay is not None and _values_checkable(log_decay):
-        # `max()` of an empty tensor raises, hence the numel guard
-        if log_decay.numel() and bool((log_decay.detach() > 0).any()):
-            worst = float(log_decay.detach().max())
-            raise ValueError(
-                f"linear_recurrence: `log_decay` must be <= 0 (a decay in (0, 1] in log space); "
-                f"got a maximum of {worst:g}"
-            )
+    if log_decay is not None:
+        _check_range("log_decay", log_decay, float("-inf"), 0.0,
+                     "<= 0 and not NaN: in [-inf, 0] (a decay in [0, 1] in log space; -inf forgets everything)")
 
     if beta is not None:
         _check_shape("beta", beta, [B, T, H], "[B, T, H]")
+        _check_range("beta", beta, *BETA_RANGE, "in [0, 2] (values above 1 give negative eigenvalues)")
     if bonus is not None:
         _check_shape("bonus", bonus, [H, K], "[H, K]")
     if (a is None) != (b is None):
@@ -220,6 +241,8 @@ def validate(
         scale = K ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"linear_recurrence: `scale` must be a Python float or None, got {type(scale).__name__}")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"linear_recurrence: `scale` must be a finite number > 0, got {scale!r}")
 
     return RecurrenceInputs(
         q=q, k=k, v=v, log_decay=log_decay, decay_kind=kind, beta=beta, bonus=bonus, a=a, b=b,

@@ -1,6 +1,6 @@
 """The unified linear recurrence, one token at a time: the ground truth.
 
-Per step t, with the state S: [K, V] of one head (DESIGN.md section 3)::
+Per step t, with the state S: [K, V] of one head::
 
     S' = diag(exp(g_t)) S_{t-1}                   decay
     S' = S' + a_t^T (b_t S_{t-1})                 low-rank term (if a, b)
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .inputs import compute_dtype
+from .inputs import RecurrenceInputs, compute_dtype
 
 
 def read(q: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -100,37 +100,24 @@ def _scan(q, k, v, g, beta, bonus, a, b, scale, S):
     return o, S
 
 
-def reference_recurrence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    decay_kind: str,
-    log_decay: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    bonus: Optional[torch.Tensor] = None,
-    a: Optional[torch.Tensor] = None,
-    b: Optional[torch.Tensor] = None,
-    scale: float,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def reference_recurrence(inputs: RecurrenceInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Token-loop backend of :func:`linmem.ops.linear_recurrence` (inputs already validated)."""
-    acc, out_dtype = compute_dtype(q), q.dtype
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    acc, out_dtype = compute_dtype(inputs.q), inputs.q.dtype
+    B, T, H, K = inputs.q.shape
+    V = inputs.v.shape[-1]
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
-    q, k, v, beta, bonus, a, b = map(cast, (q, k, v, beta, bonus, a, b))
-    g = cast(per_step_decay(log_decay, decay_kind, B, T))
+    q, k, v, beta, bonus, a, b = map(cast, (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.bonus, inputs.a,
+                                            inputs.b))
+    g = cast(per_step_decay(inputs.log_decay, inputs.decay_kind, B, T))
+    scale, initial_state = inputs.scale, inputs.initial_state
 
-    if cu_seqlens is None:
+    if inputs.cu_seqlens is None:
         S0 = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
         o, S = _scan(q, k, v, g, beta, bonus, a, b, scale, S0)
-        return o.to(out_dtype), (S if output_final_state else None)
+        return o.to(out_dtype), (S if inputs.output_final_state else None)
 
     # variable length: each sequence runs alone from its own initial state
-    bounds = cu_seqlens.tolist()
+    bounds = inputs.cu_seqlens.tolist()
     outputs, states = [], []
     for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         part = lambda t: None if t is None else t[:, start:end]  # noqa: E731
@@ -139,5 +126,4 @@ def reference_recurrence(
         outputs.append(o)
         states.append(S)
     o = torch.cat(outputs, dim=1)
-    return o.to(out_dtype), (torch.cat(states, dim=0) if output_final_state else None)
-
+    return o.to(out_dtype), (torch.cat(states, dim=0) if inputs.output_final_state else None)

@@ -1,4 +1,4 @@
-"""The flash backward of forgetting attention: two kernels, each a plain loop over tiles.
+"""The flash backward of forgetting attention: two kernels, each two plain loops over tiles.
 
 With ``P = softmax(S)`` recomputed from the saved log-sum-exp, ``dP = dO V^T`` and
 ``delta_i = sum_j P_ij dP_ij = do_i . o_i``::
@@ -16,9 +16,15 @@ adds the row sum of its dS to delta (``delta + sum_j P_ij (dP_ij - delta) = sum_
 fp32) and hands that corrected delta to ``dkdv_kernel``, whose dS rows then sum to zero: dc is
 minus its column sums. (dq itself keeps the rounded delta, as flash attention's backward does.)
 
-``dq_kernel`` runs one program per query block and head; ``dkdv_kernel`` one per key block and
-KV head, looping over the query heads of its group, so dk and dv are summed over the group
-without atomics.
+``dq_kernel`` runs one program per query block and head, the forward's tiles in the forward's two
+loops (whole tiles, then masked ones; the bias split at the block's first query). ``dkdv_kernel``
+runs one per key block and KV head, looping over the query heads of its group, so dk and dv are
+summed over the group without atomics; its query tiles are the diagonal (masked), the tiles that see
+every key of the block whole (no mask), then the masked ones at the window's end or pruning's edge.
+A whole query tile splits the bias at its first query t (:mod:`.common`), so its queries' part less
+their log-sum-exp, ``u_i = fma(c_i, log2(e), -c_t log2(e)) - lse_i``, depends on the query alone:
+``dq_kernel`` stores it once, and per tile ``dkdv_kernel`` loads u and delta and forms
+``P^T = 2^(scale log2(e) k q^T - fma(c_j, log2(e), -c_t log2(e)) + u)``.
 """
 
 from __future__ import annotations
@@ -29,29 +35,46 @@ import triton.language as tl
 from ...recurrence.triton.common import LOG2E, exp2, rounded, total
 from .common import (
     dot,
-    first_kept_tile,
-    first_pruned_tile,
-    forget2,
+    first_key_tile,
+    first_query_tile,
+    head_offsets,
+    key_c,
     key_tiles,
-    present,
-    prune_delta2,
+    last_first,
+    prune_delta,
     sequence_rows,
+    split_bias,
     tile,
     tile_t,
     visible,
+    whole_key_c,
+    whole_tile,
+    whole_tile_t,
 )
 
 
 @triton.jit
-def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, DQ, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
+def dq_step(p, do, vT, k, delta, dq, drift, DT: tl.constexpr, HAS_FORGET: tl.constexpr):
+    """One key tile of dq: p [BM, BN] the probabilities, do [BM, DV], vT [DV, BN], k [BN, D]. Returns the new
+    (dq, drift): dq += dS K, drift += the row sums of dS."""
+    ds = p * (dot(do, vT, DT) - delta[:, None])
+    dq += dot(ds, k, DT)
+    if HAS_FORGET:
+        drift += total(ds, 1)
+    return dq, drift
+
+
+@triton.jit
+def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
               G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              QT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
-    """-> dq: [tokens, H, D] and the corrected delta: [tokens, H] fp32 (the forward's tiles, masks and skips).
-    Grid (query blocks, N * H)."""
-    h, row0, _, Lk, p0, active = sequence_rows(tl.program_id(0), tl.program_id(1), cu_seqlens, N, T, T, H, BM,
-                                               IS_VARLEN)
+    """-> dq: [tokens, H, D], the corrected delta and u (for ``dkdv_kernel``'s query tiles of QT): [B, H, T] fp32
+    (the forward's tiles, masks and skips). Grid (N * H, query blocks), the last block first."""
+    n, h, row0, _, Lk, p0, active = sequence_rows(last_first(1), tl.program_id(0), cu_seqlens, N, T, T, H, BM,
+                                                  IS_VARLEN)
     if active:
+        cseq, lseq = head_offsets(n, row0, row0, T, T, H, IS_VARLEN)
         kvh = h // G
         Hkv = H // G
         DT = Q.dtype.element_ty
@@ -66,54 +89,95 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, DQ, BOUND, cu_seqlens, scale, l
         do = tile(DO + qrow * (H * DV) + h * DV, r, valid, H * DV, dv)
         o = tile(O + qrow * (H * DV) + h * DV, r, valid, H * DV, dv)
         delta = total(do.to(tl.float32) * o.to(tl.float32), 1)
-        lse = tl.load(LSE + qrow * H + h + r * H, mask=valid, other=float("inf"))  # P = 0 past the end
-        qk_scale = scale * LOG2E
+        lse = tl.load(LSE + lseq + h * T + pq, mask=valid, other=float("inf"))  # P = 0 past the end
+        K_h = K + kvh * D  # the head's keys (row r at K_h + r Hkv D)
+        V_h = V + kvh * DV
+        c_row = C  # the head's c at key position 0
         if HAS_FORGET:
-            c_key = C + row0 * H + h
-            cq = forget2(c_key + p0 * H, r, valid, H)
+            c_row = C + cseq + h * T
+        KM_row = KM  # the sequence's key mask at position 0
+        if HAS_KEY_MASK:
+            KM_row = KM  # the sequence's key mask at position 0
+        if HAS_KEY_MASK:
+            KM_row = KM + row0
+        qk_scale = scale * LOG2E
+        ref = 0.0
+        ref2 = 0.0
+        lse_ref = lse  # the log-sum-exp less the queries' part of the bias split at the reference
+        if HAS_FORGET:
+            cq = tl.load(c_row + pq, mask=valid, other=0.0)
+            ref = tl.load(c_row + p0)
+            ref2 = ref * LOG2E
+            lse_ref = lse - split_bias(cq, ref2)
         lo, full, hi = key_tiles(p0, Lk, window, BM, BN, HAS_WINDOW)
         if PRUNE:
-            delta2 = prune_delta2(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
-            lo = first_kept_tile(c_key, H, tl.load(c_key + p0 * H) * LOG2E, lo, p0, delta2, BN)
+            delta_p = prune_delta(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
+            lo = first_key_tile(c_row, ref, lo, p0, delta_p, BN - 1, BN)
+            c_last = tl.load(c_row + tl.minimum(p0 + BM, Lk) - 1)
+            full = tl.maximum(full, first_key_tile(c_row, c_last, lo, p0, delta_p, 0, BN))
         dq = tl.zeros([BM, D], tl.float32)
         drift = tl.zeros([BM], tl.float32)  # row sums of dS: the exact delta minus the rounded one
-        for s in range(lo, hi, BN):
+        for s in range(full, p0, BN):  # seen whole by every query of the block
+            k = whole_tile(K_h + (row0 + s) * (Hkv * D), c, Hkv * D, d)
+            vT = whole_tile_t(V_h + (row0 + s) * (Hkv * DV), c, Hkv * DV, dv)
+            sc = dot(q, tl.trans(k), DT) * qk_scale
+            if HAS_FORGET or HAS_KEY_MASK:
+                sc -= whole_key_c(c_row, KM_row, s + c, ref2, HAS_FORGET, HAS_KEY_MASK)[None, :]
+            p = exp2(sc - lse_ref[:, None])
+            dq, drift = dq_step(p, do, vT, k, delta, dq, drift, DT, HAS_FORGET)
+        edge = (full - lo) // BN  # masked: the tiles before `full`, then the diagonal from p0
+        for i in range(0, edge + (hi - p0 + BN - 1) // BN):
+            s = tl.where(i < edge, lo + i * BN, p0 + (i - edge) * BN)
             pk = s + c
             kvalid = (pk >= 0) & (pk < Lk)
-            krow = row0 + s
-            k = tile(K + krow * (Hkv * D) + kvh * D, c, kvalid, Hkv * D, d)
-            vT = tile_t(V + krow * (Hkv * DV) + kvh * DV, c, kvalid, Hkv * DV, dv)
+            k = tile(K_h + (row0 + s) * (Hkv * D), c, kvalid, Hkv * D, d)
+            vT = tile_t(V_h + (row0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv)
+            ck = key_c(c_row, KM_row, pk, kvalid, HAS_FORGET, HAS_KEY_MASK)
             sc = dot(q, tl.trans(k), DT) * qk_scale
+            ok = visible(pq[:, None], pk[None, :], window, HAS_WINDOW)
             if HAS_FORGET:
-                bias = cq[:, None] - forget2(c_key + s * H, c, kvalid, H)[None, :]
-                sc += bias
+                bias = cq[:, None] - ck[None, :]
+                sc += bias * LOG2E
                 if PRUNE:
-                    sc = tl.where(bias >= delta2, sc, float("-inf"))
-            if (s < full) | (s >= p0):
-                sc = tl.where(visible(pq[:, None], pk[None, :], Lk, window, HAS_WINDOW), sc, float("-inf"))
-            if HAS_KEY_MASK:
-                sc = tl.where(present(KM + krow, c[None, :], kvalid[None, :]), sc, float("-inf"))
-            p = exp2(sc - lse[:, None])
-            ds = p * (dot(do, vT, DT) - delta[:, None])
-            dq += dot(ds, k, DT)
-            drift += total(ds, 1)
+                    ok = ok & (bias >= delta_p)
+            else:
+                sc -= ck[None, :]
+            p = exp2(tl.where(ok, sc, float("-inf")) - lse[:, None])
+            dq, drift = dq_step(p, do, vT, k, delta, dq, drift, DT, HAS_FORGET)
         tl.store(DQ + qrow * (H * D) + h * D + r[:, None] * (H * D) + d[None, :],
                  rounded(dq * scale, DQ.dtype.element_ty), mask=valid[:, None])
-        tl.store(DELTA + qrow * H + h + r * H, delta + drift, mask=valid)
+        tl.store(DELTA + lseq + h * T + pq, delta + drift, mask=valid)
+        if HAS_FORGET:  # the bias split at the first query of dkdv_kernel's query tile (on the grid of QT)
+            u = split_bias(cq, tl.load(c_row + (pq // QT) * QT, mask=valid, other=0.0) * LOG2E) - lse
+        else:
+            u = -lse
+        tl.store(U + lseq + h * T + pq, u, mask=valid)
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, DK, DVAL, DC, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
+def dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT: tl.constexpr, HAS_FORGET: tl.constexpr):
+    """One query tile of dk and dv: pT [BN, BM] the probabilities, qT [D, BM], doT [DV, BM], v [BN, DV], delta
+    [BM]. Returns the new (dk, dv, dc): dv += P^T dO, dk += dS^T Q, dc -= the column sums of dS."""
+    dval += dot(pT, tl.trans(doT), DT)
+    dsT = pT * (dot(v, doT, DT) - delta[None, :])
+    dk += dot(dsT, tl.trans(qT), DT)
+    if HAS_FORGET:
+        dc -= total(dsT, 1)
+    return dk, dval, dc
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
                 G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
-    """-> dk: [tokens, H / G, D], dv: [tokens, H / G, DV], dc: [tokens, H] fp32 (minus the column sums of dS).
-    Grid (key blocks of BN, N * H / G); BN a multiple of BM. The queries of key block [s0, s0 + BN) are
-    [s0, s0 + BN) (masked: the diagonal), then up to ``full`` unmasked, then masked to the window's end."""
+    """-> dk: [tokens, H / G, D], dv: [tokens, H / G, DV], dc: [B, H, T] fp32 (minus the column sums of dS).
+    Grid (N * H / G, key blocks of BN), the first block (the most queries) first; BN a multiple of BM."""
     Hkv = H // G
-    kvh, row0, _, Lk, s0, active = sequence_rows(tl.program_id(0), tl.program_id(1), cu_seqlens, N, T, T, Hkv, BN,
-                                                 IS_VARLEN)
+    n, kvh, row0, _, Lk, s0, active = sequence_rows(tl.program_id(1), tl.program_id(0), cu_seqlens, N, T, T, Hkv,
+                                                    BN, IS_VARLEN)
     if active:
+        cseq, lseq = head_offsets(n, row0, row0, T, T, H, IS_VARLEN)
         DT = Q.dtype.element_ty
         c = tl.arange(0, BN)
         r = tl.arange(0, BM)
@@ -124,52 +188,75 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, DK, DVAL, DC, BOUND, cu_seqlens,
         krow = row0 + s0
         k = tile(K + krow * (Hkv * D) + kvh * D, c, kvalid, Hkv * D, d)
         v = tile(V + krow * (Hkv * DV) + kvh * DV, c, kvalid, Hkv * DV, dv)
+        KM_row = KM  # the sequence's key mask at position 0
+        if HAS_KEY_MASK:
+            KM_row = KM + row0
         qk_scale = scale * LOG2E
+        newest = tl.minimum(s0 + BN, Lk) - 1  # the block's newest key
+        diag = (newest - s0) // BM + 1  # query tiles on the diagonal (masked)
+        # query tiles that see every key of the block whole: from the end of the block (whole blocks only) on
+        # the grid s0 + m BM, up to the window's end
         if HAS_WINDOW:
-            full = tl.minimum(s0 + window, Lk)  # queries before it see every key of the block
             hi = tl.minimum(s0 + BN - 1 + window, Lk)
+            seen = tl.minimum(s0 + window, Lk)
         else:
-            full = Lk
             hi = Lk
+            seen = Lk
+        whole_end = s0 + BN + (tl.maximum(seen - s0 - BN, 0) // BM) * BM
+        whole_end = tl.where(s0 + BN <= Lk, whole_end, s0 + BN)
         dk = tl.zeros([BN, D], tl.float32)
         dval = tl.zeros([BN, DV], tl.float32)
         for g in range(G):
             h = kvh * G + g
-            stop = hi
+            c_row = C
             if HAS_FORGET:
-                c_key = C + row0 * H + h
-                ck = forget2(c_key + s0 * H, c, kvalid, H)
-                if PRUNE:
-                    delta2 = prune_delta2(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
-                    c_last = tl.load(c_key + (tl.minimum(s0 + BN, Lk) - 1) * H) * LOG2E
-                    stop = first_pruned_tile(c_key, H, c_last, s0, hi, delta2, BM)
+                c_row = C + cseq + h * T
+            l_row = LSE + lseq + h * T
+            d_row = DELTA + lseq + h * T
+            u_row = U + lseq + h * T
+            stop = hi
+            end = whole_end
+            ck = key_c(c_row, KM_row, pk, kvalid, HAS_FORGET, HAS_KEY_MASK)  # +inf where no key
+            if PRUNE:
+                delta_p = prune_delta(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
+                stop = first_query_tile(c_row, tl.load(c_row + newest), s0, hi, Lk, delta_p, 0, BM)
+                end = tl.minimum(end, first_query_tile(c_row, tl.load(c_row + s0), s0 + BN, end, Lk, delta_p, BM - 1,
+                                                       BM))
             dc = tl.zeros([BN], tl.float32)
-            for t in range(s0, stop, BM):
+            for t in range(s0 + BN, end, BM):  # every key of the block seen whole by every query of the tile
+                pq = t + r
+                qT = whole_tile_t(Q + (row0 + t) * (H * D) + h * D, r, H * D, d)
+                doT = whole_tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, H * DV, dv)
+                delta = tl.load(d_row + pq)
+                sT = dot(k, qT, DT) * qk_scale + tl.load(u_row + pq)[None, :]
+                if HAS_FORGET:  # the keys' part of the bias split at the tile's first query
+                    sT -= split_bias(ck, tl.load(c_row + t) * LOG2E)[:, None]
+                elif HAS_KEY_MASK:
+                    sT -= ck[:, None]
+                pT = exp2(sT)
+                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET)
+            edge = (tl.maximum(stop - end, 0) + BM - 1) // BM  # masked: the diagonal, then from `end` on
+            for i in range(0, diag + edge):
+                t = tl.where(i < diag, s0 + i * BM, end + (i - diag) * BM)
                 pq = t + r
                 valid = pq < Lk
-                qrow = row0 + t
-                qT = tile_t(Q + qrow * (H * D) + h * D, r, valid, H * D, d)
-                doT = tile_t(DO + qrow * (H * DV) + h * DV, r, valid, H * DV, dv)
-                lse = tl.load(LSE + qrow * H + h + r * H, mask=valid, other=0.0)
-                delta = tl.load(DELTA + qrow * H + h + r * H, mask=valid, other=0.0)
-                sT = dot(k, qT, DT) * qk_scale  # [BN keys, BM queries]
+                qT = tile_t(Q + (row0 + t) * (H * D) + h * D, r, valid, H * D, d)
+                doT = tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, valid, H * DV, dv)
+                lse = tl.load(l_row + pq, mask=valid, other=float("inf"))  # P = 0 past the end
+                delta = tl.load(d_row + pq, mask=valid, other=0.0)
+                sT = dot(k, qT, DT) * qk_scale
+                ok = visible(pq[None, :], pk[:, None], window, HAS_WINDOW)
                 if HAS_FORGET:
-                    biasT = forget2(c_key + t * H, r, valid, H)[None, :] - ck[:, None]
-                    sT += biasT
+                    biasT = tl.load(c_row + pq, mask=valid, other=0.0)[None, :] - ck[:, None]
+                    sT += biasT * LOG2E
                     if PRUNE:
-                        sT = tl.where(biasT >= delta2, sT, float("-inf"))
-                if (t < s0 + BN) | (t + BM > full):
-                    sT = tl.where(visible(pq[None, :], pk[:, None], Lk, window, HAS_WINDOW), sT, float("-inf"))
-                if HAS_KEY_MASK:
-                    sT = tl.where(present(KM + krow, c[:, None], kvalid[:, None]), sT, float("-inf"))
-                pT = exp2(sT - lse[None, :])
-                dval += dot(pT, tl.trans(doT), DT)
-                dsT = pT * (dot(v, doT, DT) - delta[None, :])
-                dk += dot(dsT, tl.trans(qT), DT)
-                if HAS_FORGET:
-                    dc -= total(dsT, 1)
+                        ok = ok & (biasT >= delta_p)
+                else:
+                    sT -= ck[:, None]
+                pT = exp2(tl.where(ok, sT, float("-inf")) - lse[None, :])
+                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET)
             if HAS_FORGET:
-                tl.store(DC + krow * H + h + c * H, dc, mask=kvalid)
+                tl.store(DC + cseq + h * T + pk, dc, mask=kvalid)
         tl.store(DK + krow * (Hkv * D) + kvh * D + c[:, None] * (Hkv * D) + d[None, :],
                  rounded(dk * scale, DK.dtype.element_ty), mask=kvalid[:, None])
         tl.store(DVAL + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :],

@@ -50,7 +50,7 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
     krow0 = b.to(tl.int64) * Tk
     q = tl.load(Q + qrow0 * (H * D) + (t * H + h)[:, None] * D + d[None, :], mask=rvalid[:, None], other=0.0)
     if HAS_FORGET:
-        cq = tl.load(C + krow0 * H + pq * H + h, mask=rvalid, other=0.0) * LOG2E
+        cq = tl.load(C + krow0 * H + pq * H + h, mask=rvalid, other=0.0)
     lo = split * chunk
     if HAS_WINDOW:
         lo += tl.maximum(Tk - Tq - window + 1, 0)  # the oldest key any query sees
@@ -71,7 +71,7 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
         if HAS_FORGET:
             ck = tl.load(C + krow * H + c[None, :] * H + h[:, None], mask=kvalid[None, :] & rvalid[:, None],
                          other=0.0)
-            sc += cq[:, None] - ck * LOG2E
+            sc += (cq[:, None] - ck) * LOG2E  # the difference first: |c| grows with the cache, the bias does not
         ok = kvalid[None, :] & (pk[None, :] <= pq[:, None])
         if HAS_WINDOW:
             ok = ok & (pk[None, :] > pq[:, None] - window)

@@ -1,13 +1,16 @@
 """The flash forward of forgetting attention: one program per block of BM queries of one head.
 
 Per key tile of BN keys (in SRAM) the program forms ``s = log2(e) (scale q k^T + c_i - c_j)``
-in fp32, masks what the queries do not see, and folds the tile into the online softmax
-``m = max(m, max_j s)``, ``l = 2^(m_old - m) l + sum_j 2^(s - m)``, ``acc = 2^(m_old - m) acc + P V``.
-It stores ``o = acc / l`` and the log-sum-exp ``m + log2 l`` (log2 units) for the backward.
-Memory is O(T): nothing of size T x T exists.
+in fp32 and folds the tile into the online softmax ``m = max(m, max_j s)``,
+``l = 2^(m_old - m) l + sum_j 2^(s - m)``, ``acc = 2^(m_old - m) acc + P V``. It stores
+``o = acc / l`` and the log-sum-exp ``m + log2 l`` (log2 units) for the backward. Memory is O(T):
+nothing of size T x T exists.
 
-Tiles wholly before the window or (with pruning) below the threshold are never visited;
-only the tiles that cross the diagonal, the window edge or a sequence start are masked.
+The key tiles come in two loops without a branch inside (so each is software-pipelined as
+one straight body): the tiles that every query of the block sees whole (no mask, no bounds, the
+bias split at the block's first query, :mod:`.common`), then the few that the window edge, a
+sequence start, pruning or the diagonal cross (masked, the bias formed per pair). Tiles wholly
+before the window or (with pruning) below the threshold are never visited.
 """
 
 from __future__ import annotations
@@ -19,17 +22,34 @@ from ...recurrence.triton.common import LOG2E, exp2, rounded, total
 from .common import (
     NO_MAX,
     dot,
-    first_kept_tile,
-    forget2,
+    first_key_tile,
+    head_offsets,
+    key_c,
+    whole_key_c,
     key_tiles,
-    present,
-    prune_delta2,
+    last_first,
+    prune_delta,
     row_max,
     sequence_rows,
+    split_bias,
     tile,
     tile_t,
     visible,
+    whole_tile,
+    whole_tile_t,
 )
+
+
+@triton.jit
+def softmax_step(sc, shift, m, l, acc, v, DT: tl.constexpr):
+    """Fold one tile into the online softmax: the tile's scores are ``sc + shift[:, None]`` ([BM, BN] and [BM],
+    log2 units), v its values [BN, DV]. Returns the new (m, l, acc)."""
+    m_new = tl.maximum(m, row_max(sc, 1) + shift)
+    alpha = exp2(m - m_new)
+    p = exp2(sc - (m_new - shift)[:, None])
+    l = l * alpha + total(p, 1)
+    acc = acc * alpha[:, None] + dot(p, v, DT)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -37,11 +57,13 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
                    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
-    """q: [tokens, H, D], k: [tokens, H / G, D], v: [tokens, H / G, DV], c: [tokens, H] fp32,
-    key mask: [tokens] uint8 -> o: [tokens, H, DV], lse: [tokens, H] fp32. Grid (query blocks, N * H)."""
-    h, qrow0, krow0, Lk, p0, active = sequence_rows(tl.program_id(0), tl.program_id(1), cu_seqlens, N, Tq, Tk, H,
-                                                    BM, IS_VARLEN)
+    """q: [tokens, H, D], k: [tokens, H / G, D], v: [tokens, H / G, DV], c: [B, H, Tk] fp32, key mask:
+    [B, Tk] uint8 -> o: [tokens, H, DV], lse: [B, H, Tq] fp32. Grid (N * H, query blocks), the last block
+    first."""
+    n, h, qrow0, krow0, Lk, p0, active = sequence_rows(last_first(1), tl.program_id(0), cu_seqlens, N, Tq, Tk, H,
+                                                       BM, IS_VARLEN)
     if active:
+        cseq, lseq = head_offsets(n, qrow0, krow0, Tq, Tk, H, IS_VARLEN)
         kvh = h // G
         Hkv = H // G
         DT = Q.dtype.element_ty
@@ -51,43 +73,62 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
         dv = tl.arange(0, DV)
         pq = p0 + r
         qvalid = pq < Lk
-        qrow = qrow0 + p0  # the block's first query row
-        q = tile(Q + qrow * (H * D) + h * D, r, qvalid, H * D, d)
-        qk_scale = scale * LOG2E
+        q = tile(Q + (qrow0 + p0) * (H * D) + h * D, r, qvalid, H * D, d)
+        K_h = K + kvh * D  # the head's keys (row r at K_h + r Hkv D)
+        V_h = V + kvh * DV
+        c_row = C  # the head's c at key position 0
         if HAS_FORGET:
-            c_key = C + krow0 * H + h  # the keys' c at position 0
-            cq = forget2(c_key + p0 * H, r, qvalid, H)
+            c_row = C + cseq + h * Tk
+        KM_row = KM  # the sequence's key mask at position 0
+        if HAS_KEY_MASK:
+            KM_row = KM + krow0
+        qk_scale = scale * LOG2E
+        no_shift = tl.zeros([BM], tl.float32)
+        shift = no_shift  # the queries' part of the bias split at the reference (row constants)
+        ref = 0.0
+        ref2 = 0.0
+        if HAS_FORGET:
+            cq = tl.load(c_row + pq, mask=qvalid, other=0.0)
+            ref = tl.load(c_row + p0)
+            ref2 = ref * LOG2E
+            shift = split_bias(cq, ref2)
         lo, full, hi = key_tiles(p0, Lk, window, BM, BN, HAS_WINDOW)
         if PRUNE:
-            delta2 = prune_delta2(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
-            lo = first_kept_tile(c_key, H, tl.load(c_key + p0 * H) * LOG2E, lo, p0, delta2, BN)
+            delta = prune_delta(BOUND, log_tol, h, Lk, window, HAS_WINDOW)
+            lo = first_key_tile(c_row, ref, lo, p0, delta, BN - 1, BN)
+            c_last = tl.load(c_row + tl.minimum(p0 + BM, Lk) - 1)
+            full = tl.maximum(full, first_key_tile(c_row, c_last, lo, p0, delta, 0, BN))
         m = tl.full([BM], NO_MAX, tl.float32)
         l = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, DV], tl.float32)
-        for s in range(lo, hi, BN):
+        for s in range(full, p0, BN):  # seen whole by every query of the block
+            kT = whole_tile_t(K_h + (krow0 + s) * (Hkv * D), c, Hkv * D, d)
+            v = whole_tile(V_h + (krow0 + s) * (Hkv * DV), c, Hkv * DV, dv)
+            sc = dot(q, kT, DT) * qk_scale
+            if HAS_FORGET or HAS_KEY_MASK:
+                sc -= whole_key_c(c_row, KM_row, s + c, ref2, HAS_FORGET, HAS_KEY_MASK)[None, :]
+            m, l, acc = softmax_step(sc, shift, m, l, acc, v, DT)
+        edge = (full - lo) // BN  # masked: the tiles before `full`, then the diagonal from p0
+        for i in range(0, edge + (hi - p0 + BN - 1) // BN):
+            s = tl.where(i < edge, lo + i * BN, p0 + (i - edge) * BN)
             pk = s + c
             kvalid = (pk >= 0) & (pk < Lk)
-            krow = krow0 + s
-            kT = tile_t(K + krow * (Hkv * D) + kvh * D, c, kvalid, Hkv * D, d)
-            v = tile(V + krow * (Hkv * DV) + kvh * DV, c, kvalid, Hkv * DV, dv)
+            kT = tile_t(K_h + (krow0 + s) * (Hkv * D), c, kvalid, Hkv * D, d)
+            v = tile(V_h + (krow0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv)
+            ck = key_c(c_row, KM_row, pk, kvalid, HAS_FORGET, HAS_KEY_MASK)  # +inf where no key
             sc = dot(q, kT, DT) * qk_scale
+            ok = visible(pq[:, None], pk[None, :], window, HAS_WINDOW)
             if HAS_FORGET:
-                bias = cq[:, None] - forget2(c_key + s * H, c, kvalid, H)[None, :]
-                sc += bias
+                bias = cq[:, None] - ck[None, :]
+                sc += bias * LOG2E
                 if PRUNE:
-                    sc = tl.where(bias >= delta2, sc, float("-inf"))
-            if (s < full) | (s >= p0):  # the window edge, a sequence start or the diagonal crosses the tile
-                sc = tl.where(visible(pq[:, None], pk[None, :], Lk, window, HAS_WINDOW), sc, float("-inf"))
-            if HAS_KEY_MASK:
-                sc = tl.where(present(KM + krow, c[None, :], kvalid[None, :]), sc, float("-inf"))
-            m_new = tl.maximum(m, row_max(sc, 1))
-            alpha = exp2(m - m_new)
-            p = exp2(sc - m_new[:, None])
-            l = l * alpha + total(p, 1)
-            acc = acc * alpha[:, None] + dot(p, v, DT)
-            m = m_new
-        l = tl.where(l > 0, l, 1.0)  # rows past the sequence end (not stored)
+                    ok = ok & (bias >= delta)
+            else:
+                sc -= ck[None, :]
+            sc = tl.where(ok, sc, float("-inf"))
+            m, l, acc = softmax_step(sc, no_shift, m, l, acc, v, DT)
+        l = tl.where(l > 0, l, 1.0)  # rows that see no key (a key mask), or past the sequence end (not stored)
         o = acc / l[:, None]
-        tl.store(O + qrow * (H * DV) + h * DV + r[:, None] * (H * DV) + dv[None, :],
+        tl.store(O + (qrow0 + p0) * (H * DV) + h * DV + r[:, None] * (H * DV) + dv[None, :],
                  rounded(o, O.dtype.element_ty), mask=qvalid[:, None])
-        tl.store(LSE + qrow * H + h + r * H, m + tl.log2(l), mask=qvalid)
+        tl.store(LSE + lseq + h * Tq + pq, m + tl.log2(l), mask=qvalid)

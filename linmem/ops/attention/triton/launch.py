@@ -1,8 +1,9 @@
 """Launchers of the forgetting-attention kernels: tensors in, tensors out, no autograd.
 
 Every launcher takes contiguous ``[B, T, heads, D]`` activations, ``c`` (the cumulative log
-forget values, fp32 ``[B, T, H]``) or None, ``key_mask`` (uint8 ``[B, Tk]``) or None, and the
-packed ``cu_seqlens`` or None. Sizes are shape arithmetic: no host synchronisation.
+forget values, fp32, head-major ``[B, H, T]`` for the flash kernels and ``[B, Tk, H]`` for decoding)
+or None, ``key_mask`` (uint8 ``[B, Tk]``) or None, and the packed ``cu_seqlens`` or None. Sizes are
+shape arithmetic: no host synchronisation.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ class Tiles:
 #: per kernel and head dim on CUDA. forward and dq: a program owns block_m queries and walks key tiles of
 #: block_n (block_m a multiple of block_n); dkdv: a program owns block_n keys and walks query tiles of block_m
 #: (block_n a multiple of block_m); decode: block_n keys per tile (block_m unused: the rows are the queries).
-#: Not yet timed on a GPU (``dev/gpu/fox_bench.py --sweep`` times the candidates): the forward takes the flash
-#: tutorial's 128 x 64 tiles; the others the candidates that compile for sm_90 without spills (Triton 3.9,
-#: ``dev/gpu/fox_compile.py``; e.g. at D = 128 dq 128 x 32 at 8 warps spills 40 bytes, 64 x 64 at 4 warps 1.9 KB;
-#: dkdv 32 x 64 at 8 warps 16 bytes, at 4 warps 576).
+#: Chosen from the sm_90 code (Triton 3.6, ``dev/gpu/fox_compile.py``), to be confirmed by the timings of
+#: ``dev/gpu/fox_bench.py --only variants``: at least 3 stages where shared memory allows (with 2, the loop waits
+#: for each tile's loads as it starts), no wgmma narrower than 64 on the shared-memory operand (dkdv's 64 keys x 32
+#: queries at 8 warps split into 64 x 16 products and moved P through shared memory each tile), and the fewest
+#: instructions per score element without spills in the loops. D = 128: dkdv 64 x 128 at 8 warps issues 25% fewer
+#: instructions per element than 32 x 128 but spills (56 bytes at 2 stages, 344 with GQA's loop over the group's
+#: heads, whose spills land in the tile loops); 32 x 128 spills in no loop.
 TILES: dict[str, dict[int, Tiles]] = {
-    "forward": {64: Tiles(128, 64, 4, 3), 128: Tiles(128, 64, 8, 3)},
-    "dq": {64: Tiles(64, 32, 4, 2), 128: Tiles(128, 32, 8, 2)},
-    "dkdv": {64: Tiles(32, 64, 4, 2), 128: Tiles(32, 64, 8, 2)},
+    "forward": {64: Tiles(64, 128, 4, 3), 128: Tiles(128, 64, 8, 3)},
+    "dq": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 64, 8, 3)},
+    "dkdv": {64: Tiles(64, 128, 8, 3), 128: Tiles(32, 128, 8, 3)},
     "decode": {64: Tiles(16, 64, 4, 2), 128: Tiles(16, 64, 8, 2)},
 }
 #: per kernel for fp32 inputs (any head dim): fp32 tiles take twice the registers and shared memory
@@ -77,12 +81,13 @@ def _cuda_sms(index: int) -> int:
 
 def _grid(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], block: int, heads: int) -> tuple[tuple[int, int], int]:
     """(grid, N sequences) of a kernel with one program per block of ``block`` tokens and head: fixed length
-    (blocks per sequence, B * heads); varlen (slots, heads), block i of sequence n in slot ``bos // block + n``."""
+    (B * heads, blocks per sequence); varlen (heads, slots), block i of sequence n in slot ``bos // block + n``.
+    The blocks are the grid's slower axis, so that the programs start block by block over all heads."""
     B, T = q.shape[:2]
     if cu_seqlens is None:
-        return (triton.cdiv(T, block), B * heads), B
+        return (B * heads, triton.cdiv(T, block)), B
     N = cu_seqlens.shape[0] - 1
-    return (T // block + N, heads), N
+    return (heads, T // block + N), N
 
 
 def _flags(c, key_mask, cu_seqlens, window, tol) -> dict:
@@ -96,12 +101,12 @@ def _scalars(window: Optional[int], tol: Optional[float]) -> tuple[int, float]:
 
 def attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale: float, window: Optional[int],
                       tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> o: [B, Tq, H, Dv] (q's dtype), lse: [B, Tq, H] fp32 (log2 units). ``bound``: [H] fp32 with ``tol``."""
+    """-> o: [B, Tq, H, Dv] (q's dtype), lse: [B, H, Tq] fp32 (log2 units). ``bound``: [H] fp32 with ``tol``."""
     B, Tq, H, D = q.shape
     Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
     cfg = tiles("forward", q, v)
     o = q.new_empty(B, Tq, H, DV)
-    lse = q.new_empty(B, Tq, H, dtype=torch.float32)
+    lse = q.new_empty(B, H, Tq, dtype=torch.float32)
     grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
     win, log_tol = _scalars(window, tol)
     forward.forward_kernel[grid](
@@ -113,25 +118,45 @@ def attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale: float, win
 
 def attention_backward(q, k, v, c, key_mask, cu_seqlens, bound, o, lse, do, scale: float, window: Optional[int],
                        tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """-> dq, dk, dv (the inputs' dtypes) and dc: [B, T, H] fp32 (None without c). Needs Tq == Tk."""
+    """-> dq, dk, dv (the inputs' dtypes) and dc: [B, H, T] fp32 (None without c). Needs Tq == Tk."""
+    args = (q, k, v, c, key_mask, cu_seqlens, bound)
+    dq, delta, u = backward_dq(*args, o, lse, do, scale, window, tol)
+    dk, dv, dc = backward_dkdv(*args, lse, delta, u, do, scale, window, tol)
+    return dq, dk, dv, dc
+
+
+def backward_dq(q, k, v, c, key_mask, cu_seqlens, bound, o, lse, do, scale: float, window: Optional[int],
+                tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first pass of the backward -> dq, the corrected delta and u ([B, H, T] fp32, for :func:`backward_dkdv`)."""
     B, T, H, D = q.shape
     Hkv, DV = k.shape[2], v.shape[-1]
-    flags = _flags(c, key_mask, cu_seqlens, window, tol)
     win, log_tol = _scalars(window, tol)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dc = torch.empty_like(c) if c is not None else None
-    delta = torch.empty_like(lse)
+    dq = torch.empty_like(q)
+    delta, u = torch.empty_like(lse), torch.empty_like(lse)
     cfg = tiles("dq", q, v)
     grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
     backward.dq_kernel[grid](
-        q, k, v, c, key_mask, o, do, lse, delta, dq, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **flags, num_warps=cfg.warps, num_stages=cfg.stages)
+        q, k, v, c, key_mask, o, do, lse, delta, u, dq, bound, cu_seqlens, scale, log_tol, win, N, T, H,
+        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, QT=tiles("dkdv", q, v).block_m,
+        **_flags(c, key_mask, cu_seqlens, window, tol), num_warps=cfg.warps, num_stages=cfg.stages)
+    return dq, delta, u
+
+
+def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, scale: float, window: Optional[int],
+                  tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The second pass of the backward -> dk, dv and dc ([B, H, T] fp32, None without c)."""
+    B, T, H, D = q.shape
+    Hkv, DV = k.shape[2], v.shape[-1]
+    win, log_tol = _scalars(window, tol)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dc = torch.empty_like(c) if c is not None else None
     cfg = tiles("dkdv", q, v)
     grid, N = _grid(q, cu_seqlens, cfg.block_n, Hkv)
     backward.dkdv_kernel[grid](
-        q, k, v, c, key_mask, do, lse, delta, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **flags, num_warps=cfg.warps, num_stages=cfg.stages)
-    return dq, dk, dv, dc
+        q, k, v, c, key_mask, do, lse, delta, u, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
+        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return dk, dv, dc
 
 
 def decode_splits(q: torch.Tensor, keys: int, block_n: int) -> int:

@@ -26,14 +26,14 @@ def _or_empty(x: Optional[Tensor], like: Tensor) -> Tensor:
 def fwd_op(q: Tensor, k: Tensor, v: Tensor, c: Optional[Tensor], key_mask: Optional[Tensor],
            cu_seqlens: Optional[Tensor], bound: Optional[Tensor], scale: float, window: Optional[int],
            tol: Optional[float]) -> tuple[Tensor, Tensor]:
-    """-> (o [B, Tq, H, Dv], lse [B, Tq, H] fp32)."""
+    """c: [B, H, Tk] -> (o [B, Tq, H, Dv], lse [B, H, Tq] fp32)."""
     return launch.attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale, window, tol)
 
 
 @fwd_op.register_fake
 def _(q, k, v, c, key_mask, cu_seqlens, bound, scale, window, tol):
     B, Tq, H, _ = q.shape
-    return q.new_empty(B, Tq, H, v.shape[-1]), q.new_empty(B, Tq, H, dtype=torch.float32)
+    return q.new_empty(B, Tq, H, v.shape[-1]), q.new_empty(B, H, Tq, dtype=torch.float32)
 
 
 @torch.library.custom_op("linmem::fox_attention_bwd", mutates_args=())
@@ -100,17 +100,20 @@ def _(q, k, v, c, key_mask, scale, window):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
-def _prepared(q, k, v, c, key_mask):
-    """Contiguous activations, fp32 c, the key mask as uint8."""
-    c = None if c is None else c.float().contiguous()
+def _prepared(q, k, v, c, key_mask, head_major: bool):
+    """Contiguous activations, fp32 c ([B, T, H], or with ``head_major`` [B, H, T]), the key mask as uint8."""
+    if c is not None:
+        c = c.float().transpose(1, 2) if head_major else c.float()
+        c = c.contiguous()
     key_mask = None if key_mask is None else key_mask.contiguous().view(torch.uint8)
     return q.contiguous(), k.contiguous(), v.contiguous(), c, key_mask
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, c: Optional[Tensor], key_mask: Optional[Tensor],
                     cu_seqlens: Optional[Tensor], scale: float, window: Optional[int], tol: Optional[float]) -> Tensor:
-    """The flash kernels for inputs that :func:`refusal` accepted (the backward needs Tq == Tk)."""
-    q, k, v, c, key_mask = _prepared(q, k, v, c, key_mask)
+    """The flash kernels for inputs that :func:`refusal` accepted (the backward needs Tq == Tk). c: [B, Tk, H], handed
+    to the kernels head-major (its gradient flows back through the transpose)."""
+    q, k, v, c, key_mask = _prepared(q, k, v, c, key_mask, head_major=True)
     bound = logit_bound(q, k, scale) if tol is not None and c is not None else None
     tol = tol if bound is not None else None
     cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
@@ -123,6 +126,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, c: Optional[Tensor], key_ma
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, c: Optional[Tensor], key_mask: Optional[Tensor], scale: float,
                      window: Optional[int]) -> Tensor:
     """The decoding kernel (no autograd): the custom op under torch.compile, the launcher itself in eager mode."""
-    q, k, v, c, key_mask = _prepared(q, k, v, c, key_mask)
+    q, k, v, c, key_mask = _prepared(q, k, v, c, key_mask, head_major=False)
     run = decode_op if torch.compiler.is_compiling() else launch.attention_decode
     return run(q, k, v, c, key_mask, scale, window)

@@ -71,13 +71,10 @@ def step_refusal(inputs: RecurrenceInputs, state: torch.Tensor) -> Optional[str]
     return refusal(inputs)
 
 
-def _backend_fn(q, k, v, *, decay_kind, log_decay, beta, bonus, a, b, scale, initial_state, output_final_state,
-                cu_seqlens):
+def _backend_fn(inputs: RecurrenceInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     from .ops import triton_recurrence
 
-    return triton_recurrence(RecurrenceInputs(
-        q=q, k=k, v=v, log_decay=log_decay, decay_kind=decay_kind, beta=beta, bonus=bonus, a=a, b=b, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens))
+    return triton_recurrence(inputs)
 
 
 def _step_fn(inputs: RecurrenceInputs, state: torch.Tensor) -> torch.Tensor:

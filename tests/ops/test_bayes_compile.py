@@ -71,7 +71,7 @@ def test_the_compiled_decoding_step_updates_the_state_in_place_as_eager():
     q, k, v, state, gates = step_inputs(1)
 
     def step(q, k, v, M, P):
-        o, var, _ = bayes_filter_step(q, k, v, (M, P), **gates, return_variance=True)
+        o, var, _ = bayes_filter_step(q, k, v, (M, P), **gates, return_variance=True, backend="triton")
         return o, var
 
     seen: set = set()

@@ -260,11 +260,9 @@ def bayes_filter_step(
         raise TypeError(f"bayes_filter_step: `state` must be {acc} for {q.dtype} inputs, got {M.dtype}, {P.dtype}")
     if backend not in STEP_BACKENDS:
         raise ValueError(f"bayes_filter_step: unknown `backend` {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
-    if backend == "reference" or (backend == "auto" and q.device.type != "cuda"):
-        reason = "backend 'reference'" if backend == "reference" else "'auto' runs the kernel on CUDA only"
-    else:
-        reason = _step_kernel_refusal(inputs, (M, P))
-    if reason is None:
+    kernel = backend == "triton" or (backend == "auto" and q.device.type == "cuda")
+    reason = _step_kernel_refusal(inputs, (M, P)) if kernel else None
+    if kernel and reason is None:
         from .launch import Launch, _pow2, default_warps, filter_forward
 
         BV = _pow2(v.shape[-1])
@@ -278,7 +276,8 @@ def bayes_filter_step(
             o, var, _, _, _ = filter_forward(*_kernel_args(inputs), M, P, None, inputs.scale, inputs.prior,
                                              return_variance, False, launch, MT=M, PT=P)
         return o[:, 0], (var[:, 0] if return_variance else None), (M, P)
-    logger.debug("bayes_filter_step: the kernel cannot serve this step (%s); stepping in PyTorch", reason)
+    if reason is not None:
+        logger.debug("bayes_filter_step: the kernel cannot serve this step (%s); stepping in PyTorch", reason)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     o, var, M_new, P_new = filter_step(
         M, 0.5 * (P + P.transpose(-1, -2)), *map(cast, (q, k, v)), torch.exp(log_decay.to(acc)), cast(obs_noise),

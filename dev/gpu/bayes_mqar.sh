@@ -4,22 +4,21 @@
 #     tests/ops/test_bayes_compile.py: kernels against the token loop, decoding, torch.compile, the custom ops'
 #     fake implementations), then `dev/gpu/bayes_models.py --checks` (the bf16 layer against the token loop on
 #     packed sequences, every gradient; a model decoding through its cached mean and covariance; inductor);
-#  2. Update-MQAR: the recipes update-mqar-bayes and update-mqar-gated_deltanet (two layers, short
-#     convolutions, bf16 autocast, the same data, seed and steps), scaled up: width $HIDDEN with $HEADS heads,
-#     keys and values from one pool of $VOCAB tokens, half of the keys rebound to fresh values (every key must
-#     recall its latest value), trained on (L, kv) = (256, 32) and (512, 64) mixed, evaluated there and at
-#     (1024, 128) (twice the longest training length) every $EVAL_EVERY steps. Each model gets half of the time
-#     left before $DEADLINE_S; a run past it stops after its step (SIGINT) and keeps its last evaluation.
+#  2. Update-MQAR: the recipes update-mqar-bayes and update-mqar-gated_deltanet as shipped (two layers of width
+#     256, 4 heads, short convolutions, bf16 autocast, the same data, seed and steps; keys and values from one
+#     pool of 8192 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
+#     trained on (L, kv) = (256, 32) and (512, 64) mixed, evaluated there and at (1024, 128) every 250 steps).
+#     Each model gets half of the time left before $DEADLINE_S; a run past it stops after its step (SIGINT)
+#     and keeps its last evaluation.
 # Prints a table (also $OUT/summary.md): per model the steps run, the median tokens/s, the accuracy at the
 # last evaluation both runs reached (the fair comparison) and at each run's own last one.
 # Outputs: $OUT/env.txt, $OUT/tests.log, $OUT/checks.log, $OUT/bayes_models.json, $OUT/<model>.log,
 # $OUT/<model>/{config.yaml,metrics.jsonl}, $OUT/summary.md. Exit status 1 when a check failed.
-# Knobs (environment): HIDDEN=256 HEADS=4 VOCAB=8192 STEPS=3000 BATCH=64 LR=0.002 EVAL_EVERY=250 DEADLINE_S=560.
+# Knobs (environment): DEADLINE_S=560; STEPS (default: the recipes' 3000).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}
-HIDDEN=${HIDDEN:-256} HEADS=${HEADS:-4} VOCAB=${VOCAB:-8192} STEPS=${STEPS:-3000} BATCH=${BATCH:-64}
-LR=${LR:-0.002} EVAL_EVERY=${EVAL_EVERY:-250} DEADLINE_S=${DEADLINE_S:-560}
+STEPS=${STEPS:-3000} DEADLINE_S=${DEADLINE_S:-560}
 RUNS=$(mktemp -d)  # checkpoints stay here; only the logs and metrics go to $OUT
 mkdir -p "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
@@ -39,11 +38,8 @@ budget=$(( budget < 60 ? 60 : budget ))
 for model in bayes gated_deltanet; do
   start=$SECONDS
   timeout -s INT -k 30 "$budget" python3 -m linmem.cli train --recipe "update-mqar-$model" \
-    model.hidden_size="$HIDDEN" model.num_heads="$HEADS" data.mqar.vocab_size="$VOCAB" data.batch_size="$BATCH" \
-    "data.mqar.settings=[[256, 32], [512, 64]]" "data.mqar.eval_settings=[[256, 32], [512, 64], [1024, 128]]" \
-    data.mqar.train_examples=100000 data.mqar.eval_examples=500 optim.lr="$LR" schedule.steps="$STEPS" \
-    schedule.warmup_steps=200 run.eval_every="$EVAL_EVERY" run.save_every=0 run.device=cuda run.progress=false \
-    run.log_every=50 run.tensorboard=false run.out_dir="$RUNS/$model" 2>&1 | tee "$OUT/$model.log"
+    schedule.steps="$STEPS" run.save_every=0 run.device=cuda run.progress=false run.log_every=50 \
+    run.tensorboard=false run.out_dir="$RUNS/$model" 2>&1 | tee "$OUT/$model.log"
   echo "# $model: $((SECONDS - start)) s of $budget s" | tee -a "$OUT/$model.log"
   mkdir -p "$OUT/$model" && cp "$RUNS/$model/config.yaml" "$RUNS/$model/metrics.jsonl" "$OUT/$model/"
 done

@@ -1,4 +1,4 @@
-"""Command line: ``linmem train | eval | generate | data prepare | tokenizer train | bench | demo``.
+"""Command line: ``linmem train | eval | generate | data prepare | tokenizer train | linearize | bench | demo``.
 
     linmem train --recipe mqar-gated_deltanet schedule.steps=2000 run.out_dir=runs/gdn
     torchrun --nproc-per-node 4 -m linmem.cli train --recipe R parallel.dp=2 parallel.sp=2   # several GPUs
@@ -8,6 +8,7 @@
     linmem tokenizer train --out tok --vocab-size 8192             # BPE on local text (stdlib by default)
     linmem generate runs/text --prompt "def main(" --max-new-tokens 200 --top-p 0.9 --stop "def "
     linmem data prepare data/stdlib                 # tokenize once into memory-mapped shards
+    linmem linearize --from ckpt/llama --out ckpt/liger --memory gla --window 64   # Liger: no new parameters
     linmem train data.task=text data.text.prepared=data/stdlib
     linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -141,19 +141,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _linearize(args: argparse.Namespace) -> int:
+    from .linearize.command import main
+
+    _quiet_transformers()
+    return main(args.passed_on)
+
+
 def _bench_ops(args: argparse.Namespace) -> int:
     from .bench.ops import BenchConfig, main
 
     shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(","))
-    if args.launch:
-        from .ops.recurrence.triton import launch
-
-        for item in args.launch.split(","):
-            name, _, config = item.partition("=")
-            if name not in launch.LAUNCH or not re.fullmatch(r"\d+x\d+", config.lower()):
-                raise SystemExit(f"--launch {item!r}: expected KERNEL=WARPSxSTAGES with KERNEL one of "
-                                 f"{', '.join(launch.LAUNCH)}")
-            launch.LAUNCH[name] = tuple(int(x) for x in config.lower().split("x"))
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
@@ -235,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (about)")
     prepare.set_defaults(func=_data_prepare)
 
+    linearize = sub.add_parser("linearize", parents=[common], add_help=False,  # its options: linmem.linearize.command
+                               help="convert a local Llama / Mistral / Qwen2 / Qwen3 checkpoint into a Liger model")
+    linearize.set_defaults(func=_linearize, passes_on=True)
+
     bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     ops = bench_sub.add_parser("ops", help="forward and forward+backward time of every op and backend (CUDA)")
@@ -256,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
     ops.add_argument("--accuracy", action="store_true",
                      help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
-    ops.add_argument("--launch", help="Triton launch configs to try, e.g. grads_key=8x2,output=8x2 (warps x stages)")
     ops.set_defaults(func=_bench_ops)
     layers = bench_sub.add_parser("layers", add_help=False,  # its options and --help: linmem.bench.layers
                                   help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")

@@ -1,7 +1,7 @@
 """``linmem bench models``: training tokens/s and peak memory of whole models, linmem's beside its peers.
 
 linmem's architectures (``--models``: transformer, GLA, DeltaNet, Gated DeltaNet, the ``"LLLN"*6``
-hybrid, FoX; MoM on request) and, with ``--peers``, the same architectures in HF transformers (Llama
+hybrid of Gated DeltaNet and softmax attention in 8 heads of 128, FoX; MoM on request) and, with ``--peers``, the same architectures in HF transformers (Llama
 with SDPA) and flash-linear-attention, all of one shape (``linmem.bench.peers``: ~370M, 24 layers,
 width 1024, vocabulary 32000; the mapping of every config is in that module's docstring), timed in one
 run on one GPU.

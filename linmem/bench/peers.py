@@ -23,10 +23,13 @@ gated_deltanet    ``memory="gated_deltanet"``, 4 heads             fla ``GatedDe
 (fla-gated_       (K = V = 256), short conv, output gate           head_dim=256, expand_v=1)``: fla's default head
 deltanet)                                                          dim 256; fla's ``expand_v=2`` would give V = 512,
                                                                    past linmem's kernels' 256, so V = K on both sides
-hybrid            ``"LLLN"*6``: the gated_deltanet layers above    fla ``GatedDeltaNetConfig`` as above with
-(fla-hybrid)      and softmax attention at layers 3, 7, .., 23;    ``attn={"layers": [3, 7, .., 23], "num_heads":
-                  one ``num_heads`` for every mixer: attention     4}`` (fla's attention layer needs the
-                  is 4 heads of 256                                ``flash-attn`` package)
+hybrid            ``"LLLN"*6``: Gated DeltaNet layers of 8 heads   fla ``GatedDeltaNetConfig(num_heads=8,
+(fla-hybrid)      (K = V = 128; short conv, output gate) and       head_dim=128, expand_v=1, attn={"layers":
+                  softmax attention at layers 3, 7, .., 23, 8      [3, 7, .., 23], "num_heads": 8})`` (fla's
+                  heads of 128: one ``num_heads`` serves every     attention layer needs the ``flash-attn``
+                  mixer, and 128 is a head dim of linmem's         package)
+                  attention kernels (256 is not); the projections
+                  are those of 4 heads of 256 (393.3M parameters)
 fox (fla-fox)     ``"N"*24``, ``attention="fox"``, 16 heads        fla ``ForgettingTransformerConfig(num_heads=16)``:
                   (K = V = 64), no RoPE, no Pro options            its defaults (no QK-norm, no output gate)
 mom (fla-mom)     ``memory="mom"``, 4 Gated DeltaNet memories      fla ``MomConfig(num_heads=4, head_dim=256,
@@ -45,7 +48,7 @@ Example:
     (256, 'LLLN')
     >>> model, note = build_model("hybrid", shape, device="cpu")
     >>> model.config.layer_pattern, model.config.num_heads
-    ('LLLN', 4)
+    ('LLLN', 8)
 """
 
 from __future__ import annotations
@@ -129,12 +132,13 @@ def linmem_config_kwargs(arch: str, shape: ModelShape) -> dict:
     common = dict(vocab_size=shape.vocab_size, hidden_size=D, intermediate_size=shape.mlp_width,
                   tie_word_embeddings=False)
     gated_deltanet = dict(memory="gated_deltanet", num_heads=4, head_dim=D // 4, expand_v=1.0)
+    hybrid = dict(memory="gated_deltanet", num_heads=8, head_dim=D // 8, expand_v=1.0)  # attention: 8 heads of D / 8
     per_arch = {
         "transformer": dict(layer_pattern="N" * L, attention="softmax", num_heads=16),
         "gla": dict(layer_pattern="L" * L, memory="gla", num_heads=4, head_dim=D // 8, expand_v=2.0),
         "deltanet": dict(layer_pattern="L" * L, memory="deltanet", num_heads=8),
         "gated_deltanet": dict(layer_pattern="L" * L, **gated_deltanet),
-        "hybrid": dict(layer_pattern=shape.hybrid_pattern, attention="softmax", **gated_deltanet),
+        "hybrid": dict(layer_pattern=shape.hybrid_pattern, attention="softmax", **hybrid),
         "fox": dict(layer_pattern="N" * L, attention="fox", num_heads=16),
         "mom": dict(layer_pattern="L" * L, memory="mom", mom_memory="gated_deltanet", num_heads=4, head_dim=D // 4,
                     expand_v=1.0, num_memories=4, mom_top_k=2, shared_memory=True),
@@ -167,7 +171,7 @@ def _fla(arch: str, shape: ModelShape) -> nn.Module:
         "deltanet": ("DeltaNetConfig", "DeltaNetForCausalLM", dict(num_heads=8, expand_k=1.0, expand_v=1.0)),
         "gated_deltanet": ("GatedDeltaNetConfig", "GatedDeltaNetForCausalLM", gated_deltanet),
         "hybrid": ("GatedDeltaNetConfig", "GatedDeltaNetForCausalLM",
-                   dict(**gated_deltanet, attn={"layers": attention_layers, "num_heads": 4})),
+                   dict(num_heads=8, head_dim=D // 8, expand_v=1.0, attn={"layers": attention_layers, "num_heads": 8})),
         "fox": ("ForgettingTransformerConfig", "ForgettingTransformerForCausalLM", dict(num_heads=16)),
         "mom": ("MomConfig", "MomForCausalLM", dict(num_heads=4, head_dim=D // 4, expand_v=1.0, num_memories=4,
                                                     topk=2, shared_mem=True, mom_backend="gated_deltanet")),

@@ -48,10 +48,12 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCa
     body = model.model
     hidden = body.embed_tokens(input_ids)
     positions = cache.lengths[:, None]  # [B, 1] real tokens before this one: its rotary position
+    residual = None  # the stream is residual + hidden, as in the model's forward
     for layer, state in zip(body.layers, cache.layers):
-        hidden = layer(hidden, cu_seqlens=None, cache=state, token_mask=None, position_ids=positions)
+        hidden, residual = layer(hidden, residual, cu_seqlens=None, cache=state, token_mask=None,
+                                 position_ids=positions)
         layer.pop_router_stats()
-    logits = model.lm_head(body.norm(hidden))
+    logits = model.lm_head(body.norm.add_and_norm(hidden, residual)[0])
     cache.advance_device(1)
     return logits
 

@@ -46,6 +46,7 @@ from torch import nn
 
 from ..ops import parallel
 from ..ops.attention import cached_attention, cumulative_forget, forgetting_attention
+from ..ops.fused import gated_rms_norm
 from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
 from .modules import RMSNorm, RotaryEmbedding, positions_in_sequence
 
@@ -171,6 +172,36 @@ def rebase_forget(cache: LayerState) -> None:
     if last is not None:
         cache.get("cum_forget").sub_(last[:, None])
         last.zero_()
+
+
+def update_kv_cache(
+    cache: LayerState, new: dict[str, torch.Tensor], window: Optional[int]
+) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+    """Write the call's keys into the cache's buffers (a ring of ``window`` slots with a window); the keys
+    to attend over and the window to apply.
+
+    ``new`` holds the call's ``k``, ``v``, ``key_mask`` and (FoX) ``cum_forget`` counted from the
+    call's first token (``[B, T, ...]``). One token (a decoding step) is written at the device
+    position of a static cache and reads the whole buffers, contiguous and of a fixed size, so the
+    step can be replayed from a CUDA graph: empty slots are masked, and a ring in slot order needs
+    no window, as every key it holds is inside it. A longer call reads the first ``n + T`` slots,
+    or, when it wraps the ring, the ring in time order followed by its own keys.
+    """
+    n, T = cache.seen_tokens, new["k"].shape[1]
+    S = _ensure_buffers(cache, new, window)
+    if "cum_forget" in new:  # continue the row's cumulative forget sum
+        last = cache.get("forget_last")
+        new = {**new, "cum_forget": last[:, None] + new["cum_forget"]}
+        last.copy_(new["cum_forget"][:, -1])
+    if T == 1:
+        _write(cache, new, cache.position if cache.static else n, S)
+        return {name: cache.get(name) for name in new}, None
+    if n + T <= S:
+        _write(cache, new, n, S)
+        return {name: cache.get(name)[:, :n + T] for name in new}, window
+    keys = {name: torch.cat([_time_ordered(cache.get(name), n, S).to(x.dtype), x], 1) for name, x in new.items()}
+    _write(cache, new, n, S)
+    return keys, window
 
 
 class _Attention(Mixer):
@@ -329,37 +360,19 @@ class _Attention(Mixer):
     def update_cache(
         self, cache: LayerState, new: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
-        """Write the call's keys into the cache's buffers; the keys to attend over and the window to apply.
-
-        ``new`` holds the call's ``k``, ``v``, ``key_mask`` and (FoX) ``cum_forget`` counted from the
-        call's first token (``[B, T, ...]``). One token (a decoding step) is written at the device
-        position of a static cache and reads the whole buffers, contiguous and of a fixed size, so the
-        step can be replayed from a CUDA graph: empty slots are masked, and a ring in slot order needs
-        no window, as every key it holds is inside it. A longer call reads the first ``n + T`` slots,
-        or, when it wraps the ring, the ring in time order followed by its own keys.
-        """
-        n, T = cache.seen_tokens, new["k"].shape[1]
-        S = _ensure_buffers(cache, new, self.window)
-        if "cum_forget" in new:  # continue the row's cumulative forget sum
-            last = cache.get("forget_last")
-            new = {**new, "cum_forget": last[:, None] + new["cum_forget"]}
-            last.copy_(new["cum_forget"][:, -1])
-        if T == 1:
-            _write(cache, new, cache.position if cache.static else n, S)
-            return {name: cache.get(name) for name in new}, None
-        if n + T <= S:
-            _write(cache, new, n, S)
-            return {name: cache.get(name)[:, :n + T] for name in new}, self.window
-        keys = {name: torch.cat([_time_ordered(cache.get(name), n, S).to(x.dtype), x], 1) for name, x in new.items()}
-        _write(cache, new, n, S)
-        return keys, self.window
+        """:func:`update_kv_cache` with this layer's window."""
+        return update_kv_cache(cache, new, self.window)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
-        if self.args.output_norm:
-            o = self.o_norm(o)
+        gate = None
         if self.args.output_gate:
             gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        if self.args.output_norm and gate is not None:  # one fused pass: RMSNorm(o) * sigmoid(gate)
+            o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps, activation="sigmoid")
+        elif self.args.output_norm:
+            o = self.o_norm(o)
+        elif gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 

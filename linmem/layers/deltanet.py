@@ -3,7 +3,7 @@ Sequence Length") and Gated DeltaNet (Yang et al. 2025, "Gated Delta Networks").
 
     S_t = a_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,   o_t = q_t S_t
 
-q, k: short conv + SiLU, L2-normalised per head; beta_t = sigmoid(W_b x_t).
+q, k: short conv + SiLU, L2-normalised per head (x / sqrt(|x|^2 + 1e-6)); beta_t = sigmoid(W_b x_t).
 Gated DeltaNet adds the Mamba-2 gate log a_t = -exp(A_log) * softplus(W_a x_t + dt_bias)
 and an output gate: o = RMSNorm(o) * silu(W_g x).
 """
@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
+from ..ops.fused import l2_norm
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, init_mamba2_gate_
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, init_mamba2_gate_, mamba2_log_decay
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
@@ -61,7 +61,7 @@ class _DeltaRule(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H = self.args.num_heads
+        H, K, V = self.args.num_heads, self.args.key_dim, self.args.value_dim
         q = self.q_proj(hidden)
         k, v = self.project("k_proj", hidden, projected), self.project("v_proj", hidden, projected)
         if self.use_short_conv:
@@ -70,22 +70,21 @@ class _DeltaRule(MemoryMixer):
             v = self.v_conv(v, cache=cache, key="conv_v", cu_seqlens=cu_seqlens)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q, k, v = (rearrange(x, "b t (h d) -> b t h d", h=H) for x in (q, k, v))
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())
+        q, k = l2_norm(q, head_dim=K), l2_norm(k, head_dim=K)  # [B, T, H, K], unit norm per head
+        v = v.unflatten(-1, (H, V))
+        beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())  # [B, T, H]
         log_decay = None
-        if self.gated:
-            dt = F.softplus(self.project("a_proj", hidden, projected).float() + self.dt_bias)
-            log_decay = -torch.exp(self.A_log.float()) * dt  # [B, T, H]
+        if self.gated:  # [B, T, H]
+            a = self.project("a_proj", hidden, projected)[..., None]
+            log_decay = mamba2_log_decay(a, self.A_log, self.dt_bias[:, None])[..., 0]
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay, beta=beta)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         if self.gated:
-            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
-            o = self.o_norm(o, gate)
+            o = self.o_norm(o, self.g_proj(hidden).unflatten(-1, o.shape[-2:]))
         else:
             o = self.o_norm(o)
-        return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
+        return self.o_proj(o.flatten(-2))
 
 
 @register_mixer("deltanet")

@@ -19,13 +19,23 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, Linear, ShortConvs, low_rank, xavier_init
+from .modules import GatedRMSNorm, Linear, ShortConvs, low_rank, pointwise, xavier_init
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: GLA divides the log-sigmoid gate by this, so log alpha lies in (-inf, 0] / 16 and starts near 0
 GATE_LOGIT_NORMALIZER = 16
 #: gain of the xavier-uniform init of every GLA linear map (the paper's code)
 XAVIER_GAIN = 2 ** -2.5
+
+
+def gla_log_decay(logits: torch.Tensor) -> torch.Tensor:
+    """log alpha = logsigmoid(logits) / 16 in fp32 (fp64 for fp64 logits)."""
+    return F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / GATE_LOGIT_NORMALIZER
+
+
+def gla_log_decay_derivative(logits: torch.Tensor) -> torch.Tensor:
+    """d log alpha / d logits = sigmoid(-logits) / 16."""
+    return torch.sigmoid(-logits.to(torch.promote_types(logits.dtype, torch.float32))) / GATE_LOGIT_NORMALIZER
 
 
 @register_mixer("gla")
@@ -61,8 +71,8 @@ class GatedLinearAttention(MemoryMixer):
             for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
                          ("v", self.project("v_proj", hidden, projected)))
         )
-        gate = rearrange(self.project("gk_proj", hidden, projected).float(), "b t (h k) -> b t h k", h=H)
-        log_decay = F.logsigmoid(gate) / GATE_LOGIT_NORMALIZER  # [B, T, H, K] fp32
+        gate = rearrange(self.project("gk_proj", hidden, projected), "b t (h k) -> b t h k", h=H)
+        log_decay = pointwise(gate, gla_log_decay, gla_log_decay_derivative)  # [B, T, H, K] fp32
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:

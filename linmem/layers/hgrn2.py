@@ -12,6 +12,7 @@ bounds take at initialisation (Gamma = 0): lb = l / L for layer l of L (0 in the
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -20,16 +21,41 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvs
+from .modules import RMSNorm, ShortConvs, pointwise
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
+def _acc(logits: torch.Tensor) -> torch.Tensor:
+    """logits in fp32 (fp64 for fp64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def hgrn2_log_forget(logits: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """log(lb + (1 - lb) sigmoid(logits)) in fp32; exactly logsigmoid(logits) when lb = 0."""
-    logits = logits.float()
+    """log(lb + (1 - lb) sigmoid(logits)) in fp32 (fp64 for fp64); exactly logsigmoid(logits) when lb = 0."""
+    logits = _acc(logits)
     if lower_bound == 0:
         return F.logsigmoid(logits)
     return torch.log(lower_bound + (1 - lower_bound) * torch.sigmoid(logits))
+
+
+def _log_forget_derivative(logits: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """d log f / d logits = (1 - lb) s (1 - s) / f with s = sigmoid(logits)."""
+    logits = _acc(logits)
+    if lower_bound == 0:
+        return torch.sigmoid(-logits)
+    s = torch.sigmoid(logits)
+    return (1 - lower_bound) * s * torch.sigmoid(-logits) / (lower_bound + (1 - lower_bound) * s)
+
+
+def _one_minus_forget(logits: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """The key k = 1 - f = (1 - lb) sigmoid(-logits), fp32 (fp64 for fp64)."""
+    return (1 - lower_bound) * torch.sigmoid(-_acc(logits))
+
+
+def _one_minus_forget_derivative(logits: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """d (1 - f) / d logits = -(1 - lb) s (1 - s)."""
+    logits = _acc(logits)
+    return -(1 - lower_bound) * torch.sigmoid(logits) * torch.sigmoid(-logits)
 
 
 @register_mixer("hgrn2")
@@ -60,8 +86,11 @@ class HGRN2(MemoryMixer):
         split = lambda x: rearrange(x, "b t (h d) -> b t h d", h=self.args.num_heads)  # noqa: E731
         q = split(self.convs("q", self.q_proj(hidden), cache=cache, cu_seqlens=cu_seqlens, activation=F.silu))
         i = split(self.convs("i", self.project("i_proj", hidden, projected), cache=cache, cu_seqlens=cu_seqlens))
-        log_forget = split(hgrn2_log_forget(self.project("f_proj", hidden, projected), self.lower_bound))
-        k = (-torch.expm1(log_forget)).to(q.dtype)  # 1 - f_t
+        logits, lb = split(self.project("f_proj", hidden, projected)), self.lower_bound
+        log_forget = pointwise(logits, partial(hgrn2_log_forget, lower_bound=lb),
+                               partial(_log_forget_derivative, lower_bound=lb))
+        k = pointwise(logits, partial(_one_minus_forget, lower_bound=lb),
+                      partial(_one_minus_forget_derivative, lower_bound=lb)).to(q.dtype)  # 1 - f_t
         return RecurrenceArgs(q=q, k=k, v=i, log_decay=log_forget, scale=1.0)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:

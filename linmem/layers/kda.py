@@ -21,11 +21,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
+from ..ops.fused import l2_norm
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, ShortConvs, init_mamba2_gate_, low_rank
+from .modules import GatedRMSNorm, ShortConvs, init_mamba2_gate_, low_rank, mamba2_log_decay
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 
@@ -67,19 +67,19 @@ class KimiDeltaAttention(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H = self.args.num_heads
-        heads = lambda x: rearrange(x, "b t (h d) -> b t h d", h=H)  # noqa: E731
+        H, K, V = self.args.num_heads, self.args.key_dim, self.args.value_dim
         q, k, v = (
-            heads(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=F.silu))
+            self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=F.silu)
             for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
                          ("v", self.project("v_proj", hidden, projected)))
         )
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = l2_norm(q, head_dim=K), l2_norm(k, head_dim=K)  # [B, T, H, K], unit norm per head
+        v = v.unflatten(-1, (H, V))
         beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())  # [B, T, H]
-        dt = F.softplus(self.project("f_proj", hidden, projected).float() + self.dt_bias.float())
-        log_decay = -torch.exp(self.A_log.float())[:, None] * heads(dt)  # [B, T, H, K]
+        f = self.project("f_proj", hidden, projected).unflatten(-1, (H, K))
+        log_decay = mamba2_log_decay(f, self.A_log, self.dt_bias.view(H, K))  # [B, T, H, K]
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay, beta=beta)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
-        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
-        return self.o_proj(rearrange(self.o_norm(o, gate), "b t h d -> b t (h d)"))
+        gate = self.g_proj(hidden).unflatten(-1, o.shape[-2:])  # [B, T, H, V]
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))

@@ -137,6 +137,6 @@ class LinearAttention(MemoryMixer):
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         if self.feature_map.normalised:
-            o = (o[..., :-1].float() / (o[..., -1:].float() + DENOMINATOR_EPS)).to(o.dtype)
+            o = (o[..., :-1] / (o[..., -1:].float() + DENOMINATOR_EPS)).to(o.dtype)  # divided in fp32
         o = self.o_norm(o)
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops.fused import swiglu
 from .base import LayerState, MixerArgs, register_mixer
 from .modules import RMSNorm, ShortConvolution, init_mamba2_gate_
 from .recurrent import MemoryMixer, RecurrenceArgs
@@ -95,6 +96,5 @@ class Mamba2(MemoryMixer):
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         x, z = args.extras["x"], args.extras["z"]
         y = o + self.D.to(o.dtype)[:, None] * x  # [B, T, H, P]
-        y = rearrange(y, "b t h p -> b t (h p)")
-        y = self.norm((y.float() * F.silu(z.float())).to(y.dtype))
+        y = self.norm(swiglu(z, y.flatten(-2).to(z.dtype)))  # RMSNorm(y * silu(z)): the gate before the norm
         return self.out_proj(y)

@@ -7,8 +7,10 @@ it again for parameters a checkpoint does not hold, so a loaded model and a new 
 that have no ``reset_parameters`` of their own (a :class:`LoRA`); never a child that has one (a child
 ``nn.Linear`` initialises itself: give it its scheme as :class:`Linear` ``init``).
 
-The convolution and the token shift carry their own decoding history in a
-:class:`~linmem.layers.base.LayerState` and never look across a ``cu_seqlens`` boundary.
+The norms, the short convolution and the SwiGLU of the layers run the fused kernels of
+:mod:`linmem.ops.fused` on CUDA. The convolution and the token shift carry their own decoding history
+in a :class:`~linmem.layers.base.LayerState` and never look across a ``cu_seqlens`` boundary, except
+that under sequence parallelism the first packed sequence continues the previous rank's tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops import parallel
+from ..ops.fused import gated_rms_norm, rms_norm, short_conv, short_conv_step
 from .base import LayerState, MixerArgs
 
 # ---------------------------------------------------------------- initialisation
@@ -106,13 +110,93 @@ def init_mamba2_gate_(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
     dt_bias.copy_(mamba2_dt_bias(dt_bias.shape, device=dt_bias.device))
 
 
+# ---------------------------------------------------------------- gates that keep only their input for the backward
+
+
+class _Pointwise(torch.autograd.Function):
+    """y = f(x) saving only x; the backward multiplies by df(x), recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, f, df):
+        ctx.save_for_backward(x)
+        ctx.df = df
+        return f(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return (dy * ctx.df(x)).to(x.dtype), None, None
+
+
+def pointwise(
+    x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor], df: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """An elementwise gate ``f(x)`` (e.g. fp32 log-space decays of a bf16 projection) whose backward recomputes
+    the derivative ``df(x)`` from x: only x is kept, in its own dtype, not f's fp32 intermediates.
+
+    Under ``torch.compile`` this is f(x) (the compiler chooses what to recompute itself).
+
+    Example:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> y = pointwise(x, F.logsigmoid, lambda t: torch.sigmoid(-t))
+        >>> torch.allclose(y, F.logsigmoid(x))
+        True
+    """
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+        return f(x)
+    return _Pointwise.apply(x, f, df)
+
+
+def _mamba2_decay(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z = x + dt_bias, -exp(A_log) per head) in fp32 (fp64 for fp64 x): x [..., H, K], A_log [H], dt_bias [H, K]."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return x.to(acc) + dt_bias.to(acc), -torch.exp(A_log.to(acc))[:, None]
+
+
+class _Mamba2LogDecay(torch.autograd.Function):
+    """log a = -exp(A_log) * softplus(x + dt_bias), saving x, A_log and dt_bias only."""
+
+    @staticmethod
+    def forward(ctx, x, A_log, dt_bias):
+        ctx.save_for_backward(x, A_log, dt_bias)
+        z, minus_a = _mamba2_decay(x, A_log, dt_bias)
+        return minus_a * F.softplus(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, A_log, dt_bias = ctx.saved_tensors
+        z, minus_a = _mamba2_decay(x, A_log, dt_bias)
+        dz = dy * minus_a * torch.sigmoid(z)  # [..., H, K]
+        batch = tuple(range(dz.dim() - 2))
+        dA_log = (dy * minus_a * F.softplus(z)).sum(batch).sum(-1)  # d/dA_log of -exp(A_log) s = the output
+        return dz.to(x.dtype), dA_log.to(A_log.dtype), dz.sum(batch).to(dt_bias.dtype)
+
+
+def mamba2_log_decay(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The Mamba-2 decay ``log a = -exp(A_log) * softplus(x + dt_bias)`` (<= 0) in fp32 (fp64 for fp64 x):
+    x ``[..., H, K]`` (K = 1: one gate per head), A_log ``[H]``, dt_bias ``[H, K]`` -> ``[..., H, K]``.
+
+    The backward recomputes it from x, which is kept in its own dtype (not its fp32 intermediates).
+    Under ``torch.compile`` it is the plain expression.
+
+    Example:
+        >>> mamba2_log_decay(torch.randn(2, 5, 4, 1), torch.zeros(4), torch.zeros(4, 1)).shape
+        torch.Size([2, 5, 4, 1])
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        z, minus_a = _mamba2_decay(x, A_log, dt_bias)
+        return minus_a * F.softplus(z)
+    return _Mamba2LogDecay.apply(x, A_log, dt_bias)
+
+
 # ---------------------------------------------------------------- norms
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight over the last dim (computed in fp32); weight ``[dim]`` starts at 1.
+    """y = x / rms(x) * weight over the last dim (fp32 statistics, x's dtype out); weight ``[dim]`` starts at 1.
 
     ``num_heads`` gives every head its own weight (``[num_heads, dim]``) for x ``[..., H, dim]``.
+    One fused kernel each way on CUDA (:func:`linmem.ops.fused.rms_norm`); the backward saves only x.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, num_heads: Optional[int] = None) -> None:
@@ -125,24 +209,36 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        """x: [..., dim] (or [..., H, dim]) -> the same shape."""
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm residual step in one pass: h = x + residual (x when None) -> (RMSNorm(h), h).
+
+        x, residual: [..., dim]; x is brought to the residual's dtype (under autocast the stream keeps its own).
+        """
+        if residual is not None and x.dtype != residual.dtype:
+            x = x.to(residual.dtype)
+        return rms_norm(x, self.weight, self.eps, residual=residual, residual_out=True)
 
 
 #: output-gate activations of :class:`GatedRMSNorm`
-GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * act(gate), act = silu (Mamba-2, GLA, Gated DeltaNet) or sigmoid (KDA)."""
+    """RMSNorm(x) * act(gate) in fp32, act = silu (Mamba-2, GLA, Gated DeltaNet) or sigmoid (KDA); one fused
+    kernel each way on CUDA (:func:`linmem.ops.fused.gated_rms_norm`), saving only x and gate."""
 
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu") -> None:
         super().__init__(dim, eps)
-        self.activation = GATE_ACTIVATIONS[activation]
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"GatedRMSNorm: `activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x).float() * self.activation(gate.float())).to(x.dtype)
+        """x, gate: [..., dim] -> [..., dim] in x's dtype."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, activation=self.activation)
 
 
 #: epsilon of RWKV's per-head output GroupNorm (1e-5 * head_size_divisor**2 with divisor 8)
@@ -193,8 +289,9 @@ def causal_window(
 ) -> torch.Tensor:
     """The last ``size`` inputs at every step: x [B, T, C] -> [B, T, size, C] (oldest first).
 
-    Before a sequence's start the window holds ``history`` ([B, size - 1, C], from a
-    cache) or zeros; with ``cu_seqlens`` it never reaches into the previous sequence.
+    Before a sequence's start the window holds ``history`` ([B, size - 1, C], from a cache or, under
+    sequence parallelism, the previous rank's last tokens) or zeros. With ``cu_seqlens`` it never reaches
+    into the previous sequence: only the first packed sequence continues ``history``, the others see zeros.
     """
     B, T, C = x.shape
     if history is None:
@@ -204,14 +301,52 @@ def causal_window(
     if cu_seqlens is not None:
         pos = positions_in_sequence(T, cu_seqlens, x.device)  # [T]
         lag = torch.arange(size - 1, -1, -1, device=x.device)  # lag of each window slot
-        window = window * (lag[None, :] <= pos[:, None]).to(x.dtype)[None, :, :, None]
+        first = torch.arange(T, device=x.device) < cu_seqlens[1]  # tokens of the first sequence
+        keep = (lag[None, :] <= pos[:, None]) | first[:, None]  # [T, size]
+        window = window * keep.to(x.dtype)[None, :, :, None]
     return window
+
+
+def fused_conv(x: torch.Tensor) -> bool:
+    """Whether :class:`ShortConvolution` runs the fused kernels (:func:`linmem.ops.fused.short_conv`) on x:
+    on CUDA. Elsewhere it sums its taps in PyTorch, which is faster on a CPU than the op's literal reference."""
+    return x.device.type == "cuda"
+
+
+def _taps_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, history: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal depthwise convolution as a sum of its W taps (no activation), computed in fp32 (fp64 for
+    fp64): x [B, T, C], weight [C, W], history [B, W-1, C] or None -> (z [B, T, C], the inputs with the
+    history in front [B, W-1 + T, C]).
+
+    With ``cu_seqlens`` the taps stop at every sequence start, but the first sequence continues ``history``.
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    past = history.to(x.dtype) if history is not None else x.new_zeros(B, W - 1, C)
+    seen = torch.cat([past, x], dim=1)  # [B, W - 1 + T, C]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if cu_seqlens is not None:
+        pos = positions_in_sequence(T, cu_seqlens, x.device)  # [T]
+        first = torch.arange(T, device=x.device) < cu_seqlens[1]  # the first sequence reads the history
+    z = bias.to(acc)
+    for i in range(W):  # tap i reads x_(t - lag), lag = W - 1 - i
+        term = seen[:, i:i + T] * weight[:, i].to(acc)
+        lag = W - 1 - i
+        if cu_seqlens is not None and lag:
+            term = term * ((pos >= lag) | first).to(acc)[:, None]
+        z = z + term
+    return z, seen
 
 
 class ShortConvolution(nn.Module):
     """Depthwise causal convolution over time (kernel ``size``) with an optional SiLU.
 
-    Its decoding history (the last ``size - 1`` inputs) lives in ``cache[key]``.
+    Its decoding history (the last ``size - 1`` inputs, ``[B, size - 1, C]``) lives in ``cache[key]``;
+    a one-token step without gradients shifts it in place. Under sequence parallelism (no cache) the
+    history is the previous rank's last ``size - 1`` tokens, which only the first packed sequence reads.
     """
 
     def __init__(self, channels: int, size: int = 4, activation: bool = True) -> None:
@@ -234,19 +369,29 @@ class ShortConvolution(nn.Module):
         key: str = "conv",
         cu_seqlens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]."""
+        """x: [B, T, C] -> [B, T, C] in x's dtype."""
+        act = "silu" if self.activation else None
+        B, T, C = x.shape
         history = cache.get(key) if cache is not None else None
-        past = history.to(x.dtype) if history is not None else x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
-        seen = torch.cat([past, x], dim=1)  # [B, size - 1 + T, C]
-        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
-        if cu_seqlens is None:  # one depthwise conv1d
-            y = F.conv1d(seen.transpose(1, 2), weight[:, None, :], bias, groups=x.shape[2]).transpose(1, 2)
-        else:  # packed sequences: windows that stop at each sequence start
-            window = causal_window(x, self.size, history=history, cu_seqlens=cu_seqlens)
-            y = torch.einsum("btwc,cw->btc", window, weight) + bias
-        if cache is not None and self.size > 1:
-            cache.set(key, seen[:, -(self.size - 1):].detach())
-        return F.silu(y) if self.activation else y
+        if cache is None and (handler := parallel.sequence_handler()) is not None:
+            history = handler.halo(x, self.size - 1, cu_seqlens)  # [B, size - 1, C]
+        if cache is not None and T == 1 and cu_seqlens is None and not torch.is_grad_enabled():  # decoding
+            if history is None:
+                history = x.new_zeros(B, self.size - 1, C)
+                cache.set(key, history)
+            return short_conv_step(x[:, 0], history, self.weight, self.bias, act)[:, None]
+        if fused_conv(x):
+            if history is not None and cu_seqlens is not None:  # sequences after the first start from zeros
+                history = torch.cat([history, history.new_zeros(cu_seqlens.shape[0] - 2, *history.shape[1:])])
+            y, final = short_conv(x, self.weight, self.bias, activation=act, cu_seqlens=cu_seqlens,
+                                  initial_state=history, output_final_state=cache is not None)
+        else:
+            z, seen = _taps_conv(x, self.weight, self.bias, history, cu_seqlens)
+            y = (F.silu(z) if self.activation else z).to(x.dtype)
+            final = seen[:, T:]
+        if cache is not None:  # in its own contiguous memory: decoding shifts it in place
+            cache.set(key, final.detach().clone(memory_format=torch.contiguous_format))
+        return y
 
 
 class ShortConvs(nn.ModuleDict):
@@ -282,9 +427,12 @@ def token_shift(
 ) -> torch.Tensor:
     """The previous token's features: x [B, T, C] -> x_{t-1} [B, T, C] (zeros at a sequence start).
 
-    The last token is kept in ``cache[key]`` for the next call.
+    The last token is kept in ``cache[key]`` for the next call. Under sequence parallelism (no cache)
+    the first packed sequence continues the previous rank's last token.
     """
     history = cache.get(key) if cache is not None else None
+    if cache is None and (handler := parallel.sequence_handler()) is not None:
+        history = handler.halo(x, 1, cu_seqlens)  # [B, 1, C]
     previous = causal_window(x, 2, history=history, cu_seqlens=cu_seqlens)[:, :, 0]
     if cache is not None:
         cache.set(key, x[:, -1:].detach())
@@ -307,11 +455,12 @@ class RotaryEmbedding(nn.Module):
         steps = torch.arange(0, self.dim, 2, dtype=torch.float32, device=x.device)
         inv_freq = 1.0 / (self.theta ** (steps / self.dim))
         angles = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        return (x.float() * cos + rotated * sin).to(x.dtype)
+        return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------- RWKV's low-rank projections and init schedules

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.fused import swiglu
 from ..ops.routing import (
     GROUPED_BACKENDS,
     ROUTERS,
@@ -39,6 +40,45 @@ from ..ops.routing import (
     top_k_routing,
 )
 from .modules import Linear, normal_init
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """``swiglu(gate, up) @ weight.T`` keeping gate and up (views of one projection) but not their product:
+    the backward recomputes it for the weight's gradient. The matmuls run in the output's dtype (autocast's)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(swiglu(gate, up), weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        with torch.enable_grad(), torch.autocast(dy.device.type, enabled=False):
+            gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+            h = swiglu(gate, up)  # [..., F], recomputed
+            dweight = None
+            if ctx.needs_input_grad[2]:
+                dweight = (dy.flatten(0, -2).T @ h.detach().flatten(0, -2).to(dy.dtype)).to(weight.dtype)  # [D, F]
+            dh = (dy @ weight.to(dy.dtype)).to(h.dtype)  # [..., F]
+            dgate, dup = torch.autograd.grad(h, (gate, up), dh)
+        return dgate, dup, dweight
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The end of a SwiGLU MLP, ``W_down (silu(gate) * up)``: gate, up ``[..., F]``, weight ``[D, F]`` -> ``[..., D]``.
+
+    The ``[..., F]`` product is not kept for the backward (which recomputes it); under ``torch.compile`` this is
+    the plain expression and the compiler decides.
+
+    Example:
+        >>> gate, up = torch.randn(2, 5, 64).chunk(2, dim=-1)
+        >>> swiglu_down(gate, up, torch.randn(16, 32)).shape
+        torch.Size([2, 5, 16])
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return F.linear(swiglu(gate, up), weight)
+    return _SwiGLUDown.apply(gate, up, weight)
 
 
 class SwiGLU(nn.Module):
@@ -56,8 +96,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: ``[..., D]``; ``token_mask`` is accepted for the feed-forward interface (a dense MLP needs none)."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return swiglu_down(*self.gate_up(x).chunk(2, dim=-1), self.down.weight)
 
 
 @dataclass
@@ -140,7 +179,7 @@ class MoEFeedForward(nn.Module):
         """SwiGLU of every expert on its rows: rows ``[A, D]`` sorted by expert -> ``[A, D]``."""
         backend = self.args.expert_backend
         gate, up = grouped_linear(rows, self.gate_up, group_sizes, backend).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down, group_sizes, backend)
+        return grouped_linear(swiglu(gate, up), self.down, group_sizes, backend)
 
     def inactive_parameter_count(self) -> int:
         """Parameters of the experts a token does not use: ``(E - k) * (gate_up + down of one expert)``."""

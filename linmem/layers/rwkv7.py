@@ -37,10 +37,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops.fused import l2_norm
 from .base import LayerState, MixerArgs, register_mixer
 from .modules import (
     HeadGroupNorm,
@@ -59,6 +59,8 @@ DECAY_SCALE = math.exp(-0.5)
 #: LoRA rank factors of the in-context learning rate and of the output gate (rank ~ factor * sqrt(D))
 A_LORA_FACTOR = 2.5
 GATE_LORA_FACTOR = 5.0
+#: epsilon of the removal key's L2 norm x / sqrt(|x|^2 + eps): F.normalize's floor |x| >= 1e-12 (the paper's code)
+NORMALIZE_EPS = 1e-24
 #: the token-shift mixes of RWKV-7 and the exponent factor of each one's init
 MIXES = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
 
@@ -136,7 +138,7 @@ class RWKV7(MemoryMixer):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 inputs)
         log_decay = heads(-DECAY_SCALE * torch.sigmoid(self.decay(xw.to(acc))))  # in [-e^{-1/2}, 0]
         icl = heads(torch.sigmoid(self.icl_rate(xa)))  # in-context learning rate a_t
-        kappa = F.normalize(k * self.k_k.view(H, K).to(k.dtype), dim=-1)
+        kappa = l2_norm(k * self.k_k.view(H, K).to(k.dtype), eps=NORMALIZE_EPS)  # the removal key, unit norm per head
         k = k * (1 + (icl - 1) * self.k_a.view(H, K).to(k.dtype))
         return RecurrenceArgs(q=r, k=k, v=v, log_decay=log_decay, a=-(icl * kappa), b=kappa, scale=1.0,
                               extras={"g": self.gate(xg)})

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from ..layers import MixerArgs, mixer_class, mixer_names
 from ..layers.base import check_bool, check_choice, check_float, check_int
+from ..layers.liger import LIGER_MEMORIES
 from ..layers.moe import MoEArgs
 from ..layers.mom import mom_rules
 from ..ops.routing import ROUTERS
@@ -94,6 +95,15 @@ class LinmemConfig(PretrainedConfig):
         output_norm: bool = False,
         kv_shift: bool = False,
         forget_gate: str = "data_dependent",
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        rope_scaling_params: Optional[dict] = None,
+        liger_memory: str = "gla",
+        liger_memory_weight: float = 0.5,
+        liger_window: int = 64,
+        liger_gate: str = "pooled_key",
+        liger_feature_map: str = "softmax",
+        num_slots: Optional[int] = None,
         mom_memory: str = "gated_deltanet",
         num_memories: int = 4,
         mom_top_k: int = 2,
@@ -142,6 +152,15 @@ class LinmemConfig(PretrainedConfig):
         self.output_norm = output_norm  # attention: per-head output norm ("Pro")
         self.kv_shift = kv_shift  # attention: KV shift ("Pro")
         self.forget_gate = forget_gate  # fox: data_dependent, data_independent (learnt per head) or fixed
+        self.qkv_bias = qkv_bias  # llama_attention, liger: biases on the q, k, v projections (Qwen2)
+        self.o_bias = o_bias  # llama_attention, liger: a bias on the output projection (Llama's attention_bias)
+        self.rope_scaling_params = rope_scaling_params  # llama_attention, liger: RoPE scaling {"rope_type": ...}
+        self.liger_memory = liger_memory  # liger: the gated recurrence (gla, mamba2, hgrn2, rwkv6, gated_retention, gsa)
+        self.liger_memory_weight = liger_memory_weight  # liger: weight of the memory read-out (window: 1 - it)
+        self.liger_window = liger_window  # liger: keys the sliding-window branch sees
+        self.liger_gate = liger_gate  # liger: gate from the pooled key, or a new random projection (ablation)
+        self.liger_feature_map = liger_feature_map  # liger: phi of q, k: softmax, or learnable (ablation)
+        self.num_slots = num_slots  # gsa, liger with gsa: memory slots per head (default head_dim)
         self.mom_memory = mom_memory  # memory="mom": the update rule of every memory (gla, gated_deltanet, ...)
         self.num_memories = num_memories  # memory="mom": routed memories per layer
         self.mom_top_k = mom_top_k  # memory="mom": memories per token (`top_k` would clash with generation's)
@@ -206,11 +225,13 @@ class LinmemConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "num_heads", "conv_size", "gate_low_rank", "num_memories",
                      "mom_top_k", "num_experts", "num_experts_per_tok"):
             check_int(OWNER, name, getattr(self, name), minimum=1)
-        for name in ("head_dim", "num_kv_heads", "window", "intermediate_size", "moe_intermediate_size"):
+        for name in ("head_dim", "num_kv_heads", "window", "intermediate_size", "moe_intermediate_size", "num_slots"):
             check_int(OWNER, name, getattr(self, name), minimum=1, optional=True)
+        check_int(OWNER, "liger_window", self.liger_window, minimum=1)
+        check_choice(OWNER, "liger_memory", self.liger_memory, LIGER_MEMORIES)
         check_int(OWNER, "num_shared_experts", self.num_shared_experts, minimum=0)
         for name in ("qk_norm", "output_gate", "output_norm", "kv_shift", "shared_memory", "output_router_logits",
-                     "activation_checkpointing", "tie_word_embeddings"):
+                     "activation_checkpointing", "tie_word_embeddings", "qkv_bias", "o_bias"):
             check_bool(OWNER, name, getattr(self, name))
         check_bool(OWNER, "use_short_conv", self.use_short_conv, optional=True)
         for name in ("expand_v", "rope_theta", "rms_norm_eps"):

@@ -30,8 +30,10 @@ from ..generation import generation_forward, prepare_generation_cache
 from ..layers import LayerState, build_mixer
 from ..layers.modules import Linear, RMSNorm, normal_init, positions_in_sequence
 from ..layers.moe import MoEFeedForward, SwiGLU
+from ..layers.recurrent import activation_dtype
+from ..ops.fused import linear_cross_entropy
 from ..ops.routing import RouterStats
-from .cache import LinmemCache
+from .cache import LinmemCache, StaticLinmemCache
 from .config import LinmemConfig
 
 #: the name of the decoding cache in the model's inputs and outputs, as the installed transformers calls it
@@ -68,8 +70,11 @@ def _one_cache(cache: Optional[LinmemCache], past_key_values: Optional[LinmemCac
 class LinmemBlock(GradientCheckpointingLayer):
     """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h)).
 
+    The residual stream h travels between blocks as two tensors, (the last block's output, the stream
+    before it), so that each add is fused into the next norm (:meth:`RMSNorm.add_and_norm`).
+
     With activation checkpointing (``config.activation_checkpointing`` or
-    ``model.gradient_checkpointing_enable()``) a training forward keeps only the block's input
+    ``model.gradient_checkpointing_enable()``) a training forward keeps only the block's inputs
     and recomputes the block in the backward pass.
     """
 
@@ -84,18 +89,21 @@ class LinmemBlock(GradientCheckpointingLayer):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
         *,
         cu_seqlens: Optional[torch.Tensor],
         cache: Optional[LayerState],
         token_mask: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        x = self.mixer_norm(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous block's output (the embeddings in the first block), residual: the stream
+        before it (None in the first block), both [B, T, D] -> (this block's output, the stream before it)."""
+        x, residual = self.mixer_norm.add_and_norm(hidden, residual)
         if token_mask is not None:  # padded tokens enter no state
             x = x * token_mask[..., None].to(x.dtype)
-        hidden = hidden + self.mixer(x, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask,
-                                     position_ids=position_ids)
-        return hidden + self.mlp(self.mlp_norm(hidden), token_mask)
+        mixed = self.mixer(x, cu_seqlens=cu_seqlens, cache=cache, token_mask=token_mask, position_ids=position_ids)
+        x, residual = self.mlp_norm.add_and_norm(mixed, residual)
+        return self.mlp(x, token_mask), residual
 
     def pop_router_stats(self) -> list[RouterStats]:
         """What the block's routed modules reported in the last call; cleared as read."""
@@ -194,19 +202,22 @@ class LinmemModel(LinmemPreTrainedModel):
             use_cache = cache is not None or (not self.training and cu_seqlens is None)
         if use_cache and cache is None:
             cache = LinmemCache(self.config.num_hidden_layers)
+        if isinstance(cache, StaticLinmemCache):
+            cache.check_room(T)  # before any layer writes its part of the cache
         past = cache.get_seq_length() if cache is not None else 0
         token_mask = _token_mask(attention_mask, T)
         if position_ids is None:
             position_ids = _positions(B, T, past, attention_mask, cu_seqlens, hidden.device)
 
         all_hidden, router_stats = [], []
+        residual = None  # the stream is residual + hidden (hidden alone before the first block)
         for i, layer in enumerate(self.layers):
             if output_hidden_states:
-                all_hidden.append(hidden)
-            hidden = layer(hidden, cu_seqlens=cu_seqlens, cache=cache[i] if use_cache else None,
-                           token_mask=token_mask, position_ids=position_ids)
+                all_hidden.append(_stream(hidden, residual))
+            hidden, residual = layer(hidden, residual, cu_seqlens=cu_seqlens, cache=cache[i] if use_cache else None,
+                                     token_mask=token_mask, position_ids=position_ids)
             router_stats += layer.pop_router_stats()
-        hidden = self.norm(hidden)
+        hidden = self.norm.add_and_norm(hidden, residual)[0]
         if use_cache:
             cache.advance(T, token_mask)
         if output_hidden_states:
@@ -241,6 +252,11 @@ class LinmemModel(LinmemPreTrainedModel):
                 bad = low if low < 0 else high
                 raise ValueError(f"`input_ids` must lie in [0, vocab_size = {self.config.vocab_size}), got {bad}")
         return self.embed_tokens(input_ids)
+
+
+def _stream(hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The residual stream from its two parts (as :meth:`RMSNorm.add_and_norm` adds them)."""
+    return hidden if residual is None else hidden.to(residual.dtype) + residual
 
 
 def _token_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
@@ -324,12 +340,17 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         output_router_logits: Optional[bool] = None,
         past_key_values: Optional[LinmemCache] = None,
+        return_logits: Optional[bool] = None,
         **kwargs,
     ) -> LinmemCausalLMOutput:
         """Logits [B, T, vocab]; with ``labels`` [B, T] (-100 = ignore) the next-token loss.
 
         Labels are shifted inside: position t predicts label t + 1. Under ``cu_seqlens``
-        the last token of a sequence predicts nothing of the next one. With routed layers
+        the last token of a sequence predicts nothing of the next one. With labels the loss is
+        computed chunk by chunk from the hidden states (:func:`linmem.ops.fused.linear_cross_entropy`),
+        so the ``[B, T, vocab]`` logits are never materialised and ``logits`` is None, unless
+        ``return_logits`` is True (default: logits only without labels). ``logits_to_keep`` keeps the
+        logits of the last positions only. With routed layers
         (MoM, MoE) ``aux_loss`` is their weighted balancing and z-losses, and it is part of
         ``loss`` (set its coefficients to 0 to train without); ``output_router_logits``
         (default: the config's) also returns every routed layer's logits ``[B * T, E]``.
@@ -353,16 +374,17 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
             use_cache=use_cache, output_hidden_states=output_hidden_states,
         )
         hidden = out.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden)
         stats = out.router_stats or ()
         aux_loss = router_aux_loss(stats, self.config) if stats else None
-        loss = None
+        loss = logits = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels, cu_seqlens)
+            loss = self.lm_loss(hidden, labels, cu_seqlens)
             if aux_loss is not None:
                 loss = loss + aux_loss
+        if return_logits is None:
+            return_logits = labels is None
+        if return_logits:
+            logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         return LinmemCausalLMOutput(
@@ -370,6 +392,19 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
             aux_loss=aux_loss, router_logits=tuple(s.logits for s in stats) if output_router_logits and stats else None,
             router_stats=out.router_stats, **{CACHE_NAME: output_cache(out)},
         )
+
+    def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """The mean next-token cross-entropy of ``lm_head(hidden)`` (the value of :func:`causal_lm_loss`) without
+        the full logits: hidden [B, T, D], labels [B, T] -> an fp32 scalar.
+
+        The logits' matmuls run in the activation dtype (autocast's when it is on), the log-sum-exp in fp32.
+        """
+        targets = next_token_targets(labels, cu_seqlens)
+        dtype = activation_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):  # the chunks pick their own dtypes
+            return linear_cross_entropy(hidden.flatten(0, 1).to(dtype), self.lm_head.weight.to(dtype),
+                                        targets.flatten())
 
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters one token uses: all, less those its routed modules leave idle.
@@ -426,11 +461,24 @@ def router_aux_loss(stats: Sequence[RouterStats], config: LinmemConfig) -> torch
     return total
 
 
+def next_token_targets(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                       ignore_index: int = -100) -> torch.Tensor:
+    """The label each position predicts: ``targets[:, t] = labels[:, t + 1]``, ``ignore_index`` at the last
+    position and at the last token of every packed sequence. labels [B, T] -> [B, T].
+
+    Example:
+        >>> next_token_targets(torch.tensor([[5, 6, 7, 8]]), torch.tensor([0, 2, 4])).tolist()
+        [[6, -100, 8, -100]]
+    """
+    following = labels[:, 1:]
+    if cu_seqlens is not None:  # the last token of each packed sequence has no target: the next one starts anew
+        starts = positions_in_sequence(labels.shape[1], cu_seqlens, labels.device)[1:] == 0
+        following = following.masked_fill(starts, ignore_index)
+    return torch.cat([following, following.new_full((labels.shape[0], 1), ignore_index)], dim=1)
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                    ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) over labels != ignore_index."""
-    targets = labels[:, 1:].clone()
-    if cu_seqlens is not None:  # the last token of each packed sequence has no target
-        ends = cu_seqlens[1:-1].long() - 1
-        targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = ignore_index
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+    """Mean next-token cross-entropy (fp32) of logits [B, T, vocab] over the targets != ignore_index."""
+    targets = next_token_targets(labels, cu_seqlens, ignore_index)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)

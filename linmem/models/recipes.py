@@ -11,6 +11,8 @@ mixtures of experts); ``params`` / ``active_params`` are the parameters our mode
 config really has (embeddings and an untied ``lm_head`` included), counted on the meta device
 (the tests check them). The labels differ from the counts by the papers' conventions (some
 leave out embeddings) and by our layers' parameterisation: ``gated_deltanet-340m`` has 394.9M.
+Every mixer of a model has the same heads, so the hybrids have heads of 128: a head dim of the
+attention kernels (64 or 128), which serve packed batches that SDPA does not.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ MODEL_RECIPES: dict[str, ModelRecipe] = {
         ModelRecipe("gla-1.3b", 1300, 1195.6, {**_sized(2048, 8), "memory": "gla", "head_dim": 128}),
         ModelRecipe("mamba2-340m", 340, 423.3,
                     {**_sized(1024, 16), "memory": "mamba2", "head_dim": 64, "expand_v": 2.0}),
-        ModelRecipe("hybrid-gdn-340m", 340, 388.5,
-                    {**_sized(1024, 4), "memory": "gated_deltanet", "layer_pattern": "LLLN" * 6}),
+        ModelRecipe("hybrid-gdn-340m", 340, 388.6,  # heads of 128, a head dim of the attention kernels
+                    {**_sized(1024, 8), "memory": "gated_deltanet", "layer_pattern": "LLLN" * 6}),
         ModelRecipe("fox-760m", 760, 778.7, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
                                                  layer_pattern="N" * 24, attention="fox")),
         ModelRecipe("fox-pro-760m", 760, 837.2, dict(vocab_size=32000, hidden_size=1536, num_heads=24,

@@ -56,6 +56,7 @@ class ModelSection:
     memory: str = "gated_deltanet"  # mixer of L layers
     attention: str = "softmax"  # mixer of N layers: softmax, swa, fox
     options: dict[str, Any] = field(default_factory=dict)  # any other LinmemConfig field
+    pretrained: Optional[str] = None  # a saved LinmemForCausalLM folder to start from (then only `options` apply)
 
 
 @dataclass
@@ -84,14 +85,23 @@ class TextSection:
 
 
 @dataclass
+class InstructSection:
+    path: Optional[str] = None  # a local JSON (list) or JSONL file of Alpaca records: instruction, input, output
+    tokenizer: Optional[str] = None  # local tokenizer folder (a linearized model's folder holds its source's)
+    max_tokens: int = 1024  # an example is cut to this many tokens (prompt first; cut answers lose their end)
+    val_fraction: float = 0.02  # examples held out for the answer-token loss
+
+
+@dataclass
 class DataSection:
-    task: str = "mqar"  # mqar or text
+    task: str = "mqar"  # mqar, text or instruct (prompt-masked instruction data, packed)
     batch_size: int = 64  # examples per micro-batch (mqar)
     tokens_per_batch: int = 4096  # tokens per packed micro-batch (text)
     max_document_tokens: Optional[int] = 1024  # longer documents are cut into pieces (text)
     seed: int = 0  # data order and synthetic examples
     mqar: MQARSection = field(default_factory=MQARSection)
     text: TextSection = field(default_factory=TextSection)
+    instruct: InstructSection = field(default_factory=InstructSection)
 
 
 @dataclass
@@ -129,6 +139,15 @@ class RunSection:
 
 
 @dataclass
+class LoraSection:
+    rank: int = 0  # LoRA rank r; 0: no LoRA, every parameter trains
+    alpha: float = 16.0  # the adapters' update is alpha / r * B A
+    dropout: float = 0.0  # dropout on the adapters' input
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj"])  # modules given adapters
+    train_modules: list[str] = field(default_factory=lambda: ["gate_proj", "feature_map"])  # trained in full, if present
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -136,6 +155,7 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     run: RunSection = field(default_factory=RunSection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # ranks under torchrun; ignored on one process
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,7 +166,21 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Check values and combinations; returns self. Model names are checked by LinmemConfig."""
         checks = [
-            (self.data.task in ("mqar", "text"), f"data.task must be 'mqar' or 'text', got {self.data.task!r}"),
+            (self.data.task in ("mqar", "text", "instruct"),
+             f"data.task must be 'mqar', 'text' or 'instruct', got {self.data.task!r}"),
+            (self.data.task != "instruct" or (self.data.instruct.path is not None
+                                              and self.data.instruct.tokenizer is not None),
+             "data.task=instruct needs data.instruct.path (a JSON/JSONL file) and data.instruct.tokenizer (a folder)"),
+            (self.data.instruct.max_tokens >= 2, "data.instruct.max_tokens must be >= 2"),
+            (0 <= self.data.instruct.val_fraction < 1, "data.instruct.val_fraction must lie in [0, 1)"),
+            (self.model.pretrained is None or self.model.recipe is None,
+             "model.pretrained loads a saved model with its own config: unset model.recipe"),
+            (self.lora.rank >= 0, "lora.rank must be >= 0 (0: no LoRA)"),
+            (self.lora.alpha > 0, "lora.alpha must be > 0"),
+            (0 <= self.lora.dropout < 1, "lora.dropout must lie in [0, 1)"),
+            (self.lora.rank == 0 or bool(self.lora.targets), "lora.targets must name at least one module"),
+            (self.lora.rank == 0 or self.model.pretrained is not None,
+             "lora.rank > 0 adapts a trained model: set model.pretrained (e.g. a folder written by linmem linearize)"),
             (self.data.batch_size >= 1, "data.batch_size must be >= 1"),
             (self.data.tokens_per_batch >= 2, "data.tokens_per_batch must be >= 2"),
             (self.optim.lr > 0, "optim.lr must be > 0"),

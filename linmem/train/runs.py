@@ -100,8 +100,8 @@ class Run:
 
     @property
     def codec(self) -> Codec:
-        """How text becomes tokens (text runs), without reading the corpus."""
-        if self.config.data.task != "text":
+        """How text becomes tokens (text and instruction runs), without reading the corpus."""
+        if self.config.data.task not in ("text", "instruct"):
             raise ValueError(f"{self.run_dir} was trained on {self.config.data.task}, which has no text to generate")
         return text_codec(self.config.data, self.run_dir / "model")
 

@@ -177,6 +177,10 @@ def _predicted_tokens(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) 
 
 
 def build_task(data: DataSection) -> Task:
+    if data.task == "instruct":
+        from .instruct import InstructTask
+
+        return InstructTask(data)
     return MQARTask(data) if data.task == "mqar" else TextTask(data)
 
 

@@ -85,6 +85,12 @@ def build_model(section: ModelSection, vocab_size: int,
     ``special_tokens``: bos/eos/pad token ids of the tokenizer (``model.options`` may override them).
     """
     options = {**(special_tokens or {}), **section.options}
+    if section.pretrained is not None:
+        model = LinmemForCausalLM.from_pretrained(section.pretrained, **section.options)
+        if vocab_size > model.config.vocab_size:
+            raise ConfigError(f"model.pretrained {section.pretrained} has {model.config.vocab_size} tokens, fewer than "
+                              f"the task's {vocab_size}: give the data the model's tokenizer")
+        return model
     if section.recipe is not None:
         config = model_recipe(section.recipe).build_config(vocab_size=vocab_size, **options)
     else:
@@ -125,7 +131,8 @@ def check_launch(config: TrainConfig) -> int:
     """Refuse, before any work, a launch that ``config`` cannot run on; returns the number of processes.
 
     One process: ``run.device`` must exist here (the trainer ignores the parallel section's sizes,
-    with a warning). Several (torchrun): ``parallel.dp * parallel.sp``
+    with a warning). Several (torchrun): no saved model to fine-tune (``model.pretrained``, ``lora``),
+    ``parallel.dp * parallel.sp``
     must be the number of processes, ``sp`` must divide every training sequence and ``ep`` the
     experts, the model must suit the layout (checked on the meta device), every rank takes its own
     device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
@@ -135,6 +142,9 @@ def check_launch(config: TrainConfig) -> int:
     if world == 1:
         resolve_device(config.run.device)
         return 1
+    if config.lora.rank or config.model.pretrained is not None:
+        raise ConfigError(f"WORLD_SIZE={world}: fine-tuning a saved model (model.pretrained, lora.rank) runs on one "
+                          "process; launch it without torchrun")
     parallel.validate(world)
     for length in _sequence_lengths(config.data):
         parallel.validate(seq_len=length)
@@ -274,6 +284,12 @@ class Trainer:
         model = build_model(config.model, self.task.vocab_size, special).to(self.device)
         if self.ranks.mesh is None:
             self.model = checkpoint_blocks(model) if config.parallel.activation_checkpointing else model
+            if config.lora.rank:  # adapters on the targets, everything else frozen
+                from ..linearize.lora import apply_lora
+
+                lora = config.lora
+                self.model = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                        targets=lora.targets, train_modules=lora.train_modules)
             self.autocast_dtype = torch.bfloat16 if bf16 else None
         else:  # FSDP gathers the parameters in the compute dtype: no autocast
             self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -355,7 +371,12 @@ class Trainer:
             path = save_checkpoint(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
                                    scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(self.ranks),
                                    keep=keep)
-            self.model.save_pretrained(model_dir)
+            if self.config.lora.rank:  # the adapter, and the merged weights in model/
+                from ..linearize.lora import ADAPTER_DIR, save_lora
+
+                save_lora(self.model, self.out_dir / ADAPTER_DIR, model_dir)
+            else:
+                self.model.save_pretrained(model_dir)
         else:
             tmp = self.ranks.on_main(begin_checkpoint, self.checkpoint_dir, self.step)
             write_shards(tmp, self.model, self.optimizer)

@@ -20,14 +20,11 @@ import torch.distributed as dist
 from linmem import cli
 from linmem.train.trainer import Trainer
 
-from .training_checks import layer_call_sites
-
 STEPS, SAVE_EVERY, BATCH, DP = 4, 2, 4, 2
 TASK = [
     "data.mqar.vocab_size=64", "data.mqar.settings=[[16, 2]]", "data.mqar.train_examples=64",
     "data.mqar.eval_examples=8", "model.hidden_size=16", "model.num_heads=2", "model.layer_pattern=LN",
-    "model.options.use_short_conv=false", "model.options.recurrence_backend=chunk",
-    "model.options.intermediate_size=32",
+    "model.options.recurrence_backend=chunk", "model.options.intermediate_size=32",
     f"schedule.steps={STEPS}", "schedule.warmup_steps=1", "optim.lr=0.01", f"run.save_every={SAVE_EVERY}",
     "run.log_every=1", "run.progress=false", "run.tensorboard=false", "run.device=cpu",
 ]
@@ -67,13 +64,11 @@ def interrupt_after(step: int, rank: int) -> Iterator[None]:
 
 
 def four_ranks(out: Path, corpus: Path) -> None:
-    """dp = 2 x sp = 2 (the layers reach the sequence-parallel ops through the call sites the tests install):
-    the MoE model with its experts over ep = 2, and the dense model on packed rows whose documents cross
-    the ranks' pieces; a checkpoint every SAVE_EVERY steps."""
-    with layer_call_sites():
-        assert train(out / "four", *MOE_RUN, "parallel.dp=2", "parallel.sp=2", "parallel.ep=2",
-                     "parallel.fsdp=false") == 0
-        assert train(out / "text", *text_run(corpus), "parallel.dp=2", "parallel.sp=2", "run.save_every=0") == 0
+    """dp = 2 x sp = 2: the MoE model with its experts over ep = 2, and the dense model on packed rows whose
+    documents cross the ranks' pieces; a checkpoint every SAVE_EVERY steps."""
+    assert train(out / "four", *MOE_RUN, "parallel.dp=2", "parallel.sp=2", "parallel.ep=2",
+                 "parallel.fsdp=false") == 0
+    assert train(out / "text", *text_run(corpus), "parallel.dp=2", "parallel.sp=2", "run.save_every=0") == 0
 
 
 def two_ranks(out: Path, from_four: Path, dense_cut: Path, busy: Path) -> None:

@@ -10,15 +10,12 @@ next-token loss over all its targets plus the routers' losses, AdamW, and gradie
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-import linmem.layers.attention as attention_layers
-import linmem.layers.recurrent as recurrent_layers
 from linmem.distributed import (
     ParallelConfig,
     SequenceParallel,
@@ -33,7 +30,6 @@ from linmem.distributed import (
     shard_sequence,
 )
 from linmem.models import LinmemConfig, LinmemForCausalLM
-from linmem.ops import parallel
 
 STEPS, SAVE_AT = 4, 2
 LR, CLIP = 1e-2, 0.5
@@ -43,7 +39,7 @@ ROWS, T, VOCAB = 4, 16, 64  # the global batch: ROWS sequences of T tokens
 def model_config() -> LinmemConfig:
     return LinmemConfig(
         vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="LN", memory="gated_deltanet",
-        attention="softmax", use_short_conv=False, mlp="moe", num_experts=4, num_experts_per_tok=2,
+        attention="softmax", mlp="moe", num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, intermediate_size=32, num_shared_experts=1, recurrence_backend="chunk",
     )
 
@@ -74,29 +70,6 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
         optimizer.zero_grad()
         losses.append(float(loss))
     return losses, first_grads
-
-
-@contextmanager
-def layer_call_sites() -> Iterator[None]:
-    """The memory and attention layers reach the ops through the sequence-handler hook (the call sites of
-    ``linmem.ops.parallel`` in ``linear_recurrence`` and ``forgetting_attention``)."""
-    recurrence, attend = recurrent_layers.linear_recurrence, attention_layers.forgetting_attention
-
-    def recurrence_site(q, k, v, **kwargs):
-        handler = parallel.sequence_handler()
-        return handler.linear_recurrence(q, k, v, **kwargs) if handler else recurrence(q, k, v, **kwargs)
-
-    def attention_site(q, k, v, *, log_forget=None, window=None, scale=None, cu_seqlens=None):
-        handler = parallel.sequence_handler()
-        if handler is None:
-            return attend(q, k, v, log_forget=log_forget, window=window, scale=scale, cu_seqlens=cu_seqlens)
-        return handler.attention(q, k, v, log_forget=log_forget, window=window, scale=scale, cu_seqlens=cu_seqlens)
-
-    recurrent_layers.linear_recurrence, attention_layers.forgetting_attention = recurrence_site, attention_site
-    try:
-        yield
-    finally:
-        recurrent_layers.linear_recurrence, attention_layers.forgetting_attention = recurrence, attend
 
 
 class ParallelRun:
@@ -158,16 +131,15 @@ def training_checks(config: ParallelConfig, out_dir: str) -> None:
     one-process curve, the resumed losses the same losses."""
     out = Path(out_dir)
     ref, ref_grads = _reference()
-    with layer_call_sites():
-        run = ParallelRun(config)
-        losses = []
-        for step in range(STEPS):
-            losses.append(run.step(step, ref_grads))
-            if step + 1 == SAVE_AT:
-                save_distributed(out / f"world{dist.get_world_size()}", run.model, run.optimizer, {"step": SAVE_AT})
-        _assert_curve(losses, ref, f"{config}")
+    run = ParallelRun(config)
+    losses = []
+    for step in range(STEPS):
+        losses.append(run.step(step, ref_grads))
+        if step + 1 == SAVE_AT:
+            save_distributed(out / f"world{dist.get_world_size()}", run.model, run.optimizer, {"step": SAVE_AT})
+    _assert_curve(losses, ref, f"{config}")
 
-        again = ParallelRun(config)
-        start = load_distributed(out / f"world{dist.get_world_size()}", again.model, again.optimizer)["step"]
-        resumed = [again.step(step) for step in range(start, STEPS)]
-        assert resumed == losses[start:], f"{config}: resumed losses {resumed} differ from {losses[start:]}"
+    again = ParallelRun(config)
+    start = load_distributed(out / f"world{dist.get_world_size()}", again.model, again.optimizer)["step"]
+    resumed = [again.step(step) for step in range(start, STEPS)]
+    assert resumed == losses[start:], f"{config}: resumed losses {resumed} differ from {losses[start:]}"

@@ -116,11 +116,11 @@ def test_loss_shifts_labels_ignores_minus_100_and_packed_boundaries():
     ids = torch.randint(0, VOCAB, (1, 10))
     labels = ids.clone()
     labels[0, 3] = -100
-    out = model(ids, labels=labels, use_cache=False)
+    out = model(ids, labels=labels, use_cache=False, return_logits=True)
     manual = torch.nn.functional.cross_entropy(out.logits[0, :-1], labels[0, 1:], ignore_index=-100)
     assert torch.allclose(out.loss, manual)
     cu = torch.tensor([0, 4, 10])
-    packed = model(ids, labels=ids, cu_seqlens=cu, use_cache=False)
+    packed = model(ids, labels=ids, cu_seqlens=cu, use_cache=False, return_logits=True)
     keep = torch.ones(9, dtype=torch.bool)
     keep[3] = False  # token 3 ends sequence 0 and must not predict token 4
     manual = torch.nn.functional.cross_entropy(packed.logits[0, :-1][keep], ids[0, 1:][keep])

@@ -1,10 +1,10 @@
-"""The "triton" backend of the unified recurrence (DESIGN section 7, invariants 1-3).
+"""The "triton" backend of the unified recurrence.
 
 Every kernel equals the reference loop: outputs, final states and every input gradient, by
 the error ratio ``rms(x - ref) / rms(ref)``. On a machine without CUDA the kernels run on
 the CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set below before the
 kernels are first imported) at small shapes; ``gpu`` tests repeat the checks at real
-shapes on CUDA, with DESIGN's fp32 bound there too (fp32 inputs' products run as three tf32
+shapes on CUDA, with the fp32 bound there too (fp32 inputs' products run as three tf32
 products, ``tf32x3``: error ratios near 6e-7 on an H200; one tf32 product would give about 1e-3).
 
 bf16 is measured against the fp32 reference on the same (bf16-rounded) inputs and
@@ -13,17 +13,17 @@ cotangents, so the ratio counts only what the kernels lose.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
+if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
 
 pytest.importorskip("triton")
@@ -34,10 +34,11 @@ from tests.helpers import make_inputs, rel_err  # noqa: E402
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
-from linmem.ops.recurrence.triton import common, launch  # noqa: E402
+from linmem.ops.recurrence.triton import configs, cumsum, launch, numerics, pipeline  # noqa: E402
+from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not common.INTERPRET:
+if DEVICE == "cpu" and not numerics.INTERPRET:
     pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 FP32_TOL = 1e-4
@@ -45,6 +46,13 @@ LOW_TOL = 5e-3  # bf16 / fp16 against the fp32 reference
 KINDS = ("none", "constant", "scalar", "vector")
 COMBOS = [(kind, rule, bonus) for kind in KINDS for rule, bonus in (("additive", False), ("additive", True),
                                                                     ("delta", False))]
+
+
+@pytest.fixture
+def settings():
+    """``settings(NAME=value, ...)`` changes launch settings (``configs.override``) for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(configs.override(**changes))
 
 
 def combo_id(c):
@@ -106,6 +114,17 @@ def packed(combo, lengths, H, K, V, dtype=torch.float32):
     return t, cu
 
 
+def launch_both(t: dict, decay: int, do: torch.Tensor, cu_seqlens=None) -> tuple:
+    """One forward+backward of the inputs ``t`` (as ``linmem.bench.ops.memory_inputs`` makes them) through the
+    launchers alone, without autograd: (o, dq, dk, dv, dg, dbeta, du)."""
+    q, k, v = (t[n].detach() for n in "qkv")
+    g = t["log_decay"].detach().float().contiguous() if "log_decay" in t else None
+    beta, u = t.get("beta"), t.get("bonus")
+    scale = q.shape[-1] ** -0.5
+    o, _, saved = pipeline.chunk_forward(q, k, v, g, beta, u, None, cu_seqlens, scale, decay, False)
+    return (o, *pipeline.chunk_backward(q, k, v, g, beta, u, None, cu_seqlens, saved, do, None, scale, decay)[:6])
+
+
 # ---------------------------------------------------------------- CPU (interpreter) and GPU, small shapes
 
 
@@ -125,7 +144,7 @@ def test_per_channel_delta_rule_over_several_value_blocks():
     """V = 96, two V blocks of 64 (the last 32 columns masked): with a per-channel decay, the delta rule's
     output kernel stores q e^G (qg) from its first V block and the second reads it back; state_bwd reads it
     for every V block."""
-    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).BV == 64
+    assert configs.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).BV == 64
     compare(inputs(("vector", "delta", False), B=1, T=70, H=1, K=16, V=96), FP32_TOL)
 
 
@@ -142,12 +161,12 @@ def test_several_key_blocks_and_odd_head_dims(combo):
                                            (("scalar", "additive", True), False), (("none", "delta", False), False)],
                          ids=lambda x: combo_id(x) if isinstance(x, tuple) else ("varlen" if x else "fixed"))
 def test_gradient_key_blocks_on_the_grid(combo, varlen):
-    """bf16 at K = 80: ``grads_kernel`` runs one program per key block of 64 (``launch.key_grid``), the second
+    """bf16 at K = 80: ``grads_kernel`` runs one program per key block of 64 (``configs.key_grid``), the second
     block masked to 16 columns; a scalar decay's gate gradient arrives as one part per block (the delta rule's
     WY part in the first), which the launcher sums (packed sequences: parts of all tokens, idle slots between)."""
-    decay = launch.DECAY_CODES[combo[0]]
-    assert launch.key_grid(decay, combo[2], torch.bfloat16)
-    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=80, V=40, varlen=False).grads_BK(decay, True) == 64
+    decay = Decay.of(combo[0])
+    assert configs.key_grid(decay, combo[2], torch.bfloat16)
+    assert configs.Shapes(T=70, TT=70, N=1, H=1, K=80, V=40, varlen=False).grads_BK(decay, True) == 64
     if varlen:
         t, cu = packed(combo, [5, 0, 70, 1, 33], H=1, K=80, V=40, dtype=torch.bfloat16)
         compare(t, LOW_TOL, cu_seqlens=cu)
@@ -160,7 +179,7 @@ def test_gradient_key_blocks_on_the_grid(combo, varlen):
 def test_value_blocks_past_64(combo):
     """V = 96: the decayed additive rules' dv_kernel takes it as one V block of 128 with its last 32
     columns masked (``Shapes.dv_BV``), the undecayed rule as two blocks of 64."""
-    assert launch.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).dv_BV(int(combo[0] != "none")) == (
+    assert configs.Shapes(T=70, TT=70, N=1, H=1, K=16, V=96, varlen=False).dv_BV(int(combo[0] != "none")) == (
         128 if combo[0] != "none" else 64)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=96), FP32_TOL)
 
@@ -176,12 +195,12 @@ def test_varlen_equals_reference(combo):
 
 @pytest.mark.parametrize("block_span", [64, -1], ids=["block-products", "pairwise"])
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
-def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypatch):
+def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, settings):
     """bf16 inputs through the per-channel paths of chunks whose gates fall past CHUNK_SPAN (block products,
     or pairwise loops with BLOCK_SPAN negative), whose products and pairwise loops read the bf16 dA and dL widened.
     (With dL's pairwise coefficients left bf16, the interpreter multiplied bf16 bit patterns: dk NaN here.)"""
-    monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
-    monkeypatch.setattr(launch, "BLOCK_SPAN", block_span)
+    settings(CHUNK_SPAN=-1)
+    settings(BLOCK_SPAN=block_span)
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=torch.bfloat16), LOW_TOL)
 
 
@@ -191,25 +210,25 @@ def test_bf16_per_channel_chunks_past_one_reference(combo, block_span, monkeypat
 def test_half_against_fp32_reference(combo, dtype):
     """bf16 and fp16 inputs, so the intermediates stored in their dtype (dA; the delta rule's d, dd, Y, W^T and dL)
     and the products that read them run (in bf16 or fp16, or in tf32 on a per-channel decay's dA and dL, or on a bf16
-    dA with the other operand in two bf16 parts, ``common.mm_wide``); the delta
+    dA with the other operand in two bf16 parts, ``numerics.mm_wide``); the delta
     rule's W and U as split bf16 products, on fp16 keys and values split in two bf16 parts."""
     compare(inputs(combo, B=1, T=130, H=1, K=32, V=16, dtype=dtype), LOW_TOL)
 
 
 @pytest.mark.parametrize("combo", [("none", "delta", False), ("scalar", "delta", False), ("vector", "delta", False)],
                          ids=combo_id)
-def test_four_state_tiles(combo, monkeypatch):
+def test_four_state_tiles(combo, settings):
     """The delta rule's sequential passes with the state as four tiles of 16 key rows (K = 56: the last
     tile is masked to 8 rows), as K = 256 runs them at tiles of 64."""
-    monkeypatch.setattr(launch, "STATE_KB", 16)
+    settings(STATE_KB=16)
     t = inputs(combo, B=1, T=70, H=1, K=56, V=24)
-    assert launch.shapes_of(t["q"], t["v"], None).state_KB(True) == 16
+    assert configs.shapes_of(t["q"], t["v"], None).state_KB(True) == 16
     compare(t, FP32_TOL)
 
 
 def test_split_products_keep_sixteen_bits():
-    """``common.mm_split`` and ``common.mm_parts`` (an fp32 left factor as its bf16 part plus the bf16 rounding of
-    its remainder, ``common.bf16_parts``, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa
+    """``numerics.mm_split`` and ``numerics.mm_parts`` (an fp32 left factor as its bf16 part plus the bf16 rounding of
+    its remainder, ``numerics.bf16_parts``, times a bf16 right factor) keep about 16 of the fp32 factor's mantissa
     bits: within 2^-14 of the float64 product, where rounding the factor to bf16 alone (no remainder) misses by
     about 2^-9."""
     import triton
@@ -220,9 +239,9 @@ def test_split_products_keep_sixteen_bits():
         r = tl.arange(0, N)
         a = tl.load(a_ptr + r[:, None] * N + r[None, :])
         b = tl.load(b_ptr + r[:, None] * N + r[None, :])
-        tl.store(split_ptr + r[:, None] * N + r[None, :], common.mm_split(a, b))
-        ah, al = common.bf16_parts(a)
-        tl.store(parts_ptr + r[:, None] * N + r[None, :], common.mm_parts(ah, al, b))
+        tl.store(split_ptr + r[:, None] * N + r[None, :], numerics.mm_split(a, b))
+        ah, al = numerics.bf16_parts(a)
+        tl.store(parts_ptr + r[:, None] * N + r[None, :], numerics.mm_parts(ah, al, b))
 
     n = 64
     gen = seeded("split")
@@ -238,152 +257,103 @@ def test_split_products_keep_sixteen_bits():
 
 
 def test_host_size_helpers_equal_tritons():
-    """launch._pow2 and launch._cdiv (plain integers, for host time) give what triton.next_power_of_2 and
+    """configs.pow2 and configs.cdiv (plain integers, for host time) give what triton.next_power_of_2 and
     triton.cdiv give, on every size a launch may ask of them."""
     import triton
 
     for n in range(0, 1100):
-        assert launch._pow2(n) == max(16, triton.next_power_of_2(n)), n
+        assert configs.pow2(n) == max(16, triton.next_power_of_2(n)), n
     for a in range(0, 5000, 7):
         for b in (1, 16, 32, 64, 128, 256):
-            assert launch._cdiv(a, b) == triton.cdiv(a, b), (a, b)
+            assert configs.cdiv(a, b) == triton.cdiv(a, b), (a, b)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide-grid", "narrow-grid"])
-def test_both_state_blocks(sms, monkeypatch):
-    """The sequential passes take the V blocks of ``launch.SEQUENTIAL`` while their grid fills the SMs (64
+def test_both_state_blocks(sms, settings):
+    """The sequential passes take the V blocks of ``configs.SEQUENTIAL`` while their grid fills the SMs (64
     forward, 32 backward for the delta rule: V = 40 leaves 24 and 8 columns masked), else blocks of 16."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
+    settings(INTERPRETER_SMS=sms)
     t = inputs(("scalar", "delta", False), B=1, T=70, H=1, K=16, V=40)
-    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
-    blocks = (launch.sequential_config("state_fwd", s, True, 1, dev)[0],
-              launch.sequential_config("state_bwd", s, True, 1, dev)[0])
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    blocks = (configs.sequential_config("state_fwd", s, True, Decay.SCALAR, dev)[0],
+              configs.sequential_config("state_bwd", s, True, Decay.SCALAR, dev)[0])
     assert blocks == ((64, 32) if sms == 1 else (16, 16))
     compare(t, FP32_TOL)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
-def test_delta_rule_bf16_factors_on_a_wide_grid(kind, monkeypatch):
+def test_delta_rule_bf16_factors_on_a_wide_grid(kind, settings):
     """bf16 inputs on a grid that fills at least half the SMs, K <= 128: the delta rule's W and U are bf16 and the
-    forward pass splits its products (``launch.factors_dtype``, ``common.mm_split``) and, except with a per-channel
-    decay, reads W from its transposed copy (``launch.W_READ_TRANSPOSED``); two V blocks, the second partly
-    masked. On a narrower grid only the rules of ``launch.NARROW_BF16_FACTORS`` keep bf16 factors."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+    forward pass splits its products (``configs.factors_dtype``, ``numerics.mm_split``) and, except with a per-channel
+    decay, reads W from its transposed copy (``configs.W_READ_TRANSPOSED``); two V blocks, the second partly
+    masked. On a narrower grid only the rules of ``configs.NARROW_BF16_FACTORS`` keep bf16 factors."""
+    settings(INTERPRETER_SMS=1)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
-    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
-    assert launch.factors_dtype(s, torch.float16, launch.DECAY_CODES[kind], dev) == torch.float32
-    wide_256 = launch.Shapes(T=100, TT=200, N=2, H=2, K=256, V=80, varlen=False)  # four state tiles: fp32
-    assert launch.factors_dtype(wide_256, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.float32
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
+    assert configs.factors_dtype(s, torch.float16, Decay.of(kind), dev) == torch.float32
+    wide_256 = configs.Shapes(T=100, TT=200, N=2, H=2, K=256, V=80, varlen=False)  # four state tiles: fp32
+    assert configs.factors_dtype(wide_256, torch.bfloat16, Decay.of(kind), dev) == torch.float32
     programs = 2 * 2 * 2  # V blocks of 64 x sequences x heads
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs)  # half the SMs filled: still bf16
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 2 * programs + 1)
-    narrow = launch.DECAY_CODES[kind] in launch.NARROW_BF16_FACTORS
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == (
+    settings(INTERPRETER_SMS=2 * programs)  # half the SMs filled: still bf16
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
+    settings(INTERPRETER_SMS=2 * programs + 1)
+    narrow = Decay.of(kind) in configs.NARROW_BF16_FACTORS
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == (
         torch.bfloat16 if narrow else torch.float32)
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)
+    settings(INTERPRETER_SMS=1)
     compare(t, LOW_TOL)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("kind", ["none", "scalar"])
-def test_delta_rule_bf16_factors_on_a_narrow_grid(kind, monkeypatch):
-    """bf16 inputs on a grid narrower than half the SMs, no or a scalar decay (``launch.NARROW_BF16_FACTORS``):
+def test_delta_rule_bf16_factors_on_a_narrow_grid(kind, settings):
+    """bf16 inputs on a grid narrower than half the SMs, no or a scalar decay (``configs.NARROW_BF16_FACTORS``):
     bf16 W and U, read transposed, with W h split and k^T d one tf32 product (``state_fwd_kernel``'s NARROW);
     several chunks, two V blocks."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1000)
+    settings(INTERPRETER_SMS=1000)
     t = inputs((kind, "delta", False), B=2, T=100, H=2, K=32, V=80, dtype=torch.bfloat16)
-    s, dev = launch.shapes_of(t["q"], t["v"], None), t["q"].device
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], dev) == torch.bfloat16
-    assert not launch._fills_half(s, launch.DECAY_CODES[kind], dev)
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), dev) == torch.bfloat16
+    assert not configs.fills_half(s, Decay.of(kind), dev)
     compare(t, LOW_TOL)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms", [1, 1000], ids=["wide", "narrow"])
-def test_delta_rule_bf16_factors_varlen(sms, monkeypatch):
+def test_delta_rule_bf16_factors_varlen(sms, settings):
     """The same on packed sequences (lengths 5, 0, 70, 1, 33): bf16 factors with empty and partial chunks, on a
     wide and a narrow grid."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
+    settings(INTERPRETER_SMS=sms)
     t, cu = packed(("scalar", "delta", False), [5, 0, 70, 1, 33], H=2, K=16, V=16, dtype=torch.bfloat16)
-    s = launch.shapes_of(t["q"], t["v"], cu)
-    assert launch.factors_dtype(s, torch.bfloat16, 1, t["q"].device) == torch.bfloat16
+    s = configs.shapes_of(t["q"], t["v"], cu)
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.SCALAR, t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
-def test_wy_part_inside_score_grads_equals_two_kernels(kind, monkeypatch):
+def test_wy_part_inside_score_grads_equals_two_kernels(kind, settings):
     """bf16, every decay kind: ``score_grads_kernel`` runs ``wy_grads_kernel``'s part itself
-    (``launch.WY_FUSED``), on Y and dL read back as it stored them; every output and gradient equals the two
+    (``configs.WY_FUSED``), on Y and dL read back as it stored them; every output and gradient equals the two
     kernels' bit for bit (two key blocks, the second partly masked; an odd length)."""
-    assert launch.DECAY_CODES[kind] in launch.WY_FUSED
+    assert Decay.of(kind) in configs.WY_FUSED
     t = inputs((kind, "delta", False), B=1, T=130, H=2, K=80, V=48, dtype=torch.bfloat16)
     gen = seeded("cotangents", kind)
     do = torch.randn(1, 130, 2, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
     dS = torch.randn(1, 2, 80, 48, generator=gen).to(DEVICE)
     o, S, g = run("triton", t, do, dS)
-    monkeypatch.setattr(launch, "WY_FUSED", ())
+    settings(WY_FUSED=())
     o2, S2, g2 = run("triton", t, do, dS)
     assert torch.equal(o, o2) and torch.equal(S, S2)
     for name in t:
         assert torch.equal(g[name], g2[name]), f"d{name} differs"
 
 
-def test_rerun_check_names_the_launch_that_moved(monkeypatch):
-    """``scripts/kernel_reruns.py``: every launch of a forward+backward rerun on its own inputs; a deterministic
-    call reports nothing, a launch whose output moves between runs is named with that argument."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import kernel_reruns
-    from kernel_ab import call
-
-    from linmem.bench.ops import memory_inputs
-
-    t = memory_inputs("gla", 1, 130, 2, 32, torch.float32, DEVICE)
-    do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
-    real, found = launch._run, {}
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
-    call(launch, t, launch.DECAY_CODES["vector"], do)
-    assert found == {}
-    runs = []
-
-    def flaky(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):  # o moves every other run
-        launched = real(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
-        if kernel.__name__ == "output_kernel":
-            runs.append(1)
-            args[8].add_(len(runs) % 2 * 1e-3)
-        return launched
-
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
-    call(launch, t, launch.DECAY_CODES["vector"], do)
-    assert list(found) == [("output_kernel", *launch.LAUNCH["output_vector"], 8)]
-    assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
-
-
-def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
-    """``scripts/host_time.py``: each part lies inside the one it belongs to, every kernel launch is counted, and
-    the timers come off afterwards."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import host_time
-
-    from linmem.bench.ops import memory_inputs
-
-    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
-    real = launch._run
-    parts, launches = host_time.host_parts(t, None, torch.randn_like(t["v"]), DEVICE, 1)
-    assert launch._run is real
-    # forward: cumsum, state_fwd, output; backward: state_bwd, dv, score_grads, the two sides of grads (fp32)
-    assert launches == 8
-    assert 0 < parts["chunk_forward"] <= parts["triton_recurrence"] <= parts["forward"]
-    assert 0 < parts["chunk_backward"] <= parts["_gradients"] <= parts["backward"]
-    assert 0 < parts["launches"] <= parts["chunk_forward"] + parts["chunk_backward"]
-
-
 @pytest.mark.parametrize("case", ["vector-delta", "scalar-additive-bonus", "none-delta", "packed"])
 def test_planned_calls_equal_the_reference(case, monkeypatch):
-    """A call that runs from its launch plans (``launch._plan``: no config search) equals the reference on its
+    """A call that runs from its launch plans (``launch.plan_for``: no config search) equals the reference on its
     output, final state and every gradient, as the first call with that key did."""
     searches = []
     real_fitting = launch._launch_fitting
@@ -407,28 +377,6 @@ def test_planned_calls_equal_the_reference(case, monkeypatch):
     assert searches == []
 
 
-def test_host_ab_times_each_variant_through_its_own_launchers(monkeypatch):
-    """``scripts/host_time.py --base``: each variant's launcher module runs both timed paths (the launchers alone,
-    and ``linear_recurrence`` with the backend's ``launch`` swapped for it), and the backend's own is back after."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    import host_time
-    from kernel_ab import load_base
-
-    from linmem.bench.ops import memory_inputs
-    from linmem.ops.recurrence.triton import ops
-
-    base = load_base(str(Path(launch.__file__).parent), 0)
-    forwards = []
-    real_forward = base.chunk_forward
-    monkeypatch.setattr(base, "chunk_forward", lambda *a: forwards.append(1) or real_forward(*a))
-    t = memory_inputs("mamba2", 1, 70, 2, 32, torch.float32, DEVICE)
-    times = host_time.host_ab([("base", base), ("new", launch)], t, launch.DECAY_CODES["scalar"], None,
-                              torch.randn_like(t["v"]), DEVICE, 1, 1)
-    assert ops.launch is launch and set(times) == {"base", "new"}
-    assert all(alone > 0 and through > 0 for alone, through in times.values())
-    assert len(forwards) == 4  # a warm-up round and a timed one, each through both paths
-
-
 def _misaligned(x: torch.Tensor) -> torch.Tensor:
     """A copy of x whose address is one element past a 16-byte boundary (contiguous, same shape)."""
     y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
@@ -438,19 +386,16 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("op, dtype", [("gla", torch.float32), ("gated_deltanet", torch.bfloat16),
                                        ("deltanet", torch.float32)], ids=str)
-def test_plans_key_every_launch(op, dtype, monkeypatch):
-    """A launcher call's plan (``launch._plan``) is keyed on everything its launches depend on. Under one key each
+def test_plans_key_every_launch(op, dtype, monkeypatch, settings):
+    """A launcher call's plan (``launch.plan_for``) is keyed on everything its launches depend on. Under one key each
     kernel (told apart by its constexprs) meets one specialization of its arguments (``launch._arg_key``: dtypes,
     alignment, integers) at one config; the second call with the key runs from the plan (no config search) and
     gives the same bits; a misaligned input, packed sequences or a changed setting make another key. On CUDA every
     planned launch passes the compiled kernel that the dispatcher's own key names."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
-    from kernel_ab import call, packed_lengths
-
     from linmem.bench.ops import memory_inputs
 
     plans, seen, searches = [], {}, []
-    real_plan, real_run, real_fitting = launch._plan, launch._run, launch._launch_fitting
+    real_plan, real_run, real_fitting = launch.plan_for, launch._run, launch._launch_fitting
 
     def plan(*parts):
         plans.append(real_plan(*parts))
@@ -467,30 +412,30 @@ def test_plans_key_every_launch(op, dtype, monkeypatch):
         searches.append(name)
         return real_fitting(name, *rest)
 
-    monkeypatch.setattr(launch, "_plan", plan)
+    monkeypatch.setattr(pipeline, "plan_for", plan)
     monkeypatch.setattr(launch, "_run", run)
     monkeypatch.setattr(launch, "_launch_fitting", fitting)
     launch._PLANS.clear()
     t = memory_inputs(op, 1, 130, 2, 32, dtype, DEVICE)
     do = torch.randn(t["v"].shape, generator=seeded("plans", op)).to(DEVICE, dtype)
-    decay = launch.DECAY_CODES[{"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op]]
-    first = call(launch, t, decay, do)
+    decay = Decay.of({"gla": "vector", "gated_deltanet": "scalar", "deltanet": "none"}[op])
+    first = launch_both(t, decay, do)
     keys = list(plans)
     assert len(keys) == 2 and len(searches) >= 6  # the forward's plan and the backward's, each launch searched
     searches.clear()
-    again = call(launch, t, decay, do)
+    again = launch_both(t, decay, do)
     assert plans[2] is keys[0] and plans[3] is keys[1] and searches == []
     for a, b in zip(first, again):
         assert a is None and b is None or torch.equal(a, b)
-    shifted = call(launch, {**t, "q": _misaligned(t["q"])}, decay, do)
+    shifted = launch_both({**t, "q": _misaligned(t["q"])}, decay, do)
     assert plans[4] is not keys[0] and plans[5] is not keys[1] and searches
     for a, b in zip(first, shifted):
         assert a is None and b is None or torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    call(launch, t, decay, do, packed_lengths(130, 3).to(DEVICE))
+    launch_both(t, decay, do, torch.tensor([0, 22, 65, 130], dtype=torch.int32, device=DEVICE))
     output = "output_vector" if op == "gla" else "output"
-    monkeypatch.setitem(launch.LAUNCH, output, (2, 1))
+    settings(LAUNCH={output: (2, 1)})
     searches.clear()
-    call(launch, t, decay, do)
+    launch_both(t, decay, do)
     assert all(p is not k for p in plans[-2:] for k in keys) and output in searches
     assert len(launch._PLANS) == 2  # a changed setting dropped the plans of the aligned, misaligned, packed calls
 
@@ -498,7 +443,7 @@ def test_plans_key_every_launch(op, dtype, monkeypatch):
 def test_kernels_call_no_jit_helper_of_triton_language():
     """The kernels call Triton builtins only: the jit helpers of ``triton.language`` (tl.zeros, tl.sum, ...) are
     fixed when triton is imported, so where triton was imported before TRITON_INTERPRET=1 (the full CPU suite),
-    the interpreter refuses them inside a kernel (``common.total`` spells tl.sum with builtins for this)."""
+    the interpreter refuses them inside a kernel (``numerics.total`` spells tl.sum with builtins for this)."""
     import pathlib
     import re
 
@@ -509,13 +454,13 @@ def test_kernels_call_no_jit_helper_of_triton_language():
     helpers = {name for name in dir(tl) if isinstance(getattr(tl, name), (JITFunction, InterpretedFunction))}
     assert "zeros" in helpers  # what this test guards against
     called = {}
-    for path in pathlib.Path(common.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(numerics.__file__).parent.glob("*.py"):
         for name in set(re.findall(r"\btl\.(\w+)\(", path.read_text())) & helpers:
             called.setdefault(name, []).append(path.name)
     assert not called, f"jit helpers of triton.language called in the kernels: {called}"
 
 
-def test_launch_drops_stages_until_they_fit(monkeypatch, caplog):
+def test_launch_drops_stages_until_they_fit(caplog, settings):
     """A config whose pipelining exceeds shared memory runs with one stage fewer at a time (the debug log
     says so), and later launches of it start at the stages that fitted."""
     from triton.runtime.errors import OutOfResources
@@ -530,25 +475,25 @@ def test_launch_drops_stages_until_they_fit(monkeypatch, caplog):
                     raise OutOfResources(300000, 232448, "shared memory")
             return run
 
-    monkeypatch.setitem(launch.LAUNCH, "fake", (4, 4))
+    settings(LAUNCH={"fake": (4, 4)})
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch._launch({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)
-    launch._launch({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)  # another call's plan: the fitting is kept
+        launch.launch_kernel({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)
+    launch.launch_kernel({}, "fake", Kernel(), (1,), torch.zeros(1), X=1)  # another call's plan: the fitting is kept
     assert calls == [4, 3, 2, 2]
     assert "fake with 4 stages does not fit" in caplog.text
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
-def test_sequential_pass_narrows_before_one_stage(monkeypatch, caplog):
+def test_sequential_pass_narrows_before_one_stage(caplog, settings):
     """A sequential pass whose config does not fit drops stages down to 2, then halves its V block at 2 stages,
     and runs 1 stage (at its own V block) only when no V block fits 2; later launches start at what fitted."""
     from triton.runtime.errors import OutOfResources
 
     assert launch._sequential_fallbacks(32, 3) == [(32, 3), (32, 2), (16, 2), (32, 1)]
     assert launch._sequential_fallbacks(64, 2) == [(64, 2), (32, 2), (16, 2), (64, 1)]
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", 1)  # a wide grid: the configured (V block, stages)
-    monkeypatch.setitem(launch.SEQUENTIAL, ("state_bwd", True, 1), (32, 3))
-    s = launch.Shapes(T=64, TT=64, N=1, H=2, K=256, V=64, varlen=False)
+    settings(INTERPRETER_SMS=1)  # a wide grid: the configured (V block, stages)
+    settings(SEQUENTIAL={("state_bwd", True, Decay.SCALAR): (32, 3)})
+    s = configs.Shapes(T=64, TT=64, N=1, H=2, K=256, V=64, varlen=False)
 
     def kernel(fits):
         calls = []
@@ -564,47 +509,47 @@ def test_sequential_pass_narrows_before_one_stage(monkeypatch, caplog):
 
     narrow, calls = kernel(lambda bv, stages: bv * stages <= 32)
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
-        launch._launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
-    launch._launch_sequential({}, "state_bwd", narrow, s, True, 1, torch.zeros(1), X=1)
+        launch.launch_sequential({}, "state_bwd", narrow, s, True, Decay.SCALAR, torch.zeros(1), X=1)
+    launch.launch_sequential({}, "state_bwd", narrow, s, True, Decay.SCALAR, torch.zeros(1), X=1)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (4, 16, 2)]  # grid: V blocks of the V block tried
     assert "state_bwd at V block 32, 2 stages does not fit" in caplog.text
     one_stage, calls = kernel(lambda bv, stages: stages == 1)
-    launch._launch_sequential({}, "state_bwd", one_stage, s, True, 1, torch.zeros(1), X=2)
+    launch.launch_sequential({}, "state_bwd", one_stage, s, True, Decay.SCALAR, torch.zeros(1), X=2)
     assert calls == [(2, 32, 3), (2, 32, 2), (4, 16, 2), (2, 32, 1)]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="sets the SM count the interpreter assumes")
 @pytest.mark.parametrize("sms, forward, backward", [(60, (64, 2), (32, 3)), (100, (64, 3), (32, 3)),
                                                     (200, (32, 3), (32, 3)), (300, (16, 3), (16, 3))])
-def test_sequential_grid_classes(sms, forward, backward, monkeypatch):
+def test_sequential_grid_classes(sms, forward, backward, settings):
     """N * H = 32, V = 128: 64 programs at V block 64, 128 at 32, 256 at 16. A grid of at least one program
-    per SM takes ``launch.SEQUENTIAL`` (GLA's forward: 64, 2 stages); a smaller one ``NARROW_STAGES`` and
+    per SM takes ``configs.SEQUENTIAL`` (GLA's forward: 64, 2 stages); a smaller one ``NARROW_STAGES`` and
     halves the V block while it fills less than half the SMs (the delta rule's backward starts at 32)."""
-    monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
-    s, cpu = launch.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False), torch.device("cpu")
-    assert launch.sequential_config("state_fwd", s, False, 2, cpu) == forward
-    assert launch.sequential_config("state_bwd", s, True, 0, cpu) == backward
+    settings(INTERPRETER_SMS=sms)
+    s, cpu = configs.Shapes(T=64, TT=128, N=2, H=16, K=64, V=128, varlen=False), torch.device("cpu")
+    assert configs.sequential_config("state_fwd", s, False, Decay.CHANNEL, cpu) == forward
+    assert configs.sequential_config("state_bwd", s, True, Decay.NONE, cpu) == backward
 
 
 @pytest.mark.parametrize("sub", [4, 8, 16, 32])
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("vector", "additive", True)], ids=combo_id)
-def test_pairwise_sub_blocks(combo, sub, monkeypatch):
+def test_pairwise_sub_blocks(combo, sub, settings):
     """Per-channel decays: pairwise inside sub-blocks of any size, through reference points across them
     (T = 70: a full chunk and a partial one that ends inside a sub-block). Negative CHUNK_SPAN and BLOCK_SPAN
     send every chunk to these loops (the mild gates here would otherwise take one reference per chunk)."""
-    monkeypatch.setattr(launch, "PAIR_SUB", sub)
-    monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
-    monkeypatch.setattr(launch, "BLOCK_SPAN", -1)
+    settings(PAIR_SUB=sub)
+    settings(CHUNK_SPAN=-1)
+    settings(BLOCK_SPAN=-1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
 
 
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c[0] == "vector"], ids=combo_id)
-def test_block_products(combo, monkeypatch):
+def test_block_products(combo, settings):
     """Per-channel decays through the reference points of blocks of 16 rows, with no pairwise exponential
-    (``common._block_scores``, the block path of ``intra_grads_kernel``, and the delta rule's WY gradients through
-    ``common._block_rows`` and ``_block_cols``): a negative CHUNK_SPAN sends every chunk there (T = 70: a partial
+    (``scores._block_scores``, the block path of ``intra_grads_kernel``, and the delta rule's WY gradients through
+    ``scores._block_rows`` and ``_block_cols``): a negative CHUNK_SPAN sends every chunk there (T = 70: a partial
     chunk that ends inside a block)."""
-    monkeypatch.setattr(launch, "CHUNK_SPAN", -1)
+    settings(CHUNK_SPAN=-1)
     compare(inputs(combo, B=1, T=70, H=1, K=16, V=16), FP32_TOL)
 
 
@@ -651,9 +596,9 @@ def test_extreme_per_channel_gates_equal_the_reference(combo):
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c[1] == "delta"], ids=combo_id)
 def test_correlated_keys_and_beta_near_two_equal_the_reference(combo):
     """Keys near one direction and beta in (1.9, 2) (the delta rule with negative eigenvalues): the chunk's
-    (I + L)^-1 keeps entries of order 1 while the powers of L grow. An inverse that forms those powers
-    (the nilpotent series, before 2026-11-22) lost T to their cancellation: error ratios 3.7e-3 to 3.9e-2
-    here without a decay or with a scalar one."""
+    (I + L)^-1 keeps entries of order 1 while the powers of L grow. An inverse that forms those powers (the
+    nilpotent series, ``dev/kernels/wy_inverse_accuracy.py``) loses T to their cancellation: error ratios 3.7e-3 to
+    3.9e-2 here without a decay or with a scalar one."""
     t = inputs(combo, B=1, T=128, H=1, K=16, V=16)
     gen = seeded("correlated keys", combo)
     direction = torch.randn(16, generator=gen, dtype=torch.float64)
@@ -727,7 +672,8 @@ def test_custom_op_traces_without_graph_breaks(combo):
     assert torch.equal(o_c, o_e) and torch.equal(S_c, S_e)
 
 
-@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True), ("vector", "delta", False)],
+@pytest.mark.parametrize("combo", [("scalar", "delta", False), ("vector", "additive", True),
+                                   ("vector", "delta", False)],
                          ids=combo_id)
 def test_fake_outputs_match_the_kernels(combo):
     """The custom ops' fake implementations (what torch.compile traces with) give every output, the
@@ -735,10 +681,100 @@ def test_fake_outputs_match_the_kernels(combo):
     from linmem.ops.recurrence.triton import ops
 
     t = inputs(combo, B=1, T=20, H=1, K=16, V=16, dtype=torch.bfloat16)
-    decay = launch.DECAY_CODES[combo[0]]
+    decay = Decay.of(combo[0])
     args = (t["q"], t["k"], t["v"], t["log_decay"].float().contiguous(), t.get("beta"), t.get("bonus"),
             t["initial_state"].float(), None, 0.25, decay, True)
     torch.library.opcheck(ops.chunk_fwd_op, args, test_utils=("test_faketensor",))
+
+
+# ---------------------------------------------------------------- log decays of -inf (decay 0: forget everything)
+
+
+def _gates_with_minus_inf(t: dict, pattern: str) -> dict:
+    """t with its log decays set per ``pattern``: "few" puts -inf at a few tokens (and, per channel, a few
+    channels), "all" everywhere, "mixed" beside finite gates far below where exp underflows (down to -3e38, whose
+    chunk sums would overflow) and gates near 0."""
+    g = t["log_decay"].clone()
+    if pattern == "all":
+        g[:] = float("-inf")
+    elif g.dim() == 1:  # a constant decay: one per head
+        g[0] = float("-inf")
+    else:
+        channel = (slice(None),) if g.dim() == 3 else (slice(None), slice(0, None, 5))
+        g[(slice(None), 3, slice(None), *channel[1:])] = float("-inf")
+        g[(slice(None), 40, slice(None), *channel[1:])] = float("-inf")
+        g[:, 64] = float("-inf")  # the first token of a chunk
+        if pattern == "mixed":
+            g[:, 10] = -3e38
+            g[:, 11] = -3e38
+            g[:, 20:26] = -1e4
+            g[:, 50] = -150.0
+            g[:, 51] = -104.0
+            g[:, 52] = -90.0
+            g[:, 60:63] = -1e-7
+    return {**t, "log_decay": g}
+
+
+@pytest.mark.parametrize("combo, pattern, varlen", [
+    (("scalar", "additive", False), "few", False),
+    (("vector", "delta", False), "few", False),
+    (("vector", "additive", True), "mixed", False),
+    (("scalar", "delta", False), "mixed", True),
+    (("vector", "additive", False), "all", False),
+    (("constant", "delta", False), "few", False),
+], ids=lambda x: combo_id(x) if isinstance(x, tuple) else str(x))
+def test_minus_inf_gates_equal_the_reference(combo, pattern, varlen):
+    """A log decay of -inf (decay 0) at a few tokens and channels, everywhere, or beside finite gates far below
+    where exp underflows: the outputs, the final state and the gradients of q, k, v, beta, the bonus and the initial
+    state equal the reference's, and the gate gradient is finite and the reference's (0 at a -inf gate): the
+    cumulative-sum stage floors each log decay at ``cumsum.LOG_DECAY_FLOOR``, below which its decay is 0 in fp32.
+    (Gates above the floor load unchanged: every other test holds the kernels to the same bits there.)"""
+    if varlen:  # an empty sequence, one that ends inside a chunk, one that holds its -inf gates
+        t, cu = packed(combo, [3, 0, 67], H=1, K=16, V=16)
+        kwargs = {"cu_seqlens": cu}
+    else:
+        t, kwargs = inputs(combo, B=1, T=70, H=1, K=16, V=16), {}
+    t = _gates_with_minus_inf(t, pattern)
+    gen = seeded("minus inf", combo, pattern)
+    do = torch.randn(t["v"].shape, generator=gen).to(DEVICE)
+    N = t["initial_state"].shape[0]
+    dS = torch.randn(N, 1, 16, 16, generator=gen).to(DEVICE)
+    o_ref, S_ref, g_ref = run("reference", {n: x.double() for n, x in t.items()}, do.double(), dS.double(), **kwargs)
+    o, S, g = run("triton", t, do, dS, **kwargs)
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+    for name in t:
+        assert torch.isfinite(g[name]).all(), name
+        if name != "log_decay":
+            assert rel_err(g[name], g_ref[name]) < FP32_TOL, name
+    dg, dg_ref = g["log_decay"].double(), g_ref["log_decay"]
+    assert torch.isfinite(dg_ref).all()
+    if dg_ref.abs().max() > 0:
+        assert rel_err(dg, dg_ref) < FP32_TOL
+    # at a floored gate the reference's gradient is 0 (e^-104 in float64), and the kernels' is the cancellation of
+    # terms of the size of q dq and k dk (see test_extreme_per_channel_gates_equal_the_reference): held to their
+    # fp32 rounding
+    floored = t["log_decay"] < cumsum.LOG_DECAY_FLOOR.value
+    assert dg_ref[floored].abs().max() < 1e-30 and dg[floored].abs().max() < 2e-5
+
+
+def test_spans_stay_below_the_gate_floor():
+    """The span bounds that pick the per-channel paths stay below the floored gate's fall (158.7 in log2 units), so
+    a chunk holding a floored gate takes the pairwise path; a setting past that is refused, as is an unknown one."""
+    assert max(configs.BLOCK_SPAN, configs.CHUNK_SPAN) <= configs.MAX_SPAN < -cumsum.LOG_DECAY_FLOOR.value * 1.4426
+    for bad in ({"CHUNK_SPAN": 200}, {"BLOCK_SPAN": 151}, {"CHUNK": 32}):
+        with pytest.raises(ValueError, match="override"):
+            with configs.override(**bad):
+                pass
+
+
+def test_minus_inf_gates_in_the_decoding_kernel():
+    """The fused recurrent kernel (a few tokens without autograd) takes -inf log decays as decay 0, like the chunk
+    kernels and the reference."""
+    t = _gates_with_minus_inf(inputs(("vector", "delta", False), B=2, T=5, H=2, K=16, V=8), "all")
+    with torch.no_grad():
+        o_ref, S_ref = linear_recurrence(**t, output_final_state=True, backend="reference")
+        o, S = linear_recurrence(**t, output_final_state=True, backend="triton")
+    assert rel_err(o, o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
 
 
 # ---------------------------------------------------------------- GPU, real shapes
@@ -751,16 +787,14 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
     """The launcher's cache of compiled kernels (``launch._run``) launches, for each variant of the arguments that
     Triton specializes on (a misaligned tensor, an integer that is 1 or not divisible by 16), the kernel Triton's
     dispatcher compiles for it, and gives its results bit for bit."""
-    from linmem.ops.recurrence.triton import chunk_fwd
-
-    kernel = chunk_fwd.chunk_cumsum_kernel
+    kernel = cumsum.chunk_cumsum_kernel
     base = torch.randn(4096 + 1, generator=seeded("cached-launch")).cuda()
-    constexprs = dict(VECTOR=0, IS_VARLEN=0, C=common.CHUNK, BK=64)
+    constexprs = dict(VECTOR=0, C=configs.CHUNK, BK=64)
     seen = set()
     for T, H, offset in [(128, 16, 0), (128, 16, 1), (1, 16, 0), (100, 3, 0), (100, 3, 1)]:
         g = base[offset:offset + 2 * T * H].view(2, T, H)
-        args_of = lambda G: (g, G, g, T, H, 2, 128)  # noqa: E731
-        grid = (2 * launch._cdiv(T, common.CHUNK), H, 1)
+        args_of = lambda G: (g, G, None, T, H, 2, 128)  # noqa: E731  (no cu_seqlens: a None argument)
+        grid = (2 * configs.cdiv(T, configs.CHUNK), H, 1)
         cached, direct = torch.empty_like(g), torch.empty_like(g)
         for _ in range(2):  # the first launch fills the cache, the second takes it
             launch._run(kernel, grid, args_of(cached), constexprs, 4, 2)
@@ -773,6 +807,34 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
 
 
 @gpu
+def test_gpu_fast_launch_switch(tmp_path):
+    """``LINMEM_TRITON_FAST_LAUNCH=0``: every launch goes through Triton's dispatcher (no compiled kernel kept for
+    the fast path), with the same results as the fast path's."""
+    import subprocess
+
+    script = (
+        "import sys, torch\n"
+        "from linmem.ops import linear_recurrence\n"
+        "from linmem.ops.recurrence.triton import launch\n"
+        "from tests.helpers import make_inputs\n"
+        "t = {n: x.cuda() for n, x in make_inputs('vector', 'delta', False, B=1, T=200, H=2, K=64, V=64, "
+        "dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).items()}\n"
+        "for _ in range(2):\n"
+        "    o, S = linear_recurrence(**t, output_final_state=True, backend='triton')\n"
+        "torch.save((o.cpu(), S.cpu()), sys.argv[1])\n"
+        "print(launch.FAST_LAUNCH, sum(e is not None for e in launch._COMPILED.values()))\n")
+    runs = {}
+    for switch in ("1", "0"):
+        env = {**os.environ, "LINMEM_TRITON_FAST_LAUNCH": switch}
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / switch)], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        runs[switch] = (out, torch.load(tmp_path / switch))
+    assert runs["1"][0][0] == "True" and int(runs["1"][0][1]) > 0
+    assert runs["0"][0] == ["False", "0"]
+    assert all(torch.equal(a, b) for a, b in zip(runs["1"][1], runs["0"][1]))
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_real_shapes(combo, dtype):
@@ -782,7 +844,8 @@ def test_gpu_real_shapes(combo, dtype):
 
 @gpu
 @pytest.mark.parametrize("KV", [(64, 256), (256, 64), (100, 72)], ids=lambda kv: f"K{kv[0]}V{kv[1]}")
-@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "delta", False), ("scalar", "additive", True)],
+@pytest.mark.parametrize("combo", [("vector", "delta", False), ("scalar", "delta", False),
+                                   ("scalar", "additive", True)],
                          ids=combo_id)
 def test_gpu_head_dims(combo, KV):
     compare(inputs(combo, B=1, T=300, H=2, K=KV[0], V=KV[1], dtype=torch.bfloat16), LOW_TOL)
@@ -799,14 +862,15 @@ def test_gpu_varlen(combo):
 @pytest.mark.parametrize("combo", [("vector", "additive", False), ("scalar", "delta", False), ("none", "delta", False)],
                          ids=combo_id)
 def test_gpu_wide_grid(combo):
-    """B * H above the SM count: the sequential passes' V blocks and stages of ``launch.SEQUENTIAL``; the delta
+    """B * H above the SM count: the sequential passes' V blocks and stages of ``configs.SEQUENTIAL``; the delta
     rule's forward pass with bf16 W and U ("state_fwd_bf16")."""
     t = inputs(combo, B=3, T=150, H=48, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    delta, decay = combo[1] == "delta", Decay.of(combo[0])
     if delta:
-        assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+        assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
-        assert launch.sequential_config(kernel, s, delta, decay, dev) == launch.SEQUENTIAL[(kernel, delta, decay)]
+        assert configs.sequential_config(kernel, s, delta, decay, dev) == configs.SEQUENTIAL[(kernel, delta, decay)]
     compare(t, LOW_TOL)
 
 
@@ -814,12 +878,12 @@ def test_gpu_wide_grid(combo):
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_gpu_delta_rule_bf16_factors_on_a_half_filled_grid(kind):
     """Between half the SM count and the SM count (2 V blocks x 1 sequence x 3/8 SMs heads): bf16 W and U, the
-    forward pass at V block 64 and ``launch.NARROW_STAGES`` (one program per SM), as at 4 x 4096 on an H200."""
-    H = 3 * launch.sm_count(torch.device(DEVICE)) // 8
+    forward pass at V block 64 and ``configs.NARROW_STAGES`` (one program per SM), as at 4 x 4096 on an H200."""
+    H = 3 * configs.sm_count(torch.device(DEVICE)) // 8
     t = inputs((kind, "delta", False), B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, launch.DECAY_CODES[kind]
-    assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
-    assert launch.sequential_config("state_fwd_bf16", s, True, decay, dev) == (64, launch.NARROW_STAGES)
+    s, dev, decay = configs.shapes_of(t["q"], t["v"], None), t["q"].device, Decay.of(kind)
+    assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+    assert configs.sequential_config("state_fwd_bf16", s, True, decay, dev) == (64, configs.NARROW_STAGES)
     compare(t, LOW_TOL)
 
 
@@ -828,21 +892,21 @@ def test_gpu_delta_rule_bf16_factors_on_a_half_filled_grid(kind):
 def test_gpu_delta_rule_bf16_factors_varlen(kind):
     """Packed sequences on a wide grid (6 sequences x 24 heads x 2 V blocks): bf16 factors with empty, one-token
     and partial chunks (W read from its transposed copy except with a per-channel decay,
-    ``launch.W_READ_TRANSPOSED``)."""
+    ``configs.W_READ_TRANSPOSED``)."""
     t, cu = packed((kind, "delta", False), [100, 0, 64, 1, 150, 37], H=24, K=128, V=128, dtype=torch.bfloat16)
-    s = launch.shapes_of(t["q"], t["v"], cu)
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.bfloat16
+    s = configs.shapes_of(t["q"], t["v"], cu)
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), t["q"].device) == torch.bfloat16
     compare(t, LOW_TOL, cu_seqlens=cu)
 
 
 @gpu
 @pytest.mark.parametrize("kind", ["none", "scalar", "vector"])
 def test_gpu_delta_rule_wide_grid_at_head_dim_256(kind):
-    """K = V = 256 on a wide grid: fp32 W and U (``launch.BF16_FACTORS_MAX_K``) with the state in four key tiles."""
-    H = launch.sm_count(torch.device(DEVICE)) // 4 + 1  # 4 V blocks of 64: more programs than SMs
+    """K = V = 256 on a wide grid: fp32 W and U (``configs.BF16_FACTORS_MAX_K``) with the state in four key tiles."""
+    H = configs.sm_count(torch.device(DEVICE)) // 4 + 1  # 4 V blocks of 64: more programs than SMs
     t = inputs((kind, "delta", False), B=1, T=130, H=H, K=256, V=256, dtype=torch.bfloat16)
-    s = launch.shapes_of(t["q"], t["v"], None)
-    assert launch.factors_dtype(s, torch.bfloat16, launch.DECAY_CODES[kind], t["q"].device) == torch.float32
+    s = configs.shapes_of(t["q"], t["v"], None)
+    assert configs.factors_dtype(s, torch.bfloat16, Decay.of(kind), t["q"].device) == torch.float32
     compare(t, LOW_TOL)
 
 
@@ -851,14 +915,15 @@ def test_gpu_delta_rule_wide_grid_at_head_dim_256(kind):
                          ids=combo_id)
 def test_gpu_narrow_grid(combo):
     """B * H * V / 32 below the SM count, B * H * V / 16 above it: the sequential passes at V block 32 and
-    ``launch.NARROW_STAGES`` (one program per SM)."""
-    H = launch.sm_count(torch.device(DEVICE)) // 4 - 1
+    ``configs.NARROW_STAGES`` (one program per SM)."""
+    H = configs.sm_count(torch.device(DEVICE)) // 4 - 1
     t = inputs(combo, B=1, T=150, H=H, K=128, V=128, dtype=torch.bfloat16)
-    s, dev, delta, decay = launch.shapes_of(t["q"], t["v"], None), t["q"].device, combo[1] == "delta", launch.DECAY_CODES[combo[0]]
-    if delta:  # bf16 W and U on this grid too (launch.NARROW_BF16_FACTORS), k^T d in tf32
-        assert launch.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
+    s, dev = configs.shapes_of(t["q"], t["v"], None), t["q"].device
+    delta, decay = combo[1] == "delta", Decay.of(combo[0])
+    if delta:  # bf16 W and U on this grid too (configs.NARROW_BF16_FACTORS), k^T d in tf32
+        assert configs.factors_dtype(s, torch.bfloat16, decay, dev) == torch.bfloat16
     for kernel in ("state_fwd_bf16" if delta else "state_fwd", "state_bwd"):
-        assert launch.sequential_config(kernel, s, delta, decay, dev) == (32, launch.NARROW_STAGES)
+        assert configs.sequential_config(kernel, s, delta, decay, dev) == (32, configs.NARROW_STAGES)
     compare(t, LOW_TOL)
 
 
@@ -866,9 +931,9 @@ def test_gpu_narrow_grid(combo):
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_gpu_backward_is_deterministic(combo):
     """Three forward+backward runs on the same inputs give the same bits. At this size (bf16, 2 x 4096, 16 heads
-    of 128) the per-channel ``grads_kernel`` at 2 or 3 stages, as Triton 3.6 compiles it for Hopper, changed a few
-    key columns of dq and dg in most runs while every error ratio passed (``launch.LAUNCH``, session 28), until
-    its chunk-end term read tiles of its own (session 29)."""
+    of 128) the per-channel ``grads_kernel`` at 2 or 3 stages, as Triton 3.6 compiles it for Hopper, changes a few
+    key columns of dq and dg in most runs while every error ratio passes, when its chunk-end term reads the tiles
+    of its products (it reads tiles of its own: see the WORKAROUND in ``grads.py``)."""
     t = inputs(combo, B=2, T=4096, H=16, K=128, V=128, dtype=torch.bfloat16)
     gen = seeded("determinism", combo)
     do = torch.randn(2, 4096, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)

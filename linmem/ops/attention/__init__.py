@@ -150,7 +150,8 @@ def forgetting_attention(
                                   Tq=q.shape[1], Tk=k.shape[1])
             if reason is None:
                 return sdpa_attention(q, k, v, scale=scale, window=window)
-        logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
+        if not torch.compiler.is_compiling():  # a logger call would break the compiled graph
+            logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
     return reference_attention(q, k, v, scale=scale, cum_forget=c, window=window, cu_seqlens=cu_seqlens,
                                prune_tolerance=prune_tolerance)
 
@@ -236,7 +237,8 @@ def cached_attention(
                                   cu_seqlens=cu_seqlens is not None, Tq=Tq, Tk=Tk)
             if reason is None:
                 return sdpa_attention(q, k, v, scale=scale, window=window)
-        logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
+        if not torch.compiler.is_compiling():  # a logger call would break the compiled graph
+            logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
     return reference_attention(q, k, v, scale=scale, cum_forget=cum_forget, window=window, key_mask=key_mask,
                                cu_seqlens=cu_seqlens)
 

@@ -32,7 +32,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernels_interpreted() -> bool:
-    from .common import INTERPRET
+    from .numerics import INTERPRET
 
     return INTERPRET
 

@@ -6,10 +6,8 @@
 
 Outside ``torch.compile`` the same launchers run without the custom ops' dispatch: the chunk
 kernels through a plain ``torch.autograd.Function`` (:class:`ChunkRecurrence`), the decode kernel
-directly. The dispatch costs host time that small shapes do not hide behind the GPU: measured on an
-H200 host (8 x 2048, H = 16, K = V = 128, bf16), issuing one forward+backward took 1292 -> 818 us
-for mamba2 and 1097 -> 804 us for linear attention, whose wall times went 1293 -> 934 and 1127 -> 780
-us (the kernels are the same, and so are the gradients, bit for bit).
+directly. The dispatch costs host time that small shapes do not hide behind the GPU (about a third of a
+forward+backward's host time at 8 x 2048 on an H200 host); the kernels, and so the results, are the same.
 """
 
 from typing import Optional
@@ -18,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..inputs import RecurrenceInputs
-from . import launch
+from . import configs, pipeline, recurrent
+from .switches import Decay
 
 #: at most this many tokens without autograd run through the fused recurrent kernel
 RECURRENT_MAX_T = 16
@@ -44,15 +43,15 @@ def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
                  decay: int, output_final: bool
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (o, final state, and for the backward: G, hs, A, d, Tt, Wt, Qg, Kg); absent ones are empty."""
-    o, hN, saved = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
+    o, hN, saved = pipeline.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
     return (o, _or_empty(hN, q), *_saved_or_empty(saved, q))
 
 
 @chunk_fwd_op.register_fake
 def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
-    s = launch.shapes_of(q, v, cu_seqlens)
+    s = configs.shapes_of(q, v, cu_seqlens)
     hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=torch.float32) if output_final else q.new_empty(0)
-    saved = launch.saved_buffers(q, v, g, beta is not None, cu_seqlens)
+    saved = pipeline.saved_buffers(q, v, g, beta is not None, cu_seqlens)
     return (torch.empty_like(v), hN, *_saved_or_empty(saved, q))
 
 
@@ -64,7 +63,7 @@ def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
     saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tt), _or_none(Wt), _or_none(Qg), _or_none(Kg))
-    grads = launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
+    grads = pipeline.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
     return tuple(_or_empty(x, q) for x in grads)
 
 
@@ -110,7 +109,7 @@ chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _launch_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
-    return launch.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt, Qg, Kg), do, dhN,
+    return pipeline.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt, Qg, Kg), do, dhN,
                                  scale, decay)
 
 
@@ -120,7 +119,7 @@ class ChunkRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
-        o, hN, saved = launch.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
+        o, hN, saved = pipeline.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
         ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved)
         ctx.scale, ctx.decay = scale, decay
         ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
@@ -135,7 +134,7 @@ class ChunkRecurrence(torch.autograd.Function):
 def step_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], bonus: Optional[Tensor],
             state: Tensor, scale: float, decay: int) -> Tensor:
     """Tokens [N, T, H, *] against ``state`` [N, H, K, V] fp32, updated in place; -> o [N, T, H, V]."""
-    return launch.recurrent_step(q, k, v, g, beta, bonus, state, scale, decay)
+    return recurrent.recurrent_step(q, k, v, g, beta, bonus, state, scale, decay)
 
 
 @step_op.register_fake
@@ -145,7 +144,7 @@ def _(q, k, v, g, beta, bonus, state, scale, decay):
 
 def _recurrent_step(q, k, v, g, beta, bonus, state, scale: float, decay: int) -> Tensor:
     """The decode kernel: the custom op under torch.compile, the launcher itself in eager mode."""
-    step = step_op if torch.compiler.is_compiling() else launch.recurrent_step
+    step = step_op if torch.compiler.is_compiling() else recurrent.recurrent_step
     return step(q, k, v, g, beta, bonus, state, scale, decay)
 
 
@@ -153,18 +152,18 @@ def _per_token_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
     """log_decay as fp32 [B, T, H] or [B, T, H, K] (a constant [H] is expanded) and its kernel code."""
     g = inputs.log_decay
     if inputs.decay_kind == "none":
-        return None, 0
+        return None, Decay.NONE
     if inputs.decay_kind == "constant":
         B, T, H, _ = inputs.q.shape
         g = g[None, None, :].expand(B, T, H)
-    return g.float().contiguous(), launch.DECAY_CODES["vector" if inputs.decay_kind == "vector" else "scalar"]
+    return g.float().contiguous(), Decay.of(inputs.decay_kind)
 
 
 def _step_decay(inputs: RecurrenceInputs) -> tuple[Optional[Tensor], int]:
-    """The recurrent kernel's gate and its code: a constant [H] as given (``launch.CONSTANT_DECAY``), else as
+    """The recurrent kernel's gate and its code: a constant [H] as given (``Decay.CONSTANT``), else as
     :func:`_per_token_decay`."""
     if inputs.decay_kind == "constant":
-        return inputs.log_decay.float().contiguous(), launch.CONSTANT_DECAY
+        return inputs.log_decay.float().contiguous(), Decay.CONSTANT
     return _per_token_decay(inputs)
 
 

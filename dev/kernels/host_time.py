@@ -1,33 +1,32 @@
 """Host time of one forward+backward through the recurrence's Triton backend, split by the launcher's functions.
 
 At small shapes, and for the fast rules even at 4 x 4096, a call is bound by its host work rather than by its
-kernels (BENCHMARKS.md, session 29). This script puts timers around the functions that a forward+backward
+kernels. This script puts timers around the functions that a forward+backward
 passes through and prints, per op and shape, the median over ``--calls`` calls of each part, in microseconds:
 
 - forward: the whole ``linear_recurrence`` call; of it ``triton_recurrence`` (after the input checks and the
-  backend's dispatch) and ``launch.chunk_forward`` (after the autograd Function's apply and the inputs'
+  backend's dispatch) and ``pipeline.chunk_forward`` (after the autograd Function's apply and the inputs'
   preparation);
 - backward: the whole ``o.backward(g)``; of it ``_gradients`` (what the autograd engine runs of ours) and
-  ``launch.chunk_backward``;
+  ``pipeline.chunk_backward``;
 - launches: every ``launch._run`` (kernel launches, their count) and of them ``launch._cache_key``.
 
 Example, on a CUDA machine::
 
-    python scripts/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
+    python dev/kernels/host_time.py --ops mamba2,deltanet --shapes 1x256,4x4096
 
 With ``--base DIR`` (repeatable) it compares instead the host time of launcher copies at other revisions (as
 ``kernel_ab.py --base`` loads them) with the working tree's, in one process, interleaved: per variant the median
 of one forward+backward through the launchers alone (``chunk_forward`` + ``chunk_backward``) and through
-``linear_recurrence`` and autograd (the backend's ``launch`` module swapped for the variant's). At shapes where the
+``linear_recurrence`` and autograd (the backend's ``pipeline`` module swapped for the variant's). At shapes where the
 GPU idles (1 x 256) that is the host time::
 
-    mkdir -p /tmp/base && for f in chunk_bwd chunk_fwd common launch recurrent; do
-        git show HEAD:linmem/ops/recurrence/triton/$f.py > /tmp/base/$f.py; done
-    python scripts/host_time.py --base /tmp/base --shapes 1x256
+    mkdir -p /tmp/base && git archive HEAD linmem/ops/recurrence/triton | tar -x -C /tmp/base
+    python dev/kernels/host_time.py --base /tmp/base/linmem/ops/recurrence/triton --shapes 1x256
 
 The cases take ``kernel_ab.py``'s options (``--ops``, ``--shapes``, ``--dtype``, ``--heads``, ``--dim``, and
-``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter (tiny shapes; the times are then the
-interpreter's). A timing is a benchmark, never a test: record the results in BENCHMARKS.md.
+``--varlen N`` for N packed sequences). ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the Triton interpreter
+(tiny shapes; the times are then the interpreter's). A timing is a benchmark, never a test.
 """
 
 from __future__ import annotations
@@ -49,12 +48,12 @@ from kernel_ab import add_case_args, call, cases, load_base  # noqa: E402
 
 from linmem.bench.ops import grad_leaves  # noqa: E402
 from linmem.ops import linear_recurrence  # noqa: E402
-from linmem.ops.recurrence.triton import launch  # noqa: E402
+from linmem.ops.recurrence.triton import launch, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton import ops as triton_ops  # noqa: E402
 
 #: (module, function name, label) of the timed functions; each is looked up by the module's name at call time
-TIMED = ((triton_ops, "triton_recurrence", "triton_recurrence"), (launch, "chunk_forward", "chunk_forward"),
-         (triton_ops, "_gradients", "_gradients"), (launch, "chunk_backward", "chunk_backward"),
+TIMED = ((triton_ops, "triton_recurrence", "triton_recurrence"), (pipeline, "chunk_forward", "chunk_forward"),
+         (triton_ops, "_gradients", "_gradients"), (pipeline, "chunk_backward", "chunk_backward"),
          (launch, "_run", "launches"), (launch, "_cache_key", "cache keys"))
 
 
@@ -123,13 +122,13 @@ def host_parts(op_args: dict, cu_seqlens: Optional[torch.Tensor], do: torch.Tens
 
 def host_ab(variants: list, op_args: dict, decay: int, cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
             device: str, rounds: int, calls: int) -> dict[str, tuple[float, float]]:
-    """Per variant ``(label, launch module)``: the median microseconds of one forward+backward through its
+    """Per variant ``(label, pipeline module)``: the median microseconds of one forward+backward through its
     launchers alone and through ``linear_recurrence`` and autograd, over ``rounds`` interleaved rounds of
     ``calls`` calls each (each round's median; a synchronisation after each round's calls, untimed).
 
     >>> from linmem.bench.ops import memory_inputs
     >>> t = memory_inputs("mamba2", 1, 64, 2, 32, torch.float32, "cpu")  # doctest: +SKIP
-    >>> host_ab([("new", launch)], t, 1, None, torch.randn_like(t["v"]), "cpu", 1, 1)["new"][0] > 0  # doctest: +SKIP
+    >>> host_ab([("new", pipeline)], t, 1, None, torch.randn_like(t["v"]), "cpu", 1, 1)["new"][0] > 0  # doctest: +SKIP
     True
     """
     leaves = grad_leaves(op_args)
@@ -153,14 +152,14 @@ def host_ab(variants: list, op_args: dict, decay: int, cu_seqlens: Optional[torc
     try:
         for i in range(rounds + 1):  # the first round warms every variant up, untimed
             for label, module in variants:
-                triton_ops.launch = module
+                triton_ops.pipeline = module
                 alone = median_us(lambda: call(module, op_args, decay, do, cu_seqlens))
                 through = median_us(full)
                 if i:
                     times[label][0].append(alone)
                     times[label][1].append(through)
     finally:
-        triton_ops.launch = launch
+        triton_ops.pipeline = pipeline
     return {label: (statistics.median(a), statistics.median(f)) for label, (a, f) in times.items()}
 
 
@@ -172,13 +171,13 @@ def main() -> None:
                         help="calls timed per case (default 200), or per round with --base (default 20)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (small shapes)")
     parser.add_argument("--base", action="append", default=[],
-                        help="folder of launcher modules to compare with the working tree's (repeatable)")
+                        help="folder of a kernel package copy to compare with the working tree's (repeatable)")
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per variant (with --base)")
     args = parser.parse_args()
     if args.calls is None:
         args.calls = 20 if args.base else 200
     if args.base:
-        variants = [(Path(f).name, load_base(f, i)) for i, f in enumerate(args.base)] + [("new", launch)]
+        variants = [(Path(f).name, load_base(f, i)) for i, f in enumerate(args.base)] + [("new", pipeline)]
         print(f"host us per forward+backward, launchers alone | through autograd; median of {args.rounds} "
               f"rounds of {args.calls} calls ({args.dtype}, H = {args.heads}, K = V = {args.dim}, {args.device})")
         for label, op_args, decay, do, cu in cases(args, args.device):

@@ -1,25 +1,24 @@
 """A/B timing of the recurrence's Triton kernels against another revision of them, in one process on one GPU.
 
-A kernel change is judged by its time beside the code it replaces, measured in the same process (a separate
-run moves by a few percent). This script loads a second copy of ``linmem/ops/recurrence/triton`` (the kernel
-modules and their launcher, which import nothing outside the folder) as its own package, runs one
-forward+backward of each memory op through both launchers in turn, and prints per op and shape: the time of
-the whole call (median of interleaved rounds), the GPU time of each kernel (torch.profiler), and how far the
-new revision's outputs and gradients lie from the base's (rms of the difference over rms of the base)::
+A kernel change is judged by its time beside the code it replaces, measured in the same process (a separate run
+moves by a few percent). This script loads a second copy of ``linmem/ops/recurrence/triton`` (the kernel modules
+and their launchers, which import nothing outside the folder but torch and triton) as its own package, runs one
+forward+backward of each memory op through both pipelines in turn, and prints per op and shape: the time of the
+whole call (median of interleaved rounds), the GPU time of each kernel (torch.profiler), and how far the new
+revision's outputs and gradients lie from the base's (rms of the difference over rms of the base)::
 
-    mkdir -p /tmp/base && for f in chunk_bwd chunk_fwd common launch recurrent; do
-        git show HEAD:linmem/ops/recurrence/triton/$f.py > /tmp/base/$f.py; done
-    python scripts/kernel_ab.py --base /tmp/base --ops kda,gated_deltanet --shapes 4x4096
+    mkdir -p /tmp/base && git archive HEAD linmem/ops/recurrence/triton | tar -x -C /tmp/base
+    python dev/kernels/kernel_ab.py --base /tmp/base/linmem/ops/recurrence/triton --ops kda,gated_deltanet
 
 ``--try`` times variants of the working tree's launch settings beside it, without editing: each is a label and
-assignments to entries of ``launch.py``'s dict settings, e.g. ``--try "wy3:LAUNCH.wy_grads_vector=4,3"``
-or ``--try "cap:MAX_REGISTERS.prep_vector=168"``. A timing is a benchmark, never a test: record the results
-in BENCHMARKS.md.
+entries of ``configs.py``'s tables (``configs.override``), e.g. ``--try "wy3:LAUNCH.wy_grads_vector=4,3"`` or
+``--try "cap:MAX_REGISTERS.prep_vector=168"``. A timing is a benchmark, never a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import statistics
@@ -30,54 +29,51 @@ from pathlib import Path
 import torch
 
 from linmem.bench.ops import MEMORY_OPS, memory_inputs
-from linmem.ops.recurrence.triton import launch as head_launch
+from linmem.ops.recurrence.triton import configs
+from linmem.ops.recurrence.triton import pipeline as head_pipeline
+from linmem.ops.recurrence.triton.switches import Decay
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_base(folder: str, index: int):
-    """The launcher module of the kernel copy in ``folder``, imported as the package ``ab_base<index>``."""
+    """The pipeline module (``chunk_forward``, ``chunk_backward``) of the kernel copy in ``folder``, imported as the
+    package ``ab_base<index>``."""
     name = f"ab_base{index}"
-    spec = importlib.util.spec_from_file_location(name, Path(folder) / "launch.py",
+    spec = importlib.util.spec_from_file_location(name, Path(folder) / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     package = importlib.util.module_from_spec(spec)
     package.__path__ = [str(folder)]
     sys.modules[name] = package
-    return importlib.import_module(f"{name}.launch")
+    return importlib.import_module(f"{name}.pipeline")
 
 
 def parse_try(text: str) -> tuple[str, dict]:
-    """'label:SETTING.key=a,b;SETTING.key=n' -> (label, {(SETTING, key): value})."""
+    """'label:SETTING.key=a,b;SETTING.key=n' -> (label, {SETTING: {key: value}}), for ``configs.override``."""
     label, _, body = text.partition(":")
-    changes = {}
+    changes: dict = {}
     for part in filter(None, body.split(";")):
         target, _, value = part.partition("=")
         setting, _, key = target.partition(".")
-        if not isinstance(getattr(head_launch, setting, None), dict):
-            raise SystemExit(f"--try {text!r}: launch.{setting} is not a dict setting")
+        if not hasattr(getattr(configs, setting, None), "keys"):
+            raise SystemExit(f"--try {text!r}: configs.{setting} is not a table")
         numbers = tuple(int(x) for x in value.split(","))
-        changes[(setting, key)] = numbers if len(numbers) > 1 else numbers[0]
+        changes.setdefault(setting, {})[key] = numbers if len(numbers) > 1 else numbers[0]
     return label, changes
 
 
 class Variant:
-    """A launcher with launch settings changed while it runs."""
+    """A pipeline module, run with launch settings changed (``configs.override``) where ``changes`` says so."""
 
     def __init__(self, label: str, module, changes: dict):
         self.label, self.module, self.changes = label, module, changes
 
     def __enter__(self):
-        self.saved = {k: getattr(self.module, k[0]).get(k[1]) for k in self.changes}
-        for (setting, key), value in self.changes.items():
-            getattr(self.module, setting)[key] = value
+        self.context = configs.override(**self.changes) if self.changes else contextlib.nullcontext()
+        self.context.__enter__()
 
     def __exit__(self, *exc):
-        for (setting, key), value in self.saved.items():
-            table = getattr(self.module, setting)
-            if value is None:
-                table.pop(key, None)
-            else:
-                table[key] = value
+        self.context.__exit__(*exc)
 
 
 def packed_lengths(total: int, parts: int) -> torch.Tensor:
@@ -143,7 +139,7 @@ def add_case_args(parser: argparse.ArgumentParser, ops: str) -> None:
                         help="pack each shape's B x T tokens as N sequences of uneven lengths (cu_seqlens)")
     parser.add_argument("--gates", type=float, default=1.0, metavar="X",
                         help="log decays X times the bench's (logsigmoid(randn) / 10): from about 10 up, per-channel "
-                             "chunks fall past launch.CHUNK_SPAN and take intra_grads_kernel's paths")
+                             "chunks fall past configs.CHUNK_SPAN and take intra_grads_kernel's paths")
 
 
 def cases(args: argparse.Namespace, device: str = "cuda"):
@@ -163,7 +159,7 @@ def cases(args: argparse.Namespace, device: str = "cuda"):
             op_args = memory_inputs(op, b, t, args.heads, args.dim, DTYPES[args.dtype], device, args.gates)
             label = f"{op} {B}x{T}" + (f" as {args.varlen} packed sequences" if args.varlen else "") + (
                 f", gates x{args.gates:g}" if args.gates != 1.0 else "")
-            yield label, op_args, head_launch.DECAY_CODES[kind], torch.randn_like(op_args["v"]), cu
+            yield label, op_args, Decay.of(kind), torch.randn_like(op_args["v"]), cu
 
 
 def rel(x, ref) -> float:
@@ -182,8 +178,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds per variant")
     parser.add_argument("--try", dest="tries", action="append", default=[], help="label:SETTING.key=value;...")
     args = parser.parse_args()
-    variants = [Variant("new", head_launch, {})]
-    variants += [Variant(label, head_launch, changes) for label, changes in map(parse_try, args.tries)]
+    variants = [Variant("new", head_pipeline, {})]
+    variants += [Variant(label, head_pipeline, changes) for label, changes in map(parse_try, args.tries)]
     variants[:0] = [Variant(Path(folder).name, load_base(folder, i), {}) for i, folder in enumerate(args.base)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, H = {args.heads}, "
           f"K = V = {args.dim}; variants: {', '.join(v.label for v in variants)}")

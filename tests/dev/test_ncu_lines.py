@@ -1,11 +1,11 @@
-"""scripts/ncu_lines.py: per-Python-line attribution of an Nsight Compute source page."""
+"""dev/kernels/ncu_lines.py: per-Python-line attribution of an Nsight Compute source page."""
 
 import csv
 import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu_lines.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "dev" / "kernels" / "ncu_lines.py"
 spec = importlib.util.spec_from_file_location("ncu_lines", SCRIPT)
 ncu_lines = importlib.util.module_from_spec(spec)
 sys.modules["ncu_lines"] = ncu_lines  # dataclasses look their module up there

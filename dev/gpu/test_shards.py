@@ -1,10 +1,10 @@
 """Run a test file's tests as parallel pytest processes (shards) and print one summary: for the GPU machine,
 where compiling the kernels of each test, not running them, takes the time, and one process leaves most
-CPU cores idle (``tests/ops/test_recurrence_triton.py`` on an H200 host, session 28: 10 shards took 4.6
-minutes, their own times summing to 38)::
+CPU cores idle (``tests/ops/test_recurrence_triton.py`` on an H200 host: 10 shards take about 5 minutes, their
+own times summing to about 40)::
 
-    python scripts/test_shards.py tests/ops/test_recurrence_triton.py --shards 10 --log-dir $OUT
-    python scripts/test_shards.py tests/ops/test_recurrence_triton.py -k "vector and delta"
+    python dev/gpu/test_shards.py tests/ops/test_recurrence_triton.py --shards 10 --log-dir $OUT
+    python dev/gpu/test_shards.py tests/ops/test_recurrence_triton.py -k "vector and delta"
 
 Run it from the repository root (the node ids are relative to it). The tests are collected once and dealt
 round-robin, so tests of one parametrisation spread over the shards. Exits 1 if any shard failed; each shard's

@@ -5,7 +5,7 @@ the source page, whose rows are the kernels' Python lines (Triton keeps line inf
 SASS instructions under each::
 
     ncu --profile-from-start off --clock-control none --set full --import-source yes -o gla \\
-        python scripts/ncu_lines.py run ours gla 8 2048
+        python dev/kernels/ncu_lines.py run ours gla 8 2048
     ncu -i gla.ncu-rep --page source --print-source cuda,sass --csv > gla.csv
     ncu -i gla.ncu-rep --page details > gla.txt      # occupancy, registers, stall summary
 
@@ -13,10 +13,10 @@ Anywhere, rank the lines of one kernel by warp-stall samples (a sample is a warp
 issuing on that line, so the share is the share of the kernel's time), with the instructions they
 executed and their three main stall reasons; ``--sass`` splits chosen lines by instruction::
 
-    python scripts/ncu_lines.py lines gla.csv grads_kernel
-    python scripts/ncu_lines.py lines gla.csv grads_kernel --sass common.py:220
+    python dev/kernels/ncu_lines.py lines gla.csv grads_kernel
+    python dev/kernels/ncu_lines.py lines gla.csv grads_kernel --sass numerics.py:LINE
 
-A function inlined into a kernel is charged to its own line (``masked_exp`` in common.py, not
+A function inlined into a kernel is charged to its own line (``masked_exp2`` in numerics.py, not
 the line in the kernel that called it).
 """
 

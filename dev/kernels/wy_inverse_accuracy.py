@@ -1,24 +1,24 @@
 """How accurately ways of computing the delta rule's chunk inverse ``T = (I + L)^-1`` give ``T x``.
 
 ``L = strict_lower(diag(beta) K K^T)`` for one chunk of 64 unit keys, the prep kernel's 16 x 16 blocks
-(``chunk_fwd.unit_lower_inverse``), simulated on the CPU in float64 with each product's operands
+(``wy_prep.unit_lower_inverse``), simulated on the CPU in float64 with each product's operands
 and result rounded as the GPU would round them. Printed: the relative error ``|T x - T_exact x| /
 |T_exact x|`` for random x [64, 128], for
 
-- ``series``: the diagonal blocks from ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` in fp32 (until session 14);
+- ``series``: the diagonal blocks from ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` in fp32 (what doubling replaces);
 - ``doubling``: the diagonal blocks by doubling, ``D - D Lo D``, in fp32 (the kernel's way for fp32 inputs);
 - ``doubling tf32``: the same with every product's operands rounded to tf32;
 - ``doubling tf32x3``: the same with each product as three tf32 products, ``a_hi b_hi + a_hi b_lo +
   a_lo b_hi`` with ``a = a_hi + a_lo`` (Triton's ``input_precision="tf32x3"``, on the tensor cores);
 - ``doubling bf16x3``: the same with three bf16 products on operands split into bf16 parts
-  (``common.mm_split`` with both operands fp32: the kernel's way for bf16 and fp16 inputs since session 25);
+  (``numerics.mm_split`` with both operands fp32: the kernel's way for bf16 and fp16 inputs);
 - ``merges tf32``: the diagonal blocks by doubling in fp32, the blocks below the diagonal in tf32;
 - ``exact -> bf16``: the exact inverse rounded to bf16 (fla stores its inverse in the input dtype).
 
 Keys near a few directions and beta near 2 (the delta rule with negative eigenvalues) make the powers
 of L grow while T stays of order 1::
 
-    python scripts/wy_inverse_accuracy.py
+    python dev/kernels/wy_inverse_accuracy.py
 """
 
 from __future__ import annotations

@@ -7,19 +7,13 @@ covariance; a backend the layer cannot run is refused by name."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
-
-from linmem.layers import LayerState, MixerArgs, build_mixer  # noqa: E402
-from linmem.layers.mom import MoMArgs  # noqa: E402
-from linmem.ops import bayes_filter  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
+from linmem.layers import LayerState, MixerArgs, build_mixer
+from linmem.layers.mom import MoMArgs
+from linmem.ops import bayes_filter
+from tests.helpers import rel_err
 
 D, H = 32, 2
 
@@ -44,8 +38,8 @@ def test_with_the_covariance_reset_the_layer_is_gated_deltanet_with_the_same_wei
     with torch.no_grad():
         args = layer.recurrence_inputs(x, cache=None, cu_seqlens=None)
         o, _, _ = bayes_filter(args.q, args.k, args.v, log_decay=args.log_decay, obs_noise=args.obs_noise, reset=True)
-        # the gates are computed in fp32 by both layers: r_h = softplus(softplus^-1(1)) is 1 up to fp32 rounding
-        assert rel_err(layer.output(o, x, args), gdn(x)) < 1e-6
+        # the gates are computed in fp32 by both layers (r_h = softplus(softplus^-1(1)) is 1 up to fp32 rounding)
+        assert rel_err(layer.output(o, x, args), gdn(x)) < 1e-5
 
 
 def test_the_noise_parameters_learn():
@@ -81,10 +75,10 @@ def test_the_conv_free_layer_decodes_as_it_runs():
 
 def test_the_fused_kernels_equal_the_token_loop():
     pytest.importorskip("triton")
-    from linmem.ops.recurrence.triton import common
+    from linmem.ops.recurrence.triton import numerics
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not common.INTERPRET:
+    if device == "cpu" and not numerics.INTERPRET:
         pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set")
     x = torch.randn(1, 7, D, device=device)
     cu = torch.tensor([0, 3, 7], device=device)

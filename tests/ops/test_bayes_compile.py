@@ -5,24 +5,18 @@ dtypes. On a machine without CUDA the kernels run through the Triton interpreter
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
-
 pytest.importorskip("triton")
 
-from linmem.models import LinmemConfig, LinmemForCausalLM  # noqa: E402
-from linmem.ops import bayes_filter_step  # noqa: E402
-from linmem.ops.recurrence.triton import common  # noqa: E402
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.ops import bayes_filter_step
+from linmem.ops.recurrence.triton import numerics
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not common.INTERPRET:
+if DEVICE == "cpu" and not numerics.INTERPRET:
     pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 from linmem.ops.bayes import ops  # noqa: E402
@@ -54,7 +48,7 @@ def test_a_bayes_model_compiles_to_one_graph_and_equals_eager():
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    assert seen == {"linmem.bayes_filter_fwd.default"}
+    assert {op for op in seen if "bayes" in op} == {"linmem.bayes_filter_fwd.default"}
 
 
 def step_inputs(seed: int, B=2, H=1, K=16, V=16):

@@ -47,7 +47,7 @@ def _device_refusal(x: torch.Tensor) -> Optional[str]:
     if x.device.type == "cuda":
         return None
     if x.device.type == "cpu":
-        from ..recurrence.triton.common import INTERPRET
+        from ..recurrence.triton.numerics import INTERPRET
 
         return None if INTERPRET else "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before first use)"
     return f"no Triton kernels for {x.device.type} tensors"

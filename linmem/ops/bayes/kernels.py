@@ -47,7 +47,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..recurrence.triton.common import exp, rounded, sequence_bounds, total
+from ..recurrence.triton.layout import sequence_bounds
+from ..recurrence.triton.numerics import exp, rounded, total
 
 # Zero tiles are tl.full(shape, 0.0, tl.float32): tl.zeros is a @jit function of triton.language, which the
 # Triton interpreter cannot call when triton.language was imported before TRITON_INTERPRET=1 was set.

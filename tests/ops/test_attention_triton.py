@@ -18,18 +18,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
+if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
 
 pytest.importorskip("triton")
 
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.reference import keys_per_query, logit_bound, prune_threshold  # noqa: E402
-from linmem.ops.recurrence.triton import common  # noqa: E402
+from linmem.ops.recurrence.triton import numerics  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not common.INTERPRET:
+if DEVICE == "cpu" and not numerics.INTERPRET:
     pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 FP32_TOL = 1e-4

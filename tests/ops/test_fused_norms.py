@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.common" not in sys.modules:
+if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
 
 pytest.importorskip("triton")

@@ -26,7 +26,7 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def _interpreted() -> bool:
-    from ..recurrence.triton.common import INTERPRET
+    from ..recurrence.triton.numerics import INTERPRET
 
     return INTERPRET
 

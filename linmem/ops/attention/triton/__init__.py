@@ -25,7 +25,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreted() -> bool:
-    from ...recurrence.triton.common import INTERPRET
+    from ...recurrence.triton.numerics import INTERPRET
 
     return INTERPRET
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import LOG2E, exp2, rounded, total
+from ...recurrence.triton.numerics import LOG2E, exp2, rounded, total
 from .common import (
     dot,
     first_key_tile,

@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import _INTERP, LOG2E, locate_chunk, rounded, sequence_bounds
+from ...recurrence.triton.layout import locate_chunk, sequence_bounds
+from ...recurrence.triton.numerics import _INTERP, LOG2E, rounded
 
 #: the running maximum before any key: finite, so a row whose first tiles are all masked keeps exp2(m - m) = 1
 NO_MAX: tl.constexpr = tl.constexpr(-1.0e30)
@@ -52,7 +53,7 @@ def dot(a, b, DT: tl.constexpr):
 
 @triton.jit
 def row_max(x, axis: tl.constexpr):
-    """tl.max spelled with Triton builtins (see ``recurrence.triton.common.total``); its combine function is the
+    """tl.max spelled with Triton builtins (see ``recurrence.triton.numerics.total``); its combine function is the
     one the interpreter reduces with numpy."""
     return tl.reduce(x, axis, tl.standard._elementwise_max)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import LOG2E, exp2, rounded, total
+from ...recurrence.triton.numerics import LOG2E, exp2, rounded, total
 from .common import NO_MAX, dot, row_max
 
 #: the most splits (the combine kernel's block)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...recurrence.triton.common import exp, largest, rounded, total
+from ...recurrence.triton.numerics import exp, largest, rounded, total
 
 __all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2"]
 

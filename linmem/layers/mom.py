@@ -32,14 +32,13 @@ output stage reads q, k, v).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import linear_recurrence, linear_recurrence_step
 from ..ops.routing import (
     Dispatch,
     RouterStats,
@@ -166,8 +165,9 @@ def apply_per_memory(stack: nn.Module, rows: torch.Tensor, group_sizes: torch.Te
 class MixtureOfMemories(Mixer):
     """MoM over any rule of :func:`mom_rules`: hidden ``[B, T, D]`` -> ``[B, T, D]``.
 
-    The cache holds per (sequence, memory) ``recurrent: [B, M', H, K, V]`` (fp32), and when the rule
-    has short convolutions ``history: [B, M', conv_size - 1, D]`` with ``history_len: [B, M']``;
+    The cache holds per (sequence, memory) the rule's state tensors (its ``state_names``: ``recurrent:
+    [B, M', H, K, V]`` fp32 for the unified recurrence; the Bayesian memory adds its covariance), and when
+    the rule has short convolutions ``history: [B, M', conv_size - 1, D]`` with ``history_len: [B, M']``;
     M' = M (+ 1 with the shared memory). After each call ``router_stats`` holds the router's
     :class:`~linmem.ops.routing.RouterStats`.
 
@@ -214,8 +214,7 @@ class MixtureOfMemories(Mixer):
                      keep=None if valid is None else valid[:, None].expand_as(memories))
         if cache is None:
             args = self._recurrence_inputs(flat[d.token], d.cu_seqlens, d.group_sizes)
-            o, _ = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(), cu_seqlens=d.cu_seqlens,
-                                     backend=self.args.backend)
+            o, _ = self.memory.run_memory(args, None, cu_seqlens=d.cu_seqlens, output_final_state=False)
         else:
             args, o = self._cached(flat, d, B, cache)
         return self._mix(o, args, d, weights, hidden)
@@ -278,18 +277,19 @@ class MixtureOfMemories(Mixer):
         self, args: RecurrenceArgs, cu: torch.Tensor, b: torch.Tensor, m: torch.Tensor, B: int, cache: LayerState
     ) -> torch.Tensor:
         """The recurrence of the pairs (b, m) from their cached states; the new states go back to the cache."""
-        H, K, V = args.q.shape[2], args.q.shape[3], args.v.shape[3]
-        acc = torch.promote_types(args.q.dtype, torch.float32)
-        state = _cached_tensor(cache, "recurrent", (B, self.num_states, H, K, V), acc, args.q.device)[b, m]
+        names = self.memory.state_names
+        if names[0] not in cache:  # the first call: every (sequence, memory) pair starts from the rule's fresh state
+            for name, fresh in zip(names, self.memory.fresh_state(B * self.num_states, args)):
+                cache.set(name, fresh.unflatten(0, (B, self.num_states)))
+        state = tuple(cache.get(name)[b, m] for name in names)
         pairs = b.numel()
         if args.q.shape[1] == pairs and not torch.is_grad_enabled():  # one token per pair: a decoding step
-            step = args.as_steps()
-            o, state = linear_recurrence_step(step.q, step.k, step.v, state, **step.op_kwargs())
+            o, state = self.memory.step_memory(args.as_steps(), state)
             o = o[None]
         else:
-            o, state = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(), initial_state=state,
-                                         output_final_state=True, cu_seqlens=cu, backend=self.args.backend)
-        _write_pairs(cache, "recurrent", b, m, state)
+            o, state = self.memory.run_memory(args, state, cu_seqlens=cu, output_final_state=True)
+        for name, tensor in zip(names, state):
+            _write_pairs(cache, name, b, m, tensor)
         return o
 
     def _mix(
@@ -327,11 +327,8 @@ def _take_rows(args: RecurrenceArgs, index: torch.Tensor) -> RecurrenceArgs:
     """Keep the packed rows ``index`` of every per-token tensor of ``args``."""
     rows = args.q.shape[1]
     take = lambda x: x[:, index] if _per_row(x, rows) else x  # noqa: E731
-    return RecurrenceArgs(
-        q=take(args.q), k=take(args.k), v=take(args.v), log_decay=take(args.log_decay), beta=take(args.beta),
-        bonus=args.bonus, a=take(args.a), b=take(args.b), scale=args.scale,
-        extras={name: take(x) for name, x in args.extras.items()},
-    )
+    per_token = {f.name: take(getattr(args, f.name)) for f in fields(args) if f.name not in ("scale", "extras")}
+    return replace(args, **per_token, extras={name: take(x) for name, x in args.extras.items()})
 
 
 def _cached_tensor(

@@ -5,6 +5,11 @@ A memory mixer only says how it turns ``hidden`` into the arguments of
 it turns the read-out back into ``hidden`` (:meth:`MemoryMixer.output`). This base
 does the rest the same way for all of them: padding masks, the recurrent state in
 the cache, one-token decoding with :func:`linmem.ops.linear_recurrence_step`.
+
+A memory whose state is not the one matrix of the unified recurrence (the Bayesian
+memory's mean and covariance) overrides the state hooks: :attr:`state_names`,
+:meth:`fresh_state`, :meth:`run_memory` and :meth:`step_memory`; the base and the
+mixture of memories reach the state only through them.
 """
 
 from __future__ import annotations
@@ -131,15 +136,49 @@ class MemoryMixer(Mixer):
         check_cache_and_varlen(cache, cu_seqlens)
         args = self.recurrence_inputs(hidden, cache=cache, cu_seqlens=cu_seqlens).cast(activation_dtype(hidden))
         run = args.masked(token_mask) if token_mask is not None else args
-        state = cache.get("recurrent") if cache is not None else None
+        state = None
+        if cache is not None and self.state_names[0] in cache:
+            state = tuple(cache.get(name) for name in self.state_names)
         if state is not None and hidden.shape[1] == 1 and not torch.is_grad_enabled():
-            step = run.as_steps()
-            o, state = linear_recurrence_step(step.q, step.k, step.v, state, **step.op_kwargs())
+            o, state = self.step_memory(run.as_steps(), state)
             o = o[:, None]
         else:
-            o, state = linear_recurrence(run.q, run.k, run.v, **run.op_kwargs(), initial_state=state,
-                                         output_final_state=cache is not None, cu_seqlens=cu_seqlens,
-                                         backend=self.args.backend)
+            o, state = self.run_memory(run, state, cu_seqlens=cu_seqlens, output_final_state=cache is not None)
         if cache is not None:
-            cache.set("recurrent", state)
+            for name, tensor in zip(self.state_names, state):
+                cache.set(name, tensor)
         return self.output(o, hidden, args)
+
+    # ---------------------------------------------------------------- the state hooks
+
+    #: the cache names of the state's tensors (batch-first), in the order the hooks take them
+    state_names: ClassVar[tuple[str, ...]] = ("recurrent",)
+
+    def fresh_state(self, rows: int, args: RecurrenceArgs) -> tuple[torch.Tensor, ...]:
+        """The state of ``rows`` sequences that have seen nothing: ``(S [rows, H, K, V],)`` zeros (fp32)."""
+        H, K, V = args.q.shape[2], args.q.shape[3], args.v.shape[3]
+        acc = torch.promote_types(args.q.dtype, torch.float32)
+        return (torch.zeros(rows, H, K, V, dtype=acc, device=args.q.device),)
+
+    def run_memory(
+        self,
+        args: RecurrenceArgs,
+        state: Optional[tuple[torch.Tensor, ...]],
+        *,
+        cu_seqlens: Optional[torch.Tensor],
+        output_final_state: bool,
+    ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
+        """The memory over a sequence: ``(o [B, T, H, V], final state or None)`` from ``state`` (None: fresh)."""
+        o, final = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(),
+                                     initial_state=None if state is None else state[0],
+                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                     backend=self.args.backend)
+        return o, (None if final is None else (final,))
+
+    def step_memory(
+        self, step: RecurrenceArgs, state: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One token per row (``step`` as :meth:`RecurrenceArgs.as_steps` gives it) -> ``(o [N, H, V], state)``;
+        the state is updated in place when no gradient is recorded."""
+        o, S = linear_recurrence_step(step.q, step.k, step.v, state[0], **step.op_kwargs())
+        return o, (S,)

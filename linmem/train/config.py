@@ -63,10 +63,13 @@ class ModelSection:
 class MQARSection:
     settings: list[list[int]] = field(default_factory=lambda: [[64, 4]])  # (seq_len, kv pairs) trained on, mixed
     eval_settings: list[list[int]] = field(default_factory=list)  # evaluated on (default: the trained ones)
-    vocab_size: int = 8192  # tokens (keys from [1, V/2), values from [V/2, V))
+    vocab_size: int = 8192  # tokens (base: keys from [1, V/2), values from [V/2, V); other variants: one pool [1, V))
     train_examples: int = 20000  # per setting
     eval_examples: int = 1000  # per setting
     power_a: float = 0.01  # power-law parameter of query gaps
+    variant: str = "base"  # base (Zoology), shared (keys and values from one pool), update (keys rebound), block
+    update_fraction: float = 0.5  # variant update: fraction of the pairs rebound (at least one)
+    num_blocks: int = 2  # variant block: MQAR examples back to back in one sequence
 
 
 @dataclass
@@ -194,6 +197,10 @@ class TrainConfig:
             (all(len(s) == 2 for s in self.data.mqar.settings + self.data.mqar.eval_settings),
              "data.mqar.settings entries must be [seq_len, num_kv_pairs]"),
             (bool(self.data.mqar.settings), "data.mqar.settings must not be empty"),
+            (self.data.mqar.variant in ("base", "shared", "update", "block"),
+             f"data.mqar.variant must be base, shared, update or block, got {self.data.mqar.variant!r}"),
+            (0 < self.data.mqar.update_fraction <= 1, "data.mqar.update_fraction must lie in (0, 1]"),
+            (self.data.mqar.num_blocks >= 1, "data.mqar.num_blocks must be >= 1"),
             (self.data.text.dataset is None or self.data.text.tokenizer is not None,
              "data.text.dataset needs data.text.tokenizer (a local tokenizer folder)"),
             (self.data.text.errors in ("replace", "strict"),

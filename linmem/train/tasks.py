@@ -13,7 +13,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..eval.mqar import generate_mqar, mqar_hits, shift_labels_right
+from ..eval.mqar import mqar_hits, shift_labels_right
+from ..eval.mqar_variants import mqar_generator
 from .config import DataSection
 from .corpus import Codec, load_corpus, section_codec
 from .data import ExampleBatches, PackedBatches
@@ -59,23 +60,25 @@ class Task(ABC):
 
 
 class MQARTask(Task):
-    """Multi-query associative recall, trained on a mix of (seq_len, kv pairs) settings."""
+    """Multi-query associative recall (``data.mqar.variant``), trained on a mix of (seq_len, kv pairs) settings."""
 
     def __init__(self, data: DataSection) -> None:
         m = data.mqar
+        generate = mqar_generator(m.variant, update_fraction=m.update_fraction, num_blocks=m.num_blocks)
+        self.variant = m.variant
         self.vocab_size = m.vocab_size
         self.batch_size = data.batch_size
         sources = []
         for i, (seq_len, kv) in enumerate(m.settings):
-            x, y = generate_mqar(m.train_examples, seq_len, kv, m.vocab_size, power_a=m.power_a,
-                                 seed=data.seed * 1000 + i)
+            x, y = generate(m.train_examples, seq_len, kv, m.vocab_size, power_a=m.power_a,
+                            seed=data.seed * 1000 + i)
             # Zoology labels sit at the query position; the model's loss shifts labels by one
             sources.append(ExampleBatches(x, shift_labels_right(y), data.batch_size, seed=data.seed * 1000 + i))
         self.train_batches = RoundRobin(sources)
         self.eval_sets = {}
         for i, (seq_len, kv) in enumerate(m.eval_settings or m.settings):
-            self.eval_sets[(seq_len, kv)] = generate_mqar(m.eval_examples, seq_len, kv, m.vocab_size,
-                                                          power_a=m.power_a, seed=EVAL_SEED_OFFSET + data.seed * 1000 + i)
+            self.eval_sets[(seq_len, kv)] = generate(m.eval_examples, seq_len, kv, m.vocab_size,
+                                                     power_a=m.power_a, seed=EVAL_SEED_OFFSET + data.seed * 1000 + i)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
@@ -93,7 +96,7 @@ class MQARTask(Task):
         return metrics
 
     def describe(self) -> str:
-        return f"MQAR settings {list(self.eval_sets)} vocab {self.vocab_size}"
+        return f"MQAR ({self.variant}) settings {list(self.eval_sets)} vocab {self.vocab_size}"
 
 
 class TextTask(Task):

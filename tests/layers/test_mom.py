@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import linmem.layers.mom as mom_module
+import linmem.layers.recurrent as recurrent_module
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.layers.mom import MoMArgs, mom_rules
 
@@ -42,13 +42,13 @@ def test_one_memory_top1_without_shared_memory_is_the_plain_rule(rule):
 def test_the_recurrence_runs_once_over_every_sequence_memory_pair(monkeypatch):
     mom = make("gated_deltanet", num_memories=4, top_k=2)
     calls = []
-    original = mom_module.linear_recurrence
+    original = recurrent_module.linear_recurrence
 
     def counted(*args, **kwargs):
         calls.append(kwargs["cu_seqlens"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(mom_module, "linear_recurrence", counted)
+    monkeypatch.setattr(recurrent_module, "linear_recurrence", counted)
     with torch.no_grad():
         mom(torch.randn(3, 10, D))
     assert len(calls) == 1
@@ -112,7 +112,7 @@ def test_balancing_loss_is_memories_times_sum_of_load_times_probability():
 
 
 def test_bad_arguments_name_the_valid_choices():
-    with pytest.raises(ValueError, match="valid: deltanet, gated_deltanet, gla"):
+    with pytest.raises(ValueError, match="valid: bayes, deltanet, gated_deltanet, gla"):
         make("rwkv7")
     with pytest.raises(ValueError, match=r"`top_k` = 3 must lie in \[1, num_memories = 2\]"):
         make("gla", num_memories=2, top_k=3)

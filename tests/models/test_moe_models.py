@@ -101,7 +101,7 @@ def test_router_logits_are_returned_on_request():
 
 @pytest.mark.parametrize("fields,message", [
     (dict(mlp="dense"), "valid: swiglu, moe"),
-    (dict(memory="mom", mom_memory="lstm"), "valid: deltanet, gated_deltanet"),
+    (dict(memory="mom", mom_memory="lstm"), "valid: bayes, deltanet, gated_deltanet"),
     (dict(num_memories=2, mom_top_k=3), r"mom_top_k = 3 must lie in \[1, num_memories = 2\]"),
     (dict(mlp="moe", num_experts=4, num_experts_per_tok=6), r"num_experts_per_tok = 6 must lie in \[1, num_experts"),
     (dict(moe_router="relu"), "valid: softmax, sigmoid"),

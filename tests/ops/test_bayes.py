@@ -195,3 +195,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="`q` must be 3-D"):
         bayes_filter_step(t["q"], t["k"][:, 0], t["v"][:, 0], (None, None), log_decay=t["log_decay"][:, 0],
                           obs_noise=t["obs_noise"][:, 0])
+    step = {n: t[n][:, 0] for n in ("q", "k", "v")}
+    state = (torch.zeros(1, 2, 8, 6, dtype=F64), torch.eye(8, dtype=F64).repeat(1, 2, 1, 1))
+    with pytest.raises(ValueError, match="unknown `backend` 'delta'; valid: auto, reference, triton"):
+        bayes_filter_step(**step, state=state, log_decay=t["log_decay"][:, 0], obs_noise=t["obs_noise"][:, 0],
+                          backend="delta")

@@ -120,7 +120,7 @@ def test_decoding_step_runs_the_kernel_in_place(caplog):
     for i in range(3):
         step = {n: x[:, i] for n, x in t.items()}
         o_i, var_i, (M, P) = bayes_filter_step(step.pop("q"), step.pop("k"), step.pop("v"), (M, P), **step,
-                                               return_variance=True)
+                                               return_variance=True, backend="triton")
         assert rel_err(o_i, o[:, i]) < FP32_TOL and rel_err(var_i, var[:, i]) < FP32_TOL
     assert (M.data_ptr(), P.data_ptr()) == ptrs
     assert "stepping in PyTorch" not in caplog.text

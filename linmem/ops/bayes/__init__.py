@@ -31,15 +31,18 @@ logger = logging.getLogger("linmem.ops")
 
 #: names accepted by ``backend=``
 BACKENDS = ("auto", "reference", "delta", "triton")
+#: the backends of :func:`bayes_filter_step`
+STEP_BACKENDS = ("auto", "reference", "triton")
 #: input dtypes of the Triton kernels
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 Result = tuple[torch.Tensor, Optional[torch.Tensor], Optional[State]]
 
 
 def _device_refusal(x: torch.Tensor) -> Optional[str]:
     """None if the Triton kernels run on x's device (CUDA, or the CPU through the interpreter)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "the triton package is not installed"
     if x.device.type == "cuda":
         return None
@@ -80,6 +83,8 @@ def _kernel_args(inputs: FilterInputs) -> tuple:
 
 
 def _triton_filter(inputs: FilterInputs) -> Result:
+    """The fused kernels: under ``torch.compile`` as the custom ops of :mod:`.ops`, else through the launchers
+    (the same kernels without the custom ops' dispatch cost)."""
     from .launch import BayesFilterFunction, Launch, filter_forward
 
     q, k, v, g, r, w = _kernel_args(inputs)
@@ -87,7 +92,11 @@ def _triton_filter(inputs: FilterInputs) -> Result:
     cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.contiguous()
     launch = Launch.default(q.shape[-1], v.shape[-1])
     args = (q, k, v, g, r, w, M0, P0, cu, inputs.scale, inputs.prior, inputs.return_variance)
-    if inputs.records_grad:
+    if torch.compiler.is_compiling():
+        from .ops import filter_fwd_op
+
+        o, var, MT, PT = filter_fwd_op(*args, inputs.records_grad, launch.block_v, launch.num_warps)[:4]
+    elif inputs.records_grad:
         o, var, MT, PT = BayesFilterFunction.apply(*args, launch)
     else:
         o, var, MT, PT, _ = filter_forward(*args, False, launch)
@@ -211,6 +220,7 @@ def bayes_filter_step(
     reset: bool = False,
     scale: Optional[float] = None,
     return_variance: bool = False,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], State]:
     """One decoding step of :func:`bayes_filter` against a state ``(M, P)``.
 
@@ -218,7 +228,9 @@ def bayes_filter_step(
     log_decay, obs_noise, process_noise ``[B, H]``; ``state = (M [B, H, K, V], P [B, H, K, K])`` in fp32
     (fp64 for fp64 inputs). Returns ``(o [B, H, V], var [B, H] or None, state)``. When no gradient is being
     recorded the state is updated in place and the same tensors are returned (on CUDA by the forward kernel);
-    otherwise new tensors are returned and ``state`` is left untouched.
+    otherwise new tensors are returned and ``state`` is left untouched. ``backend``: ``"auto"`` (the forward
+    kernel on CUDA, else the PyTorch step), ``"triton"`` (the kernel, on the CPU through the interpreter) or
+    ``"reference"`` (the PyTorch step); a kernel that cannot serve the step falls back to PyTorch (logged).
 
     Example:
         >>> import torch
@@ -246,23 +258,31 @@ def bayes_filter_step(
     acc = compute_dtype(q)
     if M.dtype != acc or P.dtype != acc:
         raise TypeError(f"bayes_filter_step: `state` must be {acc} for {q.dtype} inputs, got {M.dtype}, {P.dtype}")
-    reason = _step_kernel_refusal(inputs, (M, P))
-    if reason is None:
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"bayes_filter_step: unknown `backend` {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
+    kernel = backend == "triton" or (backend == "auto" and q.device.type == "cuda")
+    reason = _step_kernel_refusal(inputs, (M, P)) if kernel else None
+    if kernel and reason is None:
         from .launch import Launch, _pow2, default_warps, filter_forward
 
         BV = _pow2(v.shape[-1])
-        o, var, _, _, _ = filter_forward(
-            *_kernel_args(inputs), M, P, None, inputs.scale, inputs.prior, return_variance, False,
-            Launch(BV, default_warps(q.shape[-1], BV)), MT=M, PT=P,
-        )
+        launch = Launch(BV, default_warps(q.shape[-1], BV))
+        if torch.compiler.is_compiling():
+            from .ops import step_op
+
+            o, var = step_op(*_kernel_args(inputs), M, P, inputs.scale, inputs.prior, return_variance, launch.block_v,
+                             launch.num_warps)
+        else:
+            o, var, _, _, _ = filter_forward(*_kernel_args(inputs), M, P, None, inputs.scale, inputs.prior,
+                                             return_variance, False, launch, MT=M, PT=P)
         return o[:, 0], (var[:, 0] if return_variance else None), (M, P)
-    logger.debug("bayes_filter_step: the kernel cannot serve this step (%s); stepping in PyTorch", reason)
+    if reason is not None:
+        logger.debug("bayes_filter_step: the kernel cannot serve this step (%s); stepping in PyTorch", reason)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     o, var, M_new, P_new = filter_step(
         M, 0.5 * (P + P.transpose(-1, -2)), *map(cast, (q, k, v)), torch.exp(log_decay.to(acc)), cast(obs_noise),
-        cast(process_noise), prior=inputs.prior, reset=reset, scale=inputs.scale,
+        cast(process_noise), prior=inputs.prior, reset=reset, scale=inputs.scale, variance=return_variance,
     )
-    var = var if return_variance else None
     if inputs.records_grad:
         return o.to(q.dtype), var, (M_new, P_new)
     M.copy_(M_new)

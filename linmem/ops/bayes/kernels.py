@@ -50,6 +50,9 @@ import triton.language as tl
 from ..recurrence.triton.layout import sequence_bounds
 from ..recurrence.triton.numerics import exp, rounded, total
 
+# Zero tiles are tl.full(shape, 0.0, tl.float32): tl.zeros is a @jit function of triton.language, which the
+# Triton interpreter cannot call when triton.language was imported before TRITON_INTERPRET=1 was set.
+
 
 @triton.jit
 def _ranges(K, V, BK: tl.constexpr, BV: tl.constexpr):
@@ -72,7 +75,7 @@ def _initial_belief(M0, P0, nh, K, V, kr, vr, mk, mv, prior, PRESENT: tl.constex
         P = tl.load(base + kr[:, None] * K + kr[None, :], mask=mkk, other=0.0)
         P = 0.5 * (P + tl.load(base + kr[None, :] * K + kr[:, None], mask=mkk, other=0.0))
     else:
-        M = tl.zeros([BK, BV], dtype=tl.float32)
+        M = tl.full([BK, BV], 0.0, tl.float32)
         P = tl.where((kr[:, None] == kr[None, :]) & mk[:, None], prior, 0.0)
     return M, P
 
@@ -159,7 +162,7 @@ def mean_bwd_kernel(q, k, g, U, S, E, do, dMT, dM0, dE, DE, cu_seqlens, scale, T
     kr, vr, mk, mv = _ranges(K, V, BK, BV)
     state = nh.to(tl.int64) * K * V + kr[:, None] * V + vr[None, :]
     mkv = mk[:, None] & mv[None, :]
-    D = tl.zeros([BK, BV], dtype=tl.float32)
+    D = tl.full([BK, BV], 0.0, tl.float32)
     if HAS_DFINAL:
         D = tl.load(dMT + state, mask=mkv, other=0.0)
     share = DE + tl.program_id(0).to(tl.int64) * TOKENS * H * K
@@ -196,8 +199,8 @@ def covariance_bwd_kernel(q, k, g, w, U, S, QPQ, DE, dvar, PT, dPT, dP0, dU, dS,
     mkk = mk[:, None] & mk[None, :]
     eye = tl.where((kr[:, None] == kr[None, :]) & mk[:, None], 1.0, 0.0)
     state = nh.to(tl.int64) * K * K
-    G = tl.zeros([BK, BK], dtype=tl.float32)
-    W = total(tl.zeros([BK], dtype=tl.float32), 0)  # <G_t, P_t>
+    G = tl.full([BK, BK], 0.0, tl.float32)
+    W = total(tl.full([BK], 0.0, tl.float32), 0)  # <G_t, P_t>
     if HAS_DFINAL:
         G = tl.load(dPT + state + kr[:, None] * K + kr[None, :], mask=mkk, other=0.0)
         G = 0.5 * (G + tl.load(dPT + state + kr[None, :] * K + kr[:, None], mask=mkk, other=0.0))
@@ -209,7 +212,7 @@ def covariance_bwd_kernel(q, k, g, w, U, S, QPQ, DE, dvar, PT, dPT, dP0, dU, dS,
         u = tl.load(U + tok * K + kr, mask=mk, other=0.0)
         s = tl.load(S + tok)
         a = exp(tl.load(g + tok))
-        De = tl.zeros([BK], dtype=tl.float32)
+        De = tl.full([BK], 0.0, tl.float32)
         for j in range(0, NV):
             De += tl.load(DE + (j * TOKENS * H + tok) * K + kr, mask=mk, other=0.0)
         ds_var = s * 0.0
@@ -253,7 +256,7 @@ def filter_grads_kernel(q, k, v, g, r, w, M0, P0, do, dvar, dE, dU, dS, dM0, dQ,
     kr, vr, mk, mv = _ranges(K, V, BK, BV)
     eye = tl.where((kr[:, None] == kr[None, :]) & mk[:, None], 1.0, 0.0)
     M, P = _initial_belief(M0, P0, nh, K, V, kr, vr, mk, mv, prior, HAS_INIT, BK, BV)
-    X = total(tl.zeros([BK], dtype=tl.float32), 0)  # <D_t, M_t>, this block's columns
+    X = total(tl.full([BK], 0.0, tl.float32), 0)  # <D_t, M_t>, this block's columns
     if HAS_INIT:
         dM = tl.load(dM0 + nh.to(tl.int64) * K * V + kr[:, None] * V + vr[None, :], mask=mk[:, None] & mv[None, :],
                      other=0.0)

@@ -119,8 +119,8 @@ def filter_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, r: Tensor, w: Op
     variance = dvar is not None
     kernels.covariance_bwd_kernel[(N * H,)](
         q, k, g, w if w is not None else g, saved.U, saved.S, saved.QPQ if variance else g, De,
-        dvar if variance else g, PT, dPT if dPT is not None else PT, dP0, dU, dS, dr, dw if dw is not None else dr, dgP, varlen, T, H, K,
-        tokens, NV, HAS_W=w is not None, VAR=variance, HAS_DFINAL=dPT is not None, BK=BK, **flags,
+        dvar if variance else g, PT, dPT if dPT is not None else PT, dP0, dU, dS, dr, dw if dw is not None else dr,
+        dgP, varlen, T, H, K, tokens, NV, HAS_W=w is not None, VAR=variance, HAS_DFINAL=dPT is not None, BK=BK, **flags,
     )
     dQ, dK = (torch.empty(NV, B, T, H, K, **f32) for _ in range(2))
     dG = torch.empty(NV, B, T, H, **f32)

@@ -38,43 +38,47 @@ def filter_step(
     prior: float,
     reset: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step for N sequences; returns (o [N, H, V], var [N, H], M_t, P_t).
+    variance: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One step for N sequences; returns (o [N, H, V], var [N, H] or None without ``variance``, M_t, P_t).
 
     M: [N, H, K, V]; P: [N, H, K, K]; q, k: [N, H, K]; v: [N, H, V]; a (the decay, not its log),
     r, Q: [N, H] (Q may be None). All in the accumulation dtype.
     """
-    eye = torch.eye(k.shape[-1], dtype=P.dtype, device=P.device)
+    col = lambda x: x[..., :, None]  # noqa: E731  [N, H, D] -> [N, H, D, 1]
+    row = lambda x: x[..., None, :]  # noqa: E731  [N, H, D] -> [N, H, 1, D]
     if reset:
-        P_prior = prior * eye.expand_as(P)
+        P_prior = prior * torch.eye(k.shape[-1], dtype=P.dtype, device=P.device).expand_as(P)
     else:
-        P_prior = a[..., None, None] ** 2 * P
+        P_prior = col(col(a)) ** 2 * P
         if Q is not None:
-            P_prior = P_prior + Q[..., None, None] * eye
-    u = torch.einsum("nhij,nhj->nhi", P_prior, k)  # [N, H, K]
+            P_prior = P_prior + col(col(Q)) * torch.eye(k.shape[-1], dtype=P.dtype, device=P.device)
+    u = (P_prior @ col(k))[..., 0]  # [N, H, K]
     s = (k * u).sum(-1) + r  # [N, H]
-    M_prior = a[..., None, None] * M
-    e = v - torch.einsum("nhkv,nhk->nhv", M_prior, k)  # innovation [N, H, V]
-    M = M_prior + u[..., :, None] * e[..., None, :] / s[..., None, None]
-    P = P_prior - u[..., :, None] * u[..., None, :] / s[..., None, None]
-    o = scale * torch.einsum("nhkv,nhk->nhv", M, q)
-    var = torch.einsum("nhi,nhij,nhj->nh", q, P, q) + r
+    M_prior = col(col(a)) * M
+    e = v - (row(k) @ M_prior)[..., 0, :]  # innovation [N, H, V]
+    M = M_prior + col(u) * row(e) / col(col(s))
+    P = P_prior - col(u) * row(u) / col(col(s))
+    o = scale * (row(q) @ M)[..., 0, :]
+    var = (row(q) @ P @ col(q))[..., 0, 0] + r if variance else None
     return o, var, M, P
 
 
-def _scan(q, k, v, a, r, Q, M, P, prior, reset, scale):
-    """Run the filter over T for a batch; every input already in the accumulation dtype."""
+def _scan(q, k, v, a, r, Q, M, P, prior, reset, scale, variance):
+    """Run the filter over T for a batch; every input already in the accumulation dtype. The variances are
+    computed only with ``variance`` (else None)."""
     outputs, variances = [], []
     for t in range(q.shape[1]):
         o, var, M, P = filter_step(
             M, P, q[:, t], k[:, t], v[:, t], a[:, t], r[:, t], None if Q is None else Q[:, t],
-            prior=prior, reset=reset, scale=scale,
+            prior=prior, reset=reset, scale=scale, variance=variance,
         )
         outputs.append(o)
         variances.append(var)
+    var = (torch.stack(variances, 1) if outputs else q.new_zeros(q.shape[:3])) if variance else None
     if not outputs:
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), q.new_zeros(q.shape[:3]), M, P
-    return torch.stack(outputs, 1), torch.stack(variances, 1), M, P
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), var, M, P
+    return torch.stack(outputs, 1), var, M, P
 
 
 def initial_belief(inputs: FilterInputs, n: int, count: int, dtype: torch.dtype) -> State:
@@ -97,7 +101,7 @@ def reference_filter(inputs: FilterInputs) -> tuple[torch.Tensor, Optional[torch
     a = torch.exp(inputs.log_decay.to(acc))
     run = lambda part, n, count: _scan(  # noqa: E731
         part(q), part(k), part(v), part(a), part(r), None if Q is None else part(Q),
-        *initial_belief(inputs, n, count, acc), inputs.prior, inputs.reset, inputs.scale,
+        *initial_belief(inputs, n, count, acc), inputs.prior, inputs.reset, inputs.scale, inputs.return_variance,
     )
     if inputs.cu_seqlens is None:
         o, var, M, P = run(lambda t: t, 0, q.shape[0])
@@ -105,7 +109,8 @@ def reference_filter(inputs: FilterInputs) -> tuple[torch.Tensor, Optional[torch
         bounds = inputs.cu_seqlens.tolist()
         pieces = [run(lambda t, s=start, e=end: t[:, s:e], n, 1)
                   for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))]
-        o, var, M, P = (torch.cat(parts, dim=1 if i < 2 else 0) for i, parts in enumerate(zip(*pieces)))
+        o, var, M, P = (None if parts[0] is None else torch.cat(parts, dim=1 if i < 2 else 0)
+                        for i, parts in enumerate(zip(*pieces)))
     return (
         o.to(inputs.q.dtype),
         var if inputs.return_variance else None,

@@ -10,7 +10,7 @@
     linmem data prepare data/stdlib                 # tokenize once into memory-mapped shards
     linmem linearize --from ckpt/llama --out ckpt/liger --memory gla --window 64   # Liger: no new parameters
     linmem train data.task=text data.text.prepared=data/stdlib
-    linmem bench ops --peers         # kernel times beside SDPA and flash-linear-attention (CUDA)
+    linmem bench ops --peers         # kernel times beside SDPA, FlexAttention and flash-linear-attention (CUDA)
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
     linmem bench models --peers      # whole models' training tokens/s and memory beside HF Llama and fla (CUDA)
     linmem bench decode --peers      # ms per generated token and memory versus context beside HF Llama and fla
@@ -155,8 +155,8 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         decode_batch=args.decode_batch, gates=args.gates, breakdown=args.breakdown,
-                         accuracy=args.accuracy)
+                         window=args.window, decode_batch=args.decode_batch, gates=args.gates,
+                         breakdown=args.breakdown, accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
 
@@ -239,16 +239,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    ops = bench_sub.add_parser("ops", help="forward and forward+backward time of every op and backend (CUDA)")
+    ops = bench_sub.add_parser(
+        "ops", help="forward and forward+backward time of every op and backend (CUDA)",
+        description="Forward and forward+backward times of linmem's ops beside peers, in one table (CUDA). Rows of a "
+                    "memory op: one per --backends, then fla.<kernel> (--peers fla). Rows of an attention op: linmem "
+                    "(forgetting_attention), torch.sdpa_causal (--peers sdpa: the other rows give their ratio to it), "
+                    "torch.flex_<op> (--peers flex) and, for fox, fla.parallel_forgetting_attn (--peers fla).")
     ops.add_argument("--shapes", default="8x2048,4x4096,2x8192,1x16384", help="BxT pairs, comma-separated")
     ops.add_argument("--heads", type=int, default=16)
     ops.add_argument("--head-dim", type=int, default=128)
     ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,attention",
-                     help="memory ops of the unified recurrence, 'attention' (causal) and 'fox' (forgetting)")
+    ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,"
+                                      "attention,fox,swa,fox_swa",
+                     help="memory ops of the unified recurrence and forgetting_attention's: 'attention' (causal), "
+                          "'fox' (causal, forget gate), 'swa' (sliding window of --window keys), 'fox_swa' (both)")
     ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
-    ops.add_argument("--peers", nargs="?", const="sdpa,fla", default="",
-                     help="add peers measured in the same run: sdpa (PyTorch SDPA, causal), fla (flash-linear-attention)")
+    ops.add_argument("--peers", nargs="?", const="sdpa,flex,fla", default="",
+                     help="add peers measured in the same run (alone: all three): sdpa (PyTorch SDPA, full causal, "
+                          "no gate: the lower bound of each attention op, which its other rows state their ratios to), "
+                          "flex (torch.compile(flex_attention) computing each attention op: forget bias as score_mod, "
+                          "causality and window as block mask; CUDA), fla (flash-linear-attention's kernel of each "
+                          "memory op and parallel_forgetting_attn for fox)")
+    ops.add_argument("--window", type=int, default=512, help="keys a query sees in the ops swa and fox_swa")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--gates", type=float, default=1.0,
                      help="log decays this many times the default: 10 and 100 send per-channel decays down the "

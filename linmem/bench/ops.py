@@ -2,14 +2,29 @@
 
 One table for the shapes asked for (``[B, T, H, D]``, bf16 by default, 16K tokens per
 step at the DESIGN.md section 8 shapes): every memory op of the unified recurrence on
-each backend, linmem's softmax attention op, and with ``--peers`` PyTorch SDPA (causal,
-the backend PyTorch picks, flash or cuDNN) and the flash-linear-attention kernels when that
-package is installed. A peer that fails prints its error in the table (fla refuses gated
-backward on Hopper with Triton < 3.7.1). Decoding rows time one ``linear_recurrence_step``
-with its host work, as steps run back to back, and again replayed from a CUDA graph (the GPU work
-alone, which the state bandwidth is computed from); ceilings are measured in the same run. Times are medians of
-``triton.testing.do_bench``. ``--breakdown`` adds, for the first shape, the GPU time of every
-kernel of one forward+backward of each memory op and its fla peer (torch.profiler).
+each backend and the softmax-attention ops of ``forgetting_attention``, and with ``--peers``
+the same computations by others, measured in the same run. A peer that fails (fla refuses gated
+backward on Hopper with Triton < 3.7.1; a FlexAttention that does not compile) prints its error
+in the table instead of a time.
+
+Rows of a memory op: ``triton``, ``chunk``, ... (each ``linear_recurrence`` backend asked for)
+and ``fla.<kernel>`` (fla's kernel of that recurrence, peer ``fla``).
+
+Rows of an attention op (``attention``: causal; ``fox``: causal with the forget gate;
+``swa``: a sliding window of ``--window`` keys; ``fox_swa``: the gate and the window):
+
+* ``linmem``: ``forgetting_attention`` (its flash kernels on CUDA);
+* ``torch.sdpa_causal`` (peer ``sdpa``): PyTorch SDPA, full causal, no gate, the kernel PyTorch
+  picks (flash or cuDNN): the lower bound that every other row of the op states its ratio to;
+* ``torch.flex_<op>`` (peer ``flex``, CUDA only): ``torch.compile(flex_attention)`` with the
+  forget bias ``c_i - c_j`` as its score_mod and causality and the window as its block mask;
+* ``fla.parallel_forgetting_attn`` (peer ``fla``, op ``fox``): fla's FoX kernel.
+
+Decoding rows time one ``linear_recurrence_step`` with its host work, as steps run back to back, and
+again replayed from a CUDA graph (the GPU work alone, which the state bandwidth is computed from);
+ceilings are measured in the same run. Times are medians of ``triton.testing.do_bench``.
+``--breakdown`` adds, for the first shape, the GPU time of every kernel of one forward+backward of
+each memory op and its fla peer (torch.profiler).
 """
 
 from __future__ import annotations
@@ -45,6 +60,15 @@ FLA_PEERS = {
     "gated_deltanet": "chunk_gated_delta_rule",
     "kda": "chunk_kda",
 }
+#: the softmax-attention ops of forgetting_attention: (forget gate, sliding window)
+ATTENTION_OPS = {
+    "attention": (False, False),
+    "fox": (True, False),
+    "swa": (False, True),
+    "fox_swa": (True, True),
+}
+#: the peers --peers can name
+PEERS = ("sdpa", "flex", "fla")
 DEFAULT_SHAPES = ((8, 2048), (4, 4096), (2, 8192), (1, 16384))
 
 
@@ -56,15 +80,25 @@ class BenchConfig:
     heads: int = 16  # H
     head_dim: int = 128  # K = V
     dtype: str = "bfloat16"  # activations; gates stay fp32
-    ops: tuple[str, ...] = tuple(MEMORY_OPS) + ("attention",)  # memory ops and/or "attention", "fox"
+    ops: tuple[str, ...] = tuple(MEMORY_OPS) + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
-    peers: tuple[str, ...] = ()  # "sdpa" and/or "fla", measured in the same run
+    peers: tuple[str, ...] = ()  # some of PEERS, measured in the same run
+    window: int = 512  # keys a query sees in the windowed attention ops (swa, fox_swa)
     decode_batch: int = 64  # B of the decoding rows (0: none)
     gates: float = 1.0  # log decays this many times memory_inputs' default (10: past the one-reference bound)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
     accuracy: bool = False  # also print each memory op's error ratios against float64 at the first shape
     warmup_ms: int = 25
     rep_ms: int = 100
+
+    def __post_init__(self) -> None:
+        ops = (*MEMORY_OPS, *ATTENTION_OPS)
+        if unknown := [op for op in self.ops if op not in ops]:
+            raise ValueError(f"BenchConfig.ops: unknown {unknown}, expected some of {list(ops)}")
+        if unknown := [peer for peer in self.peers if peer not in PEERS]:
+            raise ValueError(f"BenchConfig.peers: unknown {unknown}, expected some of {list(PEERS)}")
+        if self.window < 1:
+            raise ValueError(f"BenchConfig.window: expected a number of keys >= 1, got {self.window}")
 
 
 @dataclass
@@ -100,10 +134,15 @@ def _time_fwd_bwd(bench, fn: Callable[[], torch.Tensor], row: Row, backward: boo
             grad = torch.randn_like(out)
             row.fwdbwd_ms = bench(lambda: fn().backward(grad), leaves)
     except Exception as error:  # a peer or backend that cannot run these shapes says so in the table
-        row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
+        row.error = _error_text(error)
     finally:
         torch.cuda.empty_cache()
     return row
+
+
+def _error_text(error: Exception) -> str:
+    """The error's type and the first line of its message, for the table."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
 
 
 def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str,
@@ -215,7 +254,7 @@ def run_ops(config: BenchConfig, device: str = "cuda", report: Callable[[Row], N
                 if "fla" in config.peers and op in FLA_PEERS:
                     add(_fla_row(bench, FLA_PEERS[op], op, args, B, T))
                 del args, leaves
-            elif op in ("attention", "fox"):
+            elif op in ATTENTION_OPS:
                 for row in _attention_rows(bench, op, config, B, T, H, D, dtype, device):
                     add(row)
     if config.decode_batch:
@@ -234,20 +273,131 @@ def _fla_row(bench, name: str, op: str, args: dict, B: int, T: int) -> Row:
     return _time_fwd_bwd(bench, fn, row, leaves=grad_leaves(args))
 
 
+def attention_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> dict:
+    """Inputs of an attention op as forgetting_attention keywords: q, k, v ``[B, T, H, D]`` and, for the gated ops,
+    ``log_forget = logsigmoid(N(0, 1) + 3)`` ``[B, T, H]`` in fp32 (forget gates near 0.95), every one a leaf.
+
+    Example:
+        >>> t = attention_inputs("fox_swa", 1, 64, 2, 16, torch.float32, "cpu")
+        >>> sorted(t), tuple(t["log_forget"].shape)
+        (['k', 'log_forget', 'q', 'v'], (1, 64, 2))
+    """
+    gated, _ = ATTENTION_OPS[op]
+    args = {n: torch.randn(B, T, H, D, device=device, dtype=dtype).requires_grad_(True) for n in ("q", "k", "v")}
+    if gated:
+        args["log_forget"] = F.logsigmoid(torch.randn(B, T, H, device=device) + 3).requires_grad_(True)
+    return args
+
+
+def flex_attention_fn(B: int, T: int, window: Optional[int] = None, device: str = "cuda",
+                      compiled: bool = True) -> Callable[..., torch.Tensor]:
+    """forgetting_attention's function through PyTorch's FlexAttention, for inputs of batch B and length T.
+
+    The forget bias ``c_i - c_j`` (``c`` the fp32 cumulative sum of ``log_forget`` over T) is the score_mod;
+    causality and the window (``i - window < j <= i``) are the block mask, so FlexAttention skips the key
+    blocks outside them. ``compiled=False`` runs flex_attention eagerly: it materialises the scores, and
+    on CPU it has no backward, which is enough to check it against the reference.
+
+    Returns:
+        ``fn(q, k, v, log_forget=None) -> o``: q, k, v ``[B, T, H, D]``, log_forget ``[B, T, H]`` -> o ``[B, T, H, D]``.
+
+    Example:
+        >>> q, f = torch.randn(1, 32, 2, 16), F.logsigmoid(torch.randn(1, 32, 2))
+        >>> o = flex_attention_fn(1, 32, window=8, device="cpu", compiled=False)(q, q, q, log_forget=f)
+        >>> torch.allclose(o, forgetting_attention(q, q, q, log_forget=f, window=8), atol=1e-5)
+        True
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def visible(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window) if window else q_idx >= kv_idx
+
+    block_mask = create_block_mask(visible, B, None, T, T, device=device)
+    flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           log_forget: Optional[torch.Tensor] = None) -> torch.Tensor:
+        score_mod = None
+        if log_forget is not None:
+            c = log_forget.float().cumsum(1).transpose(1, 2).contiguous()  # [B, H, T]
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + c[b, h, q_idx] - c[b, h, kv_idx]
+
+        o = flex(*(x.transpose(1, 2) for x in (q, k, v)), score_mod=score_mod, block_mask=block_mask)
+        return o.transpose(1, 2)
+
+    return fn
+
+
+def fla_forgetting_fn() -> Callable[..., torch.Tensor]:
+    """fla's ``parallel_forgetting_attn`` as ``fn(q, k, v, log_forget) -> o``, all in linmem's layout (q, k, v, o
+    ``[B, T, H, D]``, log_forget ``[B, T, H]``, the default scale ``D ** -0.5``). Raises ImportError without fla."""
+    from fla.ops.forgetting_attn.parallel import parallel_forgetting_attn
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_forget: torch.Tensor) -> torch.Tensor:
+        return parallel_forgetting_attn(q, k, v, log_forget)
+
+    return fn
+
+
 def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
-    leaf = lambda: torch.randn(B, T, H, D, device=device, dtype=dtype).requires_grad_(True)  # noqa: E731
-    q, k, v = leaf(), leaf(), leaf()
-    rows = []
-    log_f = None
-    if op == "fox":
-        log_f = F.logsigmoid(torch.randn(B, T, H, device=device) + 3).requires_grad_(True)
-    rows.append(_time_fwd_bwd(bench, lambda: forgetting_attention(q, k, v, log_forget=log_f),
-                              Row(op, "linmem", B, T), leaves=[x for x in (q, k, v, log_f) if x is not None]))
-    if "sdpa" in config.peers and op == "attention":  # as shared/peers/bench_peers.py: PyTorch picks the kernel
-        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-        sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
-        rows.append(_time_fwd_bwd(bench, sdpa, Row(op, "torch.sdpa_causal", B, T), leaves=(qt, kt, vt)))
+    """linmem's row of an attention op, then the peers' (module docstring); every row but SDPA's gets its ratios to
+    SDPA causal, and a windowed op's rows but SDPA's their window."""
+    window = config.window if ATTENTION_OPS[op][1] else None
+    args = attention_inputs(op, B, T, H, D, dtype, device)
+    leaves = grad_leaves(args)
+    rows = [_time_fwd_bwd(bench, lambda: forgetting_attention(**args, window=window), Row(op, "linmem", B, T),
+                          leaves=leaves)]
+    sdpa = None
+    if "sdpa" in config.peers:  # as shared/peers/bench_peers.py: PyTorch picks the kernel
+        qt, kt, vt = (args[n].detach().transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
+        fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
+        sdpa = _time_fwd_bwd(bench, fn, Row(op, "torch.sdpa_causal", B, T), leaves=(qt, kt, vt))
+        rows.append(sdpa)
+    if "flex" in config.peers:
+        rows.append(_flex_row(bench, op, args, window, B, T, device))
+    if "fla" in config.peers and op == "fox":
+        rows.append(_fla_fox_row(bench, args, B, T, device))
+    for row in rows:
+        if row is sdpa:
+            continue
+        if window:
+            row.extra["window"] = window
+        for pass_ in ("fwd", "fwdbwd") if sdpa is not None else ():
+            ms, sdpa_ms = getattr(row, f"{pass_}_ms"), getattr(sdpa, f"{pass_}_ms")
+            if math.isfinite(ms) and sdpa_ms > 0:  # both timed (NaN: the row or SDPA failed)
+                row.extra[f"{pass_}_vs_sdpa"] = ms / sdpa_ms
     return rows
+
+
+def _flex_row(bench, op: str, args: dict, window: Optional[int], B: int, T: int, device: str) -> Row:
+    row = Row(op, f"torch.flex_{op}", B, T)
+    if torch.device(device).type != "cuda":
+        row.error = "needs CUDA (FlexAttention has no backward on CPU)"
+        return row
+    # past dynamo's recompilation limit flex_attention would run eagerly (the scores materialised) and that would be
+    # timed: one compilation per shape and op stays far below 64, and reaching it fails the row instead
+    try:
+        fn = flex_attention_fn(B, T, window, device)
+        with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+            return _time_fwd_bwd(bench, lambda: fn(**args), row, leaves=grad_leaves(args))
+    except Exception as error:  # a FlexAttention (or torch) that cannot build this mask or limit says so in the table
+        row.error = _error_text(error)
+        return row
+
+
+def _fla_fox_row(bench, args: dict, B: int, T: int, device: str) -> Row:
+    row = Row("fox", "fla.parallel_forgetting_attn", B, T)
+    try:
+        fn = fla_forgetting_fn()
+    except ImportError as error:
+        row.error = f"fla not installed ({error})"
+        return row
+    if torch.device(device).type != "cuda":
+        row.error = "needs CUDA (fla's kernels are Triton GPU kernels)"
+        return row
+    return _time_fwd_bwd(bench, lambda: fn(**args), row, leaves=grad_leaves(args))
 
 
 def decode_rows(config: BenchConfig, device: str) -> list[Row]:
@@ -317,11 +467,17 @@ TABLE_HEAD = (f"{'op':18s} {'impl':28s} {'B':>3s} {'T':>6s} {'fwd ms':>8s} {'f+b
 
 
 def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
-    """One line: times, tokens/s and, for memory ops, achieved fractions of the measured ceilings."""
+    """One line: times, tokens/s and, for memory ops, achieved fractions of the measured ceilings; for attention
+    ops the window and the ratios to SDPA causal."""
     act_bytes = torch.finfo(getattr(torch, config.dtype)).bits // 8
     tok = r.B * r.T / (r.fwdbwd_ms * 1e-3) / 1e6 if not math.isnan(r.fwdbwd_ms) else math.nan
     fl = bw = math.nan
-    note = r.error
+    notes = [f"window {r.extra['window']}"] if "window" in r.extra else []
+    ratios = [f"{name} {r.extra[f'{pass_}_vs_sdpa']:.2f}" for pass_, name in (("fwdbwd", "f+b"), ("fwd", "fwd"))
+              if f"{pass_}_vs_sdpa" in r.extra]
+    if ratios:
+        notes.append("x sdpa_causal: " + ", ".join(ratios))
+    note = "; ".join(notes + ([r.error] if r.error else []))
     if r.op in MEMORY_OPS and r.T > 1 and ceil and not math.isnan(r.fwdbwd_ms):
         flops, nbytes = nominal_cost(r.op, r.B, r.T, config.heads, config.head_dim, act_bytes)
         fl = 100 * flops / (r.fwdbwd_ms * 1e-3) / (ceil["bf16_tflops"] * 1e12)

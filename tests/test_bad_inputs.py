@@ -446,7 +446,9 @@ def corpus_with_empty_document(env) -> bool:
     for i in range(4):
         (folder / f"doc{i}.txt").write_text(f"document {i} " * 20)
     corpus = load_corpus(TextSection(paths=[str(folder)], val_fraction=0.25), seed=0)
-    assert min(len(d) for d in corpus.train.documents) > 0 if hasattr(corpus.train, "documents") else True
+    lengths = [*corpus.train.lengths.tolist(), *corpus.validation.lengths.tolist()]
+    assert len(lengths) == 4 and min(lengths) > 0, lengths  # the four documents, the empty file skipped
+    assert sum(c.empty for c in corpus.counts.values()) == 1, corpus.counts
     return True
 
 

@@ -27,6 +27,7 @@ from ..layers import MixerArgs, mixer_class, mixer_names
 from ..layers.base import check_bool, check_choice, check_float, check_int
 from ..layers.liger import LIGER_MEMORIES
 from ..layers.moe import MoEArgs
+from ..ops.recurrence import available_backends
 from ..layers.mom import mom_rules
 from ..ops.routing import ROUTERS
 
@@ -205,6 +206,12 @@ class LinmemConfig(PretrainedConfig):
         if "forget_gate" not in config_dict and config_dict.get("attention", "softmax") != "swa":
             config_dict = {**config_dict, "window": None}
             logger.info("config saved by an earlier linmem: `window` applied to swa only, so it is dropped")
+        fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        given = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
+        if given:  # fields given beside the saved ones (from_pretrained(path, layer_pattern=...)): validated as one
+            config_dict = {**config_dict, **given}
+            if "layer_pattern" in given and "num_hidden_layers" not in given:
+                config_dict.pop("num_hidden_layers", None)
         return super().from_dict(config_dict, **kwargs)
 
     def validate_linmem(self) -> None:
@@ -239,8 +246,7 @@ class LinmemConfig(PretrainedConfig):
         for name in ("initializer_range", "mom_aux_loss_coef", "router_aux_loss_coef", "router_z_loss_coef"):
             check_float(OWNER, name, getattr(self, name), minimum=0.0, inclusive=True)
         check_float(OWNER, "moe_capacity_factor", self.moe_capacity_factor, minimum=0.0, optional=True)
-        if not isinstance(self.recurrence_backend, str):
-            raise ValueError(f"{OWNER}: `recurrence_backend` must be a backend name, got {self.recurrence_backend!r}")
+        check_choice(OWNER, "recurrence_backend", self.recurrence_backend, available_backends())
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             self._check_token_id(name)
         if self.mom_top_k > self.num_memories:

@@ -14,12 +14,15 @@ The decoding cache is passed and returned under the name the installed transform
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
@@ -116,6 +119,9 @@ class LinmemBlock(GradientCheckpointingLayer):
         return stats
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # the files from_pretrained reads weights from
+
+
 class LinmemPreTrainedModel(PreTrainedModel):
     """Each module initialises its parameters in ``reset_parameters()`` (the mixers as their papers
     do); ``_init_weights`` calls it for the modules a checkpoint leaves incomplete."""
@@ -126,6 +132,19 @@ class LinmemPreTrainedModel(PreTrainedModel):
     _supports_cache_class = True
     _is_stateful = True
     supports_gradient_checkpointing = True
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As PreTrainedModel's; weights that cannot be read (a damaged or cut safetensors file, a pickle that
+        the weights-only load refuses) raise an OSError that names the folder and its weight files."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except (SafetensorError, pickle.UnpicklingError) as err:
+            folder = Path(pretrained_model_name_or_path)
+            files = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise OSError(f"cannot read the weights in {folder} ({', '.join(files) or 'no weight file'}): "
+                          f"{reason}") from err
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -205,7 +224,7 @@ class LinmemModel(LinmemPreTrainedModel):
         if isinstance(cache, StaticLinmemCache):
             cache.check_room(T)  # before any layer writes its part of the cache
         past = cache.get_seq_length() if cache is not None else 0
-        token_mask = _token_mask(attention_mask, T)
+        token_mask = _token_mask(attention_mask, B, T)
         if position_ids is None:
             position_ids = _positions(B, T, past, attention_mask, cu_seqlens, hidden.device)
 
@@ -259,12 +278,12 @@ def _stream(hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Ten
     return hidden if residual is None else hidden.to(residual.dtype) + residual
 
 
-def _token_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
+def _token_mask(attention_mask: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
     """[B, T] bool of the current tokens, or None when nothing is padded."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or attention_mask.shape[1] < T:
-        raise ValueError(f"`attention_mask` must be [B, past + T] of 0/1 with past + T >= T = {T}, "
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(f"`attention_mask` must be [B, past + T] of 0/1 with B = {B} and past + T >= T = {T}, "
                          f"got shape {list(attention_mask.shape)}")
     mask = attention_mask[:, -T:].bool()
     return None if bool(mask.all()) else mask

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -245,17 +246,29 @@ def load_checkpoint(
     elif any(isinstance(p, DTensor) for p in model.parameters()):
         _load_whole_into_shards(path, model, optimizer)
     else:
-        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        try:
+            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        except RuntimeError as err:  # a parameter of another shape
+            raise CheckpointError(f"checkpoint {path} does not fit the model: {' '.join(str(err).split())}") from err
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing}, "
                                   f"unexpected {unexpected}")
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+            optimizer.load_state_dict(_torch_load(path / "optimizer.pt", map_location="cpu"))
     state = json.loads((path / "trainer_state.json").read_text())
     if scheduler is not None:
         scheduler.load_state_dict(_fit_groups(state["scheduler"], len(scheduler.optimizer.param_groups), path))
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    rng = _torch_load(path / "rng.pt")
     return state, rng
+
+
+def _torch_load(file: Path, **kwargs: Any) -> Any:
+    """``torch.load`` with weights only; a file it refuses (a pickle of arbitrary objects) is a CheckpointError."""
+    try:
+        return torch.load(file, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint file {file} holds objects a weights-only load refuses: "
+                              f"{str(err).splitlines()[0]}") from err
 
 
 def _fit_groups(scheduler_state: dict[str, Any], groups: int, path: Path) -> dict[str, Any]:

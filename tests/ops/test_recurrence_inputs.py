@@ -115,5 +115,5 @@ def test_decode_step_errors():
         linear_recurrence_step(torch.randn(B, 1, H, K), torch.randn(B, H, K), torch.randn(B, H, V), S)
     with pytest.raises(TypeError, match="`state` must be torch.float32"):
         linear_recurrence_step(torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, H, V), S.double())
-    with pytest.raises(ValueError, match="`initial_state`"):
+    with pytest.raises(ValueError, match="`state` must have shape"):
         linear_recurrence_step(torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, H, V), S[:, :, :, :2])

@@ -109,7 +109,8 @@ def forgetting_attention(
         q: ``[B, T, H, D]``.
         k: ``[B, T, Hkv, D]``; v: ``[B, T, Hkv, Dv]``, H a multiple of Hkv (GQA:
             query head h reads key/value head ``h // (H / Hkv)``). One dtype for q, k, v.
-        log_forget: ``[B, T, H]`` per-token log forget gate (<= 0), fp32 recommended.
+        log_forget: ``[B, T, H]`` per-token log forget gate in ``[-inf, 0]`` (``-inf`` forgets everything
+            before the token; NaN is refused), fp32 recommended.
         window: sliding-window size (>= 1) or None.
         scale: score scale (finite, > 0), default ``D ** -0.5``.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).

@@ -72,10 +72,15 @@ def check_log_forget(
     if t.device != device:
         raise ValueError(f"{op}: `{name}` is on {t.device}, but `q` is on {device}")
     _shape(op, name, t, expected, "[B, T, H]")
-    if nonpositive and t.numel() and _values_checkable(t) and bool((t.detach() > 0).any()):
+    if not t.numel() or not _values_checkable(t):
+        return
+    values = t.detach()
+    if bool(values.isnan().any()):
+        raise ValueError(f"{op}: `{name}` must not hold NaN; got {int(values.isnan().sum())} NaN value(s)")
+    if nonpositive and bool((values > 0).any()):
         raise ValueError(
-            f"{op}: `{name}` must be <= 0 (a forget gate in (0, 1] in log space); got a maximum of "
-            f"{float(t.detach().max()):g}"
+            f"{op}: `{name}` must be <= 0 (a forget gate in [0, 1] in log space, -inf forgets everything); got a "
+            f"maximum of {float(values.max()):g}"
         )
 
 

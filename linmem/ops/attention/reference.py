@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from einops import rearrange, repeat
 
+from ..recurrence.inputs import LOG_DECAY_FLOOR
+
 
 def sequence_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """[T] index of the packed sequence every token belongs to (empty sequences skipped)."""
@@ -34,12 +36,19 @@ def forget_cumsum(log_forget: torch.Tensor, cu_seqlens: Optional[torch.Tensor] =
     """c_t = sum of log_forget over the token's own sequence up to t: [B, T, H] -> [B, T, H] (fp32 or fp64).
 
     Autograd turns the gradient of c into the reverse cumulative sum per sequence, the
-    gradient of log_forget."""
+    gradient of log_forget.
+
+    Each gate is first clamped to at least ``LOG_DECAY_FLOOR`` (-110): a ``-inf`` gate (forget
+    everything) would make a difference of two sums NaN, and a huge finite one overflow them. A pair
+    across a floored gate keeps a bias below -110, so it weighs at most ``exp(-110 + s_j - s_i)`` of
+    the query's own key (s the scaled scores): nothing in fp32 unless two scores of a row lie more
+    than about 20 apart. The gradient of a floored gate is 0, as at a gate of 0."""
     acc = torch.float64 if log_forget.dtype == torch.float64 else torch.float32
-    c = log_forget.to(acc).cumsum(dim=1)
+    log_forget = log_forget.to(acc).clamp(min=LOG_DECAY_FLOOR)
+    c = log_forget.cumsum(dim=1)
     if cu_seqlens is None:
         return c
-    before = c - log_forget.to(acc)  # sums up to t - 1
+    before = c - log_forget  # sums up to t - 1
     starts = cu_seqlens.to(torch.long)[sequence_ids(cu_seqlens, c.shape[1])]  # [T] first token of t's sequence
     return c - before[:, starts]
 

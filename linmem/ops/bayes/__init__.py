@@ -161,11 +161,12 @@ def bayes_filter(
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.
         log_decay: ``[B, T, H]`` natural-log decay, <= 0.
         obs_noise: ``[B, T, H]`` observation-noise variance r, > 0.
-        process_noise: ``[B, T, H]`` process-noise variance (Q = process_noise * I), >= 0, or None (0).
-        prior: the prior variance p > 0 of a fresh sequence's covariance.
+        process_noise: ``[B, T, H]`` process-noise variance (Q = process_noise * I), finite and >= 0, or None (0).
+        prior: the prior variance p (finite, > 0) of a fresh sequence's covariance.
         reset: reset ``P^- = p I`` at every step: the gated delta rule with ``beta = p / (p |k|^2 + r)``; the
             given initial covariance is then not read.
-        scale: read-out scale, default ``K ** -0.5``; ``var`` is that of the unscaled read-out ``q^T W``.
+        scale: read-out scale (finite, > 0), default ``K ** -0.5``; ``var`` is that of the unscaled read-out
+            ``q^T W``.
         initial_state: ``(M [N, H, K, V], P [N, H, K, K])``, N = B or the number of sequences; P is read as
             its symmetric part ``(P + P^T) / 2``.
         output_final_state: also return the final ``(M, P)``.

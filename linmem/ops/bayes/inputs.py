@@ -2,13 +2,14 @@
 
 Every backend receives a :class:`FilterInputs` that has passed these checks. Shape and dtype
 checks always run; checks of values (``log_decay <= 0``, ``obs_noise > 0``,
-``process_noise >= 0``, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors only with
+``process_noise`` finite and >= 0, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors only with
 debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), as for
 ``linear_recurrence``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -152,18 +153,21 @@ def validate(
     _check_values("log_decay", log_decay, lambda t: ~(t <= 0), "<= 0 (a decay in (0, 1] in log space)")
     _check_values("obs_noise", obs_noise, lambda t: ~(t > 0), "> 0 (an observation-noise variance)")
     if process_noise is not None:
-        _check_values("process_noise", process_noise, lambda t: ~(t >= 0), ">= 0 (a process-noise variance)")
+        _check_values("process_noise", process_noise, lambda t: ~((t >= 0) & t.isfinite()),
+                      ">= 0 and finite (a process-noise variance)")
 
     if isinstance(prior, bool) or not isinstance(prior, (int, float)):
         raise TypeError(f"bayes_filter: `prior` must be a Python float, got {type(prior).__name__}")
-    if not prior > 0:
-        raise _fail(f"`prior` (the prior variance p of P = p I) must be > 0, got {prior}")
+    if not (prior > 0 and math.isfinite(prior)):
+        raise _fail(f"`prior` (the prior variance p of P = p I) must be a finite number > 0, got {prior}")
     if not isinstance(reset, bool):
         raise TypeError(f"bayes_filter: `reset` must be a bool, got {type(reset).__name__}")
     if scale is None:
         scale = K ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"bayes_filter: `scale` must be a Python float or None, got {type(scale).__name__}")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise _fail(f"`scale` must be a finite number > 0, got {scale!r}")
 
     N = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:

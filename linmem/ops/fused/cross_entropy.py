@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from ..recurrence.inputs import _values_checkable
 from .backend import logger, triton_refusal
 
 #: ``backend=`` of linear_cross_entropy: those of every fused op and "chunked" (the chunks in PyTorch)
@@ -124,8 +125,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         return _scaled(dloss, *ctx.saved_tensors)
 
 
-def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str, chunk_size: Optional[int],
-           backend: str) -> None:
+def _check(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
+           chunk_size: Optional[int], backend: str) -> None:
     if not isinstance(hidden, Tensor) or hidden.ndim != 2 or not hidden.is_floating_point():
         raise TypeError(f"linear_cross_entropy: `hidden` must be a floating-point [N, D] tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))} {list(getattr(hidden, 'shape', []))}")
@@ -138,6 +139,11 @@ def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str, chunk
     if tuple(labels.shape) != (N,) or labels.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"linear_cross_entropy: `labels` must be int32/int64 [N] = [{N}], got {labels.dtype} "
                          f"{list(labels.shape)}")
+    if labels.numel() and _values_checkable(labels):
+        wrong = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bool(wrong.any()):
+            raise ValueError(f"linear_cross_entropy: `labels` must lie in [0, V = {weight.shape[0]}) or equal "
+                             f"ignore_index = {ignore_index}, got {int(labels[wrong][0])}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: `reduction` must be 'mean' or 'sum', got {reduction!r}")
     if chunk_size is not None and chunk_size < 1:
@@ -174,8 +180,9 @@ def linear_cross_entropy(
 
     Args:
         hidden: ``[N, D]`` (e.g. the final norm's output, flattened); weight: ``[V, D]`` (the lm_head), same dtype.
-        labels: ``[N]`` int64/int32; rows equal to ``ignore_index`` add nothing. Values are not checked (that
-            would synchronise with the GPU): a label outside ``[0, V)`` other than ignore_index gives a wrong loss.
+        labels: ``[N]`` int64/int32 in ``[0, V)``; rows equal to ``ignore_index`` add nothing. Values are checked
+            on CPU tensors and, with debug checks on (:func:`linmem.ops.set_debug_checks`), on GPU ones; unchecked,
+            a label outside ``[0, V)`` other than ignore_index gives a wrong loss.
         chunk_size: rows per chunk; default: as many as make about 2^26 logits.
         reduction: ``"mean"`` (over the rows not ignored; NaN when there are none, as F.cross_entropy) or ``"sum"``.
         backend: ``"auto"`` (the chunks with the Triton softmax-gradient kernel on CUDA, in PyTorch elsewhere),
@@ -192,7 +199,7 @@ def linear_cross_entropy(
         >>> torch.allclose(loss, torch.nn.functional.cross_entropy(h @ w.T, labels))
         True
     """
-    _check(hidden, weight, labels, reduction, chunk_size, backend)
+    _check(hidden, weight, labels, ignore_index, reduction, chunk_size, backend)
     if backend == "reference":
         return reference.linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction)
     chunk = chunk_size or max(1, CHUNK_LOGITS // weight.shape[0])

@@ -151,6 +151,14 @@ def linear_recurrence_step(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(f"linear_recurrence_step: `{name}` must be 3-D [B, H, D], got shape {list(t.shape)}")
+    if not isinstance(state, torch.Tensor) or not state.is_floating_point():
+        raise TypeError(f"linear_recurrence_step: `state` must be a torch.Tensor of floating point [B, H, K, V], got "
+                        f"{getattr(state, 'dtype', type(state).__name__)}")
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 3:
+        expected = [q.shape[0], q.shape[1], q.shape[2], v.shape[2]]
+        if list(state.shape) != expected:
+            raise ValueError(f"linear_recurrence_step: `state` must have shape [B, H, K, V] = {expected}, "
+                             f"got {list(state.shape)}")
     g = log_decay
     if g is not None and isinstance(g, torch.Tensor) and g.dim() >= 2:
         g = g.unsqueeze(1)

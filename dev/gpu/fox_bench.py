@@ -39,6 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from linmem.bench.layers import cuda_time_ms  # noqa: E402
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.triton import launch  # noqa: E402
 
@@ -92,22 +93,6 @@ def outputs_and_grads(fn: Callable, leaves: list[torch.Tensor], do: torch.Tensor
     return o.detach(), grads
 
 
-def median_ms(fn: Callable, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def peak_gb(fn: Callable) -> float:
     """Peak memory of one call beyond what was allocated before it."""
     torch.cuda.synchronize()
@@ -147,7 +132,7 @@ class Row:
 
 def run_row(row: Row, step: Callable, reps: int) -> Row:
     try:
-        row.ms = median_ms(step, reps=reps)
+        row.ms = cuda_time_ms(step, warmup=5, repeats=reps)
         row.peak_gb = peak_gb(step)
     except torch.cuda.OutOfMemoryError:
         row.note = "out of memory"

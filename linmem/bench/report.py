@@ -38,7 +38,7 @@ def environment(device: str) -> dict:
         except ImportError:
             env[name] = "not installed"
     try:
-        env["linmem"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        env["linmem"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                        cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         env["linmem"] = "unknown"

@@ -1,9 +1,12 @@
-"""Shared test helpers: random inputs of the unified recurrence and the error ratio of DESIGN section 7."""
+"""Shared test helpers: random inputs of the unified recurrence, the error ratio of DESIGN section 7, and the
+device the Triton kernels' tests run on."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +19,27 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     denom = ref.pow(2).mean().sqrt().clamp_min(1e-30)
     return float((x - ref).pow(2).mean().sqrt() / denom)
+
+
+def triton_kernels_device() -> str:
+    """The device the Triton kernels' tests run on: "cuda", or "cpu" through the Triton interpreter
+    (``TRITON_INTERPRET=1``, which tests/conftest.py sets on machines without CUDA before triton is first
+    imported). Where the kernels can run neither way, skips the calling test module (or test), saying why.
+
+    Example (at the top of a test module, before the kernels are imported)::
+
+        DEVICE = triton_kernels_device()
+    """
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the triton package is not installed", allow_module_level=True)
+    if torch.cuda.is_available():
+        return "cuda"
+    from linmem.ops.recurrence.triton.numerics import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("no CUDA device, and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before "
+                    "triton is first imported)", allow_module_level=True)
+    return "cpu"
 
 
 def decay_shape(kind: str, B: int, T: int, H: int, K: int, V: int) -> Optional[tuple]:

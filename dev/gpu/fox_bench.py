@@ -11,9 +11,9 @@
    (tolerance 1e-3, half the heads forgetting strongly) with its measured error; peak memory of each.
 4. Decoding: one token against caches of 2K ... 32K keys, batch 8 (ours beside SDPA).
 5. ``variants`` (at (B, T) = (8, 2K), (2, 8K), (1, 32K), gated, bf16, D = 128): each kernel's own time (forward,
-   dq pass, dkdv pass) for every candidate tile of ``TILE_CANDIDATES`` (each checked against the reference first)
-   and for the frozen baseline kernels of ``fox_bench_baseline.py``; then fwd+bwd of SDPA flash causal, fla, the
-   baseline and the new kernels (gated and plain) with the default tiles and with the fastest tiles of this shape.
+   dq pass, dkdv pass) for every candidate tile of ``TILE_CANDIDATES`` (each checked against the reference first);
+   then fwd+bwd of SDPA flash causal, fla and ours (gated and plain) with the default tiles and with the fastest
+   tiles of this shape.
 
 One table is printed; everything is written as JSON to ``$OUT/fox_bench.json`` (or ``--out``). The checks of 1
 always run; ``--only`` picks among the other sections, ``--shapes`` the (B, T) of 3 and 5, so that each call stays
@@ -39,7 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import fox_bench_baseline as base  # noqa: E402
+from linmem.bench.layers import cuda_time_ms  # noqa: E402
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.triton import launch  # noqa: E402
 
@@ -93,22 +93,6 @@ def outputs_and_grads(fn: Callable, leaves: list[torch.Tensor], do: torch.Tensor
     return o.detach(), grads
 
 
-def median_ms(fn: Callable, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def peak_gb(fn: Callable) -> float:
     """Peak memory of one call beyond what was allocated before it."""
     torch.cuda.synchronize()
@@ -148,7 +132,7 @@ class Row:
 
 def run_row(row: Row, step: Callable, reps: int) -> Row:
     try:
-        row.ms = median_ms(step, reps=reps)
+        row.ms = cuda_time_ms(step, warmup=5, repeats=reps)
         row.peak_gb = peak_gb(step)
     except torch.cuda.OutOfMemoryError:
         row.note = "out of memory"
@@ -399,99 +383,27 @@ def decoding(reps: int) -> list[Row]:
 # ---------------------------------------------------------------- 5. variants: per-kernel times of candidate tiles
 
 
-def baseline_launch(kernel, name: str, heads: int, block: int, args: tuple, H: int, Hkv: int, gated: bool) -> None:
-    """Launch one frozen kernel (``fox_bench_baseline``) on a fixed-length batch: grid (T / its tile's ``block``
-    side, B * heads), causal, no window, key mask, packing or pruning."""
-    BM, BN, warps, stages = base.TILES[name]
-    B, T, _, dim = args[0].shape
-    kernel[(triton.cdiv(T, (BM, BN)[block]), B * heads)](
-        *args, G=H // Hkv, D=dim, DV=dim, BM=BM, BN=BN, IS_VARLEN=False, HAS_FORGET=gated, HAS_WINDOW=False,
-        HAS_KEY_MASK=False, PRUNE=False, num_warps=warps, num_stages=stages)
-
-
-def baseline_forward(q, k, v, c, scale):
-    """q: [B, T, H, D], k, v: [B, T, Hkv, D], c: [B, T, H] fp32 or None -> o [B, T, H, D], lse [B, T, H] fp32."""
-    B, T, heads, _ = q.shape
-    o, lse = torch.empty_like(q), q.new_empty(B, T, heads, dtype=torch.float32)
-    baseline_launch(base.forward_kernel, "forward", heads, 0,
-                    (q, k, v, c, None, o, lse, None, None, scale, 0.0, 0, B, T, T, heads), heads, k.shape[2],
-                    c is not None)
-    return o, lse
-
-
-def baseline_dq(q, k, v, c, o, lse, do, scale):
-    """-> dq and the corrected delta [B, T, H] fp32."""
-    B, T, heads, _ = q.shape
-    dq, delta = torch.empty_like(q), torch.empty_like(lse)
-    baseline_launch(base.dq_kernel, "dq", heads, 0,
-                    (q, k, v, c, None, o, do, lse, delta, dq, None, None, scale, 0.0, 0, B, T, heads), heads,
-                    k.shape[2], c is not None)
-    return dq, delta
-
-
-def baseline_dkdv(q, k, v, c, lse, delta, do, scale):
-    """-> dk, dv and dc [B, T, H] fp32 (None without c)."""
-    B, T, heads, _ = q.shape
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dc = torch.empty_like(c) if c is not None else None
-    baseline_launch(base.dkdv_kernel, "dkdv", k.shape[2], 1,
-                    (q, k, v, c, None, do, lse, delta, dk, dv, dc, None, None, scale, 0.0, 0, B, T, heads), heads,
-                    k.shape[2], c is not None)
-    return dk, dv, dc
-
-
-class BaselineAttention(torch.autograd.Function):
-    """The frozen kernels under autograd: (q, k, v, c or None, scale) -> o."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, c, scale):
-        o, lse = baseline_forward(q, k, v, c, scale)
-        ctx.save_for_backward(q, k, v, c, o, lse)
-        ctx.scale = scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, c, o, lse = ctx.saved_tensors
-        do = do.contiguous()
-        dq, delta = baseline_dq(q, k, v, c, o, lse, do, ctx.scale)
-        dk, dv, dc = baseline_dkdv(q, k, v, c, lse, delta, do, ctx.scale)
-        return dq, dk, dv, dc, None
-
-
-def baseline_attention(q, k, v, log_forget=None):
-    """Forgetting attention through the frozen kernels (causal, no window): [B, T, H, D] -> [B, T, H, D]."""
-    c = None if log_forget is None else log_forget.float().cumsum(1).contiguous()
-    return BaselineAttention.apply(q, k, v, c, q.shape[-1] ** -0.5)
-
-
 def kernel_inputs(B: int, T: int) -> dict:
-    """Gated bf16 inputs at (B, T), H = 16, D = 128, and what each kernel reads: c head-major (new kernels) and
-    token-major (baseline), o and lse of the forward, delta of the dq pass, a cotangent do."""
+    """Gated bf16 inputs at (B, T), H = 16, D = 128, and what each kernel reads: c head-major, o and lse of the
+    forward, a cotangent do."""
     q, k, v = qkv(B, T)
     c = gates(B, T).cumsum(1)
-    x = dict(q=q, k=k, v=v, c_tok=c.contiguous(), c=c.transpose(1, 2).contiguous(), scale=D ** -0.5,
+    x = dict(q=q, k=k, v=v, c=c.transpose(1, 2).contiguous(), scale=D ** -0.5,
              do=torch.randn(B, T, H, D, device="cuda").to(torch.bfloat16))
     x["o"], x["lse"] = launch.attention_forward(q, k, v, x["c"], None, None, None, x["scale"], None, None)
-    x["o_tok"], x["lse_tok"] = baseline_forward(q, k, v, x["c_tok"], x["scale"])
-    x["delta_tok"] = baseline_dq(q, k, v, x["c_tok"], x["o_tok"], x["lse_tok"], x["do"], x["scale"])[1]
     return x
 
 
 def kernel_steps(x: dict) -> dict[str, Callable]:
-    """One closure per kernel of the new path (current launch.TILES) and of the baseline. The dkdv pass reads the
-    u of a dq pass with the same tiles (its query tiles), made here."""
+    """One closure per kernel (current launch.TILES). The dkdv pass reads the u of a dq pass with the same tiles
+    (its query tiles), made here."""
     q, k, v, c, do, scale = x["q"], x["k"], x["v"], x["c"], x["do"], x["scale"]
     common = (q, k, v, c, None, None, None)
     _, delta, u = launch.backward_dq(*common, x["o"], x["lse"], do, scale, None, None)
-    base = (q, k, v, x["c_tok"])
     return {
         "forward": lambda: launch.attention_forward(*common, scale, None, None),
         "dq": lambda: launch.backward_dq(*common, x["o"], x["lse"], do, scale, None, None),
         "dkdv": lambda: launch.backward_dkdv(*common, x["lse"], delta, u, do, scale, None, None),
-        "baseline forward": lambda: baseline_forward(*base, scale),
-        "baseline dq": lambda: baseline_dq(*base, x["o_tok"], x["lse_tok"], do, scale),
-        "baseline dkdv": lambda: baseline_dkdv(*base, x["lse_tok"], x["delta_tok"], do, scale),
     }
 
 
@@ -508,9 +420,9 @@ def candidate_ok(kernel: str, tiles: tuple) -> dict:
 
 
 def variants(shapes, reps: int) -> tuple[list[Row], dict]:
-    """Per shape: each kernel's time at each checked candidate tile (the others at their defaults), the baseline's,
-    and the default's again (how far repeated timings drift); then fwd+bwd of the peers, the baseline, and the new
-    kernels at the default and the fastest tiles."""
+    """Per shape: each kernel's time at each checked candidate tile (the others at their defaults) and the
+    default's again (how far repeated timings drift); then fwd+bwd of the peers and ours at the default and the
+    fastest tiles."""
     checks = {(kern, t): candidate_ok(kern, t) for kern, cands in TILE_CANDIDATES.items() for t in cands}
     for (kern, t), check in checks.items():
         errs = " ".join(f"{n}={e:.1e}" for n, e in check.items() if isinstance(e, float) and n != "tol")
@@ -532,8 +444,6 @@ def variants(shapes, reps: int) -> tuple[list[Row], dict]:
                 rows.append(row)
                 if row.ms is not None and (kern not in fastest or row.ms < fastest[kern][1]):
                     fastest[kern] = (t, row.ms)
-            rows.append(run_row(Row("kernel", f"baseline {kern} {'x'.join(map(str, base.TILES[kern]))}", B, T),
-                                kernel_steps(x)[f"baseline {kern}"], reps))
             again = f"{kern} {'x'.join(map(str, dataclasses.astuple(defaults[kern])))} (default, again)"
             rows.append(run_row(Row("kernel", again, B, T), kernel_steps(x)[kern], reps))
         best[f"{B}x{T}"] = {kern: t for kern, (t, _) in fastest.items()}
@@ -545,8 +455,6 @@ def variants(shapes, reps: int) -> tuple[list[Row], dict]:
                        fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [qh, kh, vh]),
                        reps)
         cases = [("fla parallel_forgetting_attn", None, [q, k, v, log_f]),
-                 ("baseline gated", baseline_attention, [q, k, v, log_f]),
-                 ("baseline log_forget=None", lambda q, k, v: baseline_attention(q, k, v), [q, k, v]),
                  ("ours gated (default tiles)", lambda q, k, v, f: forgetting_attention(q, k, v, log_forget=f),
                   [q, k, v, log_f]),
                  ("ours log_forget=None (default tiles)", lambda q, k, v: forgetting_attention(q, k, v), [q, k, v])]

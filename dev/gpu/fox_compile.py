@@ -4,20 +4,18 @@ each variant needs and what its loops of tiles do.
 Per variant: registers, stack bytes (spills), shared memory, programs per SM (by registers and shared memory), the
 wgmma shapes of the whole kernel (SS: both operands from shared memory, RS: the left one from registers). Per loop
 of tiles (innermost loops in code order; the flash kernels have two: the tiles seen whole, then the masked ones, and
-varlen and pruning add their short binary searches; the baseline has one, whose counts hold both sides of its mask
-branch): SASS instructions per iteration and per score element of a thread, exp2s, the loads' pipelining (``wait``:
+varlen and pruning add their short binary searches): SASS instructions per iteration and per score element of a thread, exp2s, the loads' pipelining (``wait``:
 how many groups of copies may still be in flight when an iteration starts; 0 = every iteration waits for the loads
 issued at the end of the previous one), block barriers, and stores to shared memory (layout changes inside the
 loop).
 
-    python dev/gpu/fox_compile.py [--arch 90] [--candidates] [--baseline] [--out results.json]
+    python dev/gpu/fox_compile.py [--arch 90] [--candidates] [--out results.json]
 
 Needs only triton, of the GPU image's version (``python -m venv /tmp/t36 && /tmp/t36/bin/pip install
 triton==3.6.0``): the kernel modules import nothing else, and the tiles are read from ``launch.py`` and
 ``fox_bench.py`` as text. Pointers and the sizes T, H are compiled as the JIT specialises them at the benchmark
 shapes (16-byte aligned, divisible by 16); without that no load is vectorised. ``--candidates`` adds the tiles that
-``fox_bench.py --only variants`` times (D = 128, bf16, gated); ``--baseline`` the frozen kernels of
-``fox_bench_baseline.py``.
+``fox_bench.py --only variants`` times (D = 128, bf16, gated).
 """
 
 from __future__ import annotations
@@ -168,7 +166,7 @@ def compile_one(kernel, dtype: str, constexprs: dict, warps: int, stages: int, a
             "loops": loops}
 
 
-def jobs(candidates: bool, baseline: bool):
+def jobs(candidates: bool):
     """(label, kernel, dtype, constexprs, (block_m, block_n, warps, stages)) of every variant to compile."""
     mods = load_kernels()
     kernels = {"forward": mods["forward"].forward_kernel, "dq": mods["backward"].dq_kernel,
@@ -197,27 +195,16 @@ def jobs(candidates: bool, baseline: bool):
             yield "decode", mods["decode"].decode_kernel, "bf16", dict(flags, G=4, D=D, DV=D, BR=16, BN=t[1]), t
     yield "combine", mods["decode"].combine_kernel, "bf16", dict(G=4, DV=128, BR=16, BS=mods["decode"].MAX_SPLITS), \
         (0, 0, 4, 1)
-    if baseline:
-        sys.path.insert(0, str(Path(__file__).parent))
-        base = importlib.import_module("fox_bench_baseline")
-        for name in ("forward", "dq", "dkdv"):
-            kernel = getattr(base, f"{name}_kernel")
-            t = base.TILES[name]
-            for forget in (True, False):
-                const = {f: False for f in FLAGS}
-                const.update(HAS_FORGET=forget, G=1, D=128, DV=128, BM=t[0], BN=t[1])
-                yield f"baseline {name}", kernel, "bf16", const, t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--candidates", action="store_true", help="also the candidate tiles of fox_bench")
-    parser.add_argument("--baseline", action="store_true", help="also the frozen kernels of fox_bench_baseline")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     results, failures = [], 0
-    for name, kernel, dtype, const, t in jobs(args.candidates, args.baseline):
+    for name, kernel, dtype, const, t in jobs(args.candidates):
         BM, BN, warps, stages = t
         rows = const.get("BR", BM)
         elements = max(rows * BN // (32 * warps), 1) if BN else 1

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from linmem.bench.layers import cuda_time_ms
 from linmem.ops import fused
 from linmem.ops.fused import reference
 
@@ -162,21 +163,6 @@ def peer(fla: dict, op: str, *args):
 # ---------------------------------------------------------------- measuring
 
 
-def timed(fn: Callable[[], None], warmup: int = 3, reps: int = 15) -> float:
-    """Median ms of fn (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 class Workload:
     """impl on fresh leaf copies of the inputs: forward alone, or forward + backward into every input's .grad."""
 
@@ -251,7 +237,7 @@ def measure(row: Row, impls: dict, inputs: list) -> None:
             continue
         try:
             work = Workload(impl, inputs)
-            row.ms[name] = timed(work.step)
+            row.ms[name] = cuda_time_ms(work.step, repeats=15)
             row.kept_mb[name], row.peak_mb[name] = memory(work)
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
             row.notes.append(f"{name}: {type(e).__name__}: {str(e)[:160]}")
@@ -331,8 +317,8 @@ def decode_row(B: int, C: int) -> Row:
         return out
 
     with torch.no_grad():
-        row.ms["linmem"] = timed(lambda: fused.short_conv_step(x, state, w, b, "silu"), reps=50)
-        row.ms["eager"] = timed(eager, reps=50)
+        row.ms["linmem"] = cuda_time_ms(lambda: fused.short_conv_step(x, state, w, b, "silu"), repeats=50)
+        row.ms["eager"] = cuda_time_ms(eager, repeats=50)
     return row
 
 

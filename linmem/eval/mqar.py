@@ -63,16 +63,11 @@ def generate_mqar(
     context = 2 * num_kv_pairs
     gaps = _power_law_gaps(rng, num_examples, (seq_len - context) // 2, num_kv_pairs, power_a)
 
-    inputs = np.zeros((num_examples, seq_len), dtype=np.int64)
+    inputs, labels = _blank_examples(num_examples, seq_len)
     if random_non_queries:
-        inputs[:, context:] = rng.integers(0, vocab_size, size=(num_examples, seq_len - context))
-    inputs[:, 0:context:2] = keys
-    inputs[:, 1:context:2] = values
-    labels = np.full((num_examples, seq_len), IGNORE_INDEX, dtype=np.int64)
-    rows = np.arange(num_examples)[:, None]
-    query_positions = context + 2 * gaps
-    inputs[rows, query_positions] = keys
-    labels[rows, query_positions] = values
+        _fill_noise(inputs, rng, context, seq_len, vocab_size)
+    _place_pairs(inputs, 0, keys, values)
+    _place_queries(inputs, labels, context, gaps, keys, values)
     return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
@@ -150,6 +145,34 @@ def _check_mqar_args(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_s
         )
     if power_a <= 0:
         raise ValueError(f"power_a must be > 0, got {power_a}")
+
+
+def _blank_examples(num_examples: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """inputs [N, L] of filler 0 and labels [N, L] of -100, int64."""
+    inputs = np.zeros((num_examples, seq_len), dtype=np.int64)
+    return inputs, np.full((num_examples, seq_len), IGNORE_INDEX, dtype=np.int64)
+
+
+def _fill_noise(inputs: np.ndarray, rng: np.random.Generator, start: int, stop: int, vocab_size: int) -> None:
+    """Uniform tokens of [0, vocab_size) in positions [start, stop) of every row of inputs [N, L]."""
+    inputs[:, start:stop] = rng.integers(0, vocab_size, size=(inputs.shape[0], stop - start))
+
+
+def _place_pairs(inputs: np.ndarray, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+    """``k_1 v_1 ... k_K v_K`` of keys, values [N, K] in positions [start, start + 2K) of inputs [N, L]."""
+    K = keys.shape[1]
+    inputs[:, start:start + 2 * K:2] = keys
+    inputs[:, start + 1:start + 2 * K:2] = values
+
+
+def _place_queries(inputs: np.ndarray, labels: np.ndarray, start: int, gaps: np.ndarray, keys: np.ndarray,
+                   targets: np.ndarray) -> None:
+    """Each key of keys [N, K] at position ``start + 2 g`` (gaps g [N, K]) of inputs [N, L], its target
+    [N, K] at the same position of labels [N, L]."""
+    rows = np.arange(keys.shape[0])[:, None]
+    positions = start + 2 * gaps
+    inputs[rows, positions] = keys
+    labels[rows, positions] = targets
 
 
 def _distinct_uniform(rng: np.random.Generator, rows: int, n: int, k: int) -> np.ndarray:

@@ -26,7 +26,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .mqar import IGNORE_INDEX, _distinct_uniform, _power_law_gaps, generate_mqar
+from .mqar import (
+    _blank_examples,
+    _distinct_uniform,
+    _fill_noise,
+    _place_pairs,
+    _place_queries,
+    _power_law_gaps,
+    generate_mqar,
+)
 
 #: the MQAR variants a training task can draw: Zoology's, and the shared-vocabulary ones of this module
 MQAR_VARIANTS = ("base", "shared", "update", "block")
@@ -67,11 +75,8 @@ def _fill_queries(inputs: np.ndarray, labels: np.ndarray, rng: np.random.Generat
     key at ``start + 2 g`` with power-law gaps g."""
     N, K = keys.shape
     if random_non_queries:
-        inputs[:, start:stop] = rng.integers(0, vocab_size, size=(N, stop - start))
-    positions = start + 2 * _power_law_gaps(rng, N, (stop - start) // 2, K, power_a)
-    rows = np.arange(N)[:, None]
-    inputs[rows, positions] = keys
-    labels[rows, positions] = targets
+        _fill_noise(inputs, rng, start, stop, vocab_size)
+    _place_queries(inputs, labels, start, _power_law_gaps(rng, N, (stop - start) // 2, K, power_a), keys, targets)
 
 
 def _pairs(rng: np.random.Generator, num_examples: int, vocab_size: int, num_tokens: int) -> np.ndarray:
@@ -106,9 +111,8 @@ def generate_shared_mqar(
     rng = np.random.default_rng(seed)
     tokens = _pairs(rng, num_examples, vocab_size, 2 * K)
     keys, values = tokens[:, :K], tokens[:, K:]
-    inputs = np.zeros((num_examples, seq_len), dtype=np.int64)
-    labels = np.full((num_examples, seq_len), IGNORE_INDEX, dtype=np.int64)
-    inputs[:, 0:2 * K:2], inputs[:, 1:2 * K:2] = keys, values
+    inputs, labels = _blank_examples(num_examples, seq_len)
+    _place_pairs(inputs, 0, keys, values)
     _fill_queries(inputs, labels, rng, 2 * K, seq_len, keys, values, power_a, random_non_queries, vocab_size)
     return torch.from_numpy(inputs), torch.from_numpy(labels)
 
@@ -149,11 +153,9 @@ def generate_update_mqar(
     rows = np.arange(num_examples)[:, None]
     latest = values.copy()
     latest[rows, rebound] = fresh
-    inputs = np.zeros((num_examples, seq_len), dtype=np.int64)
-    labels = np.full((num_examples, seq_len), IGNORE_INDEX, dtype=np.int64)
-    inputs[:, 0:2 * K:2], inputs[:, 1:2 * K:2] = keys, values
-    inputs[:, 2 * K:2 * K + 2 * U:2] = keys[rows, rebound]
-    inputs[:, 2 * K + 1:2 * K + 2 * U:2] = fresh
+    inputs, labels = _blank_examples(num_examples, seq_len)
+    _place_pairs(inputs, 0, keys, values)
+    _place_pairs(inputs, 2 * K, keys[rows, rebound], fresh)
     _fill_queries(inputs, labels, rng, 2 * K + 2 * U, seq_len, keys, latest, power_a, random_non_queries,
                   vocab_size)
     return torch.from_numpy(inputs), torch.from_numpy(labels)
@@ -189,13 +191,12 @@ def generate_block_mqar(
     _check_common(num_examples, K, vocab_size, 2 * K, power_a)
     _check_query_room(block, 2 * K, K, "a block's pairs", name="seq_len / num_blocks")
     rng = np.random.default_rng(seed)
-    inputs = np.zeros((num_examples, seq_len), dtype=np.int64)
-    labels = np.full((num_examples, seq_len), IGNORE_INDEX, dtype=np.int64)
+    inputs, labels = _blank_examples(num_examples, seq_len)
     for b in range(num_blocks):
         start = b * block
         tokens = _pairs(rng, num_examples, vocab_size, 2 * K)
         keys, values = tokens[:, :K], tokens[:, K:]
-        inputs[:, start:start + 2 * K:2], inputs[:, start + 1:start + 2 * K:2] = keys, values
+        _place_pairs(inputs, start, keys, values)
         _fill_queries(inputs, labels, rng, start + 2 * K, start + block, keys, values, power_a, random_non_queries,
                       vocab_size)
     return torch.from_numpy(inputs), torch.from_numpy(labels)

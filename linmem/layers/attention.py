@@ -27,7 +27,7 @@ Decoding cache (a :class:`LayerState`), preallocated buffers, batch-first: ``k [
 ``p % S``: with a window the buffers are a ring of S = ``window`` slots (fewer when a static
 cache's capacity is smaller), without one S covers every position: a static state's ``capacity``,
 or a dynamic state's buffers that grow by whole blocks of :data:`GROW_SLOTS`. A call writes its
-keys in place (:meth:`_Attention.update_cache`); ``cache.seen_tokens`` counts every token of every
+keys in place (:func:`update_kv_cache`); ``cache.seen_tokens`` counts every token of every
 call (padding included): the position of the next token. FoX's cumulative forget values are carried:
 a call continues from ``forget_last``, and since any offset common to a row cancels in the softmax,
 the buffers are re-based on the newest token (:func:`rebase_forget`) every :data:`REBASE_EVERY`
@@ -204,6 +204,58 @@ def update_kv_cache(
     return keys, window
 
 
+def attend_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_forget: Optional[torch.Tensor],
+    *,
+    window: Optional[int],
+    cache: Optional[LayerState],
+    token_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The attention of a call's queries q [B, T, H, K] over the cached and its new keys k, v
+    [B, T, Hkv, K or V], with FoX's log forget gates [B, T, H] fp32 or None: o [B, T, H, V].
+
+    A call whose keys are all its own and all present (no cache or an empty one, no padding) is plain
+    causal attention (:func:`forgetting_attention`, flash kernels or SDPA at any length); otherwise
+    the keys carry a mask and FoX's cumulative forget values into :func:`cached_attention`, and the
+    cache's buffers grow or are a ring of ``window`` slots (:func:`update_kv_cache`).
+    """
+    fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
+    if cache is None and fresh:
+        return forgetting_attention(q, k, v, log_forget=log_forget, window=window, cu_seqlens=cu_seqlens)
+    B, T = q.shape[:2]
+    present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    keys = {"k": k, "v": v, "key_mask": present}
+    if log_forget is not None:  # padded tokens do not forget
+        gates = log_forget if token_mask is None else log_forget * present[..., None]
+        keys["cum_forget"] = cumulative_forget(gates, cu_seqlens=cu_seqlens)
+    read_window = window
+    if cache is not None:
+        n = cache.seen_tokens
+        keys, read_window = update_kv_cache(cache, keys, window)
+    if fresh:
+        o = forgetting_attention(q, k, v, log_forget=log_forget, window=window)
+    else:
+        o = cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], cum_forget=keys.get("cum_forget"),
+                             window=read_window, cu_seqlens=cu_seqlens)
+    if cache is not None and not cache.static and "cum_forget" in keys and \
+            (n + T) // REBASE_EVERY > n // REBASE_EVERY:
+        rebase_forget(cache)  # a static cache re-bases in its host-side step (outside any graph)
+    return o
+
+
+def default_positions(
+    hidden: torch.Tensor, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """[B, T] positions of hidden [B, T, D]: tokens seen before the call + the index in the call (per sequence)."""
+    B, T = hidden.shape[:2]
+    seen = cache.seen_tokens if cache is not None else 0
+    return (seen + positions_in_sequence(T, cu_seqlens, hidden.device)).expand(B, T)
+
+
 class _Attention(Mixer):
     """Causal softmax attention with q/k/v/o projections (no bias), GQA, an optional window and the
     "Pro" options; subclasses choose RoPE and the forget gate."""
@@ -284,7 +336,7 @@ class _Attention(Mixer):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             if position_ids is None:
-                position_ids = self.default_positions(hidden, cache, cu_seqlens)
+                position_ids = default_positions(hidden, cache, cu_seqlens)
             q, k = self.rope(q, position_ids), self.rope(k, position_ids)
         return q, k, v
 
@@ -328,40 +380,9 @@ class _Attention(Mixer):
         token_mask: Optional[torch.Tensor],
         cu_seqlens: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """The attention of this call's queries over the cached and the new keys: o [B, T, H, V].
-
-        A call whose keys are all its own and all present (no cache or an empty one, no padding) is plain
-        causal attention (:func:`forgetting_attention`, flash kernels or SDPA at any length); otherwise
-        the keys carry a mask and FoX's cumulative forget values into :func:`cached_attention`.
-        """
-        fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
-        if cache is None and fresh:
-            return forgetting_attention(q, k, v, log_forget=log_forget, window=self.window, cu_seqlens=cu_seqlens)
-        B, T = q.shape[:2]
-        present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        keys = {"k": k, "v": v, "key_mask": present}
-        if log_forget is not None:  # padded tokens do not forget
-            gates = log_forget if token_mask is None else log_forget * present[..., None]
-            keys["cum_forget"] = cumulative_forget(gates, cu_seqlens=cu_seqlens)
-        window = self.window
-        if cache is not None:
-            n = cache.seen_tokens
-            keys, window = self.update_cache(cache, keys)
-        if fresh:
-            o = forgetting_attention(q, k, v, log_forget=log_forget, window=self.window)
-        else:
-            o = cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], cum_forget=keys.get("cum_forget"),
-                                 window=window, cu_seqlens=cu_seqlens)
-        if cache is not None and not cache.static and "cum_forget" in keys and \
-                (n + T) // REBASE_EVERY > n // REBASE_EVERY:
-            rebase_forget(cache)  # a static cache re-bases in its host-side step (outside any graph)
-        return o
-
-    def update_cache(
-        self, cache: LayerState, new: dict[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
-        """:func:`update_kv_cache` with this layer's window."""
-        return update_kv_cache(cache, new, self.window)
+        """:func:`attend_with_cache` with this layer's window: o [B, T, H, V]."""
+        return attend_with_cache(q, k, v, log_forget, window=self.window, cache=cache, token_mask=token_mask,
+                                 cu_seqlens=cu_seqlens)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
@@ -375,15 +396,6 @@ class _Attention(Mixer):
         elif gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-
-    @staticmethod
-    def default_positions(
-        hidden: torch.Tensor, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
-    ) -> torch.Tensor:
-        """[B, T] positions: tokens seen before the call + the index in the call (per sequence)."""
-        B, T = hidden.shape[:2]
-        seen = cache.seen_tokens if cache is not None else 0
-        return (seen + positions_in_sequence(T, cu_seqlens, hidden.device)).expand(B, T)
 
 
 @register_mixer("softmax")

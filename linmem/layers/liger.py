@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -58,9 +59,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from ..ops import linear_recurrence, linear_recurrence_step
-from ..ops.attention import cached_attention, forgetting_attention
-from .attention import update_kv_cache
+from .attention import attend_with_cache, default_positions
 from .base import (
     LayerState,
     Mixer,
@@ -73,8 +72,8 @@ from .base import (
     register_mixer,
 )
 from .gsa import slot_attention_with_cache
-from .modules import Linear, RMSNorm, positions_in_sequence
-from .recurrent import RecurrenceArgs, activation_dtype
+from .modules import Linear, RMSNorm
+from .recurrent import RecurrenceArgs, activation_dtype, memory_with_cache, run_recurrence, step_recurrence
 
 #: the gated recurrences Liger Attention can build from a pretrained key (``liger_memory``)
 LIGER_MEMORIES = ("gla", "mamba2", "hgrn2", "rwkv6", "gated_retention", "gsa")
@@ -275,33 +274,17 @@ class _PretrainedProjections(Mixer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it)."""
         if position_ids is None:
-            B, T = hidden.shape[:2]
-            seen = cache.seen_tokens if cache is not None else 0
-            position_ids = (seen + positions_in_sequence(T, cu_seqlens, hidden.device)).expand(B, T)
+            position_ids = default_positions(hidden, cache, cu_seqlens)
         return self.rope(q, k, position_ids)
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: Optional[int],
                cache: Optional[LayerState], token_mask: Optional[torch.Tensor],
                cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-        """Softmax attention of this call's queries over the cached and the new keys: o [B, T, H, V].
-
-        The cache's buffers grow, or are a ring of ``window`` slots
-        (:func:`~linmem.layers.attention.update_kv_cache`); a call whose keys are all its own and all
-        present is plain causal attention."""
-        fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
-        if cache is None and fresh:
-            return forgetting_attention(q, k, v, window=window, cu_seqlens=cu_seqlens)
-        B, T = q.shape[:2]
-        present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        keys = {"k": k, "v": v, "key_mask": present}
-        read_window = window
-        if cache is not None:
-            keys, read_window = update_kv_cache(cache, keys, window)
-        if fresh:
-            return forgetting_attention(q, k, v, window=window)
-        return cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], window=read_window,
-                                cu_seqlens=cu_seqlens)
+        """Softmax attention (no forget gate) of this call's queries over the cached and the new keys:
+        o [B, T, H, V] (:func:`~linmem.layers.attention.attend_with_cache`)."""
+        return attend_with_cache(q, k, v, None, window=window, cache=cache, token_mask=token_mask,
+                                 cu_seqlens=cu_seqlens)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
@@ -477,8 +460,9 @@ class LigerAttention(_PretrainedProjections):
                                              backend=a.backend)
         log_decay, key = self.decay_and_key(gate, k)
         args = RecurrenceArgs(q=self.phi(q), k=key, v=v, log_decay=log_decay.clamp_min(MIN_LOG_DECAY), scale=1.0)
-        return _recur(args.cast(dtype), token_mask=token_mask, cache=cache, cu_seqlens=cu_seqlens,
-                      backend=a.backend)
+        return memory_with_cache(args.cast(dtype), cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens,
+                                 state_names=("recurrent",), run_memory=partial(run_recurrence, backend=a.backend),
+                                 step_memory=step_recurrence)
 
     def decay_and_key(self, gate: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Liger Table 1: the log decay (``[B, T, H, K]`` per channel or ``[B, T, H]`` per head, fp32) and
@@ -497,21 +481,3 @@ class LigerAttention(_PretrainedProjections):
         log_decay = F.logsigmoid(gate) if gamma == 0 else torch.logaddexp(
             torch.full_like(gate, math.log(gamma)), math.log1p(-gamma) + F.logsigmoid(gate))
         return log_decay, ((1 - gamma) * torch.sigmoid(-gate)).to(k.dtype)
-
-
-def _recur(args: RecurrenceArgs, *, token_mask: Optional[torch.Tensor], cache: Optional[LayerState],
-           cu_seqlens: Optional[torch.Tensor], backend: str) -> torch.Tensor:
-    """The recurrence of ``args`` with padding masked, continuing from / writing ``cache["recurrent"]``
-    (one step of :func:`linear_recurrence_step` when decoding one token): o [B, T, H, V]."""
-    run = args.masked(token_mask) if token_mask is not None else args
-    state = cache.get("recurrent") if cache is not None else None
-    if state is not None and run.q.shape[1] == 1 and not torch.is_grad_enabled():
-        step = run.as_steps()
-        o, state = linear_recurrence_step(step.q, step.k, step.v, state, **step.op_kwargs())
-        o = o[:, None]
-    else:
-        o, state = linear_recurrence(run.q, run.k, run.v, **run.op_kwargs(), initial_state=state,
-                                     output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)
-    if cache is not None:
-        cache.set("recurrent", state)
-    return o

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -87,6 +87,69 @@ def activation_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
+State = tuple[torch.Tensor, ...]
+#: run_memory(args, state or None, *, cu_seqlens, output_final_state) -> (o [B, T, H, V], final state or None)
+RunMemory = Callable[..., tuple[torch.Tensor, Optional[State]]]
+#: step_memory(one token per row, state) -> (o [N, H, V], state)
+StepMemory = Callable[[RecurrenceArgs, State], tuple[torch.Tensor, State]]
+
+
+def run_recurrence(
+    args: RecurrenceArgs, state: Optional[State], *, cu_seqlens: Optional[torch.Tensor], output_final_state: bool,
+    backend: str,
+) -> tuple[torch.Tensor, Optional[State]]:
+    """:func:`linear_recurrence` of ``args`` from ``state`` (``(S [N, H, K, V],)``; None: fresh):
+    ``(o [B, T, H, V], (final S,) or None)``."""
+    o, final = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(),
+                                 initial_state=None if state is None else state[0],
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend)
+    return o, (None if final is None else (final,))
+
+
+def step_recurrence(step: RecurrenceArgs, state: State) -> tuple[torch.Tensor, State]:
+    """:func:`linear_recurrence_step` of one token per row (``step`` as :meth:`RecurrenceArgs.as_steps` gives
+    it) from ``(S,)``: ``(o [N, H, V], (S,))``, S updated in place when no gradient is recorded."""
+    o, S = linear_recurrence_step(step.q, step.k, step.v, state[0], **step.op_kwargs())
+    return o, (S,)
+
+
+def memory_with_cache(
+    args: RecurrenceArgs,
+    *,
+    cache: Optional[LayerState],
+    token_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    state_names: tuple[str, ...],
+    run_memory: RunMemory,
+    step_memory: StepMemory,
+) -> torch.Tensor:
+    """A memory over one call: padded tokens (``token_mask`` False) masked, the state continued from and
+    written back to ``cache[state_names]``, one token of a cached call with no gradient run as a decoding
+    step. ``args`` shaped as :func:`linear_recurrence` takes them; returns o [B, T, H, V].
+
+    Example:
+        >>> args = RecurrenceArgs(q=torch.randn(1, 3, 2, 4), k=torch.randn(1, 3, 2, 4), v=torch.randn(1, 3, 2, 4))
+        >>> cache = LayerState()
+        >>> memory_with_cache(args, cache=cache, token_mask=None, cu_seqlens=None, state_names=("recurrent",),
+        ...                   run_memory=lambda *a, **kw: run_recurrence(*a, **kw, backend="auto"),
+        ...                   step_memory=step_recurrence).shape, cache.get("recurrent").shape
+        (torch.Size([1, 3, 2, 4]), torch.Size([1, 2, 4, 4]))
+    """
+    run = args.masked(token_mask) if token_mask is not None else args
+    state = None
+    if cache is not None and state_names[0] in cache:
+        state = tuple(cache.get(name) for name in state_names)
+    if state is not None and run.q.shape[1] == 1 and not torch.is_grad_enabled():
+        o, state = step_memory(run.as_steps(), state)
+        o = o[:, None]
+    else:
+        o, state = run_memory(run, state, cu_seqlens=cu_seqlens, output_final_state=cache is not None)
+    if cache is not None:
+        for name, tensor in zip(state_names, state):
+            cache.set(name, tensor)
+    return o
+
+
 class MemoryMixer(Mixer):
     """A mixer whose state is the fixed-size matrix memory of the unified recurrence.
 
@@ -135,18 +198,8 @@ class MemoryMixer(Mixer):
     ) -> torch.Tensor:
         check_cache_and_varlen(cache, cu_seqlens)
         args = self.recurrence_inputs(hidden, cache=cache, cu_seqlens=cu_seqlens).cast(activation_dtype(hidden))
-        run = args.masked(token_mask) if token_mask is not None else args
-        state = None
-        if cache is not None and self.state_names[0] in cache:
-            state = tuple(cache.get(name) for name in self.state_names)
-        if state is not None and hidden.shape[1] == 1 and not torch.is_grad_enabled():
-            o, state = self.step_memory(run.as_steps(), state)
-            o = o[:, None]
-        else:
-            o, state = self.run_memory(run, state, cu_seqlens=cu_seqlens, output_final_state=cache is not None)
-        if cache is not None:
-            for name, tensor in zip(self.state_names, state):
-                cache.set(name, tensor)
+        o = memory_with_cache(args, cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens,
+                              state_names=self.state_names, run_memory=self.run_memory, step_memory=self.step_memory)
         return self.output(o, hidden, args)
 
     # ---------------------------------------------------------------- the state hooks
@@ -169,16 +222,12 @@ class MemoryMixer(Mixer):
         output_final_state: bool,
     ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
         """The memory over a sequence: ``(o [B, T, H, V], final state or None)`` from ``state`` (None: fresh)."""
-        o, final = linear_recurrence(args.q, args.k, args.v, **args.op_kwargs(),
-                                     initial_state=None if state is None else state[0],
-                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                     backend=self.args.backend)
-        return o, (None if final is None else (final,))
+        return run_recurrence(args, state, cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                              backend=self.args.backend)
 
     def step_memory(
         self, step: RecurrenceArgs, state: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """One token per row (``step`` as :meth:`RecurrenceArgs.as_steps` gives it) -> ``(o [N, H, V], state)``;
         the state is updated in place when no gradient is recorded."""
-        o, S = linear_recurrence_step(step.q, step.k, step.v, state[0], **step.op_kwargs())
-        return o, (S,)
+        return step_recurrence(step, state)

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops import available_backends  # noqa: E402
 
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
-from linmem.ops.recurrence.triton import configs, launch, numerics, pipeline  # noqa: E402
+from linmem.ops.recurrence.triton import configs, launch, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not numerics.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 TOOLS = Path(__file__).resolve().parents[2] / "dev" / "kernels"
 

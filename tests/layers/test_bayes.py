@@ -13,7 +13,7 @@ import torch
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.layers.mom import MoMArgs
 from linmem.ops import bayes_filter
-from tests.helpers import rel_err
+from tests.helpers import rel_err, triton_kernels_device
 
 D, H = 32, 2
 
@@ -74,12 +74,7 @@ def test_the_conv_free_layer_decodes_as_it_runs():
 
 
 def test_the_fused_kernels_equal_the_token_loop():
-    pytest.importorskip("triton")
-    from linmem.ops.recurrence.triton import numerics
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not numerics.INTERPRET:
-        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set")
+    device = triton_kernels_device()
     x = torch.randn(1, 7, D, device=device)
     cu = torch.tensor([0, 3, 7], device=device)
     results = []

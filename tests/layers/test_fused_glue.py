@@ -9,26 +9,19 @@ that equals eager. On CUDA every mixer (fused kernels) equals its CPU form.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
-
-from linmem.layers import LayerState, MixerArgs, build_mixer, mixer_names, modules  # noqa: E402
-from linmem.layers.gla import gla_log_decay, gla_log_decay_derivative  # noqa: E402
-from linmem.layers.hgrn2 import HGRN2  # noqa: E402
-from linmem.layers.modules import ShortConvolution, mamba2_log_decay, pointwise, token_shift  # noqa: E402
-from linmem.layers.moe import swiglu_down  # noqa: E402
-from linmem.models import LinmemConfig, LinmemForCausalLM  # noqa: E402
-from linmem.models.modeling import causal_lm_loss  # noqa: E402
-from linmem.ops import parallel  # noqa: E402
-from linmem.ops.fused.backend import triton_refusal  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
+from linmem.layers import LayerState, MixerArgs, build_mixer, mixer_names, modules
+from linmem.layers.gla import gla_log_decay, gla_log_decay_derivative
+from linmem.layers.hgrn2 import HGRN2
+from linmem.layers.modules import ShortConvolution, mamba2_log_decay, pointwise, token_shift
+from linmem.layers.moe import swiglu_down
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.models.modeling import causal_lm_loss
+from linmem.ops import parallel
+from tests.helpers import rel_err, triton_kernels_device
 
 C, W = 6, 4
 
@@ -177,10 +170,8 @@ def test_chunked_loss_equals_the_loss_of_the_logits_with_its_gradients():
     assert all(torch.isfinite(p.grad).all() for p in params)
 
 
-@pytest.mark.skipif(triton_refusal(torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"))
-                    is not None, reason="the Triton kernels were imported before TRITON_INTERPRET=1 could be set")
 def test_packed_model_compiles_into_one_graph_equal_to_eager():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_kernels_device()
     model = tiny_model(layer_pattern="LN", memory="gated_deltanet", recurrence_backend="triton").to(device)
     ids = torch.randint(0, 40, (1, 10), device=device)
     cu = torch.tensor([0, 4, 10], device=device)

@@ -2,35 +2,26 @@
 and log_forget): flash forward and backward, windows, GQA, packed sequences, strong gates, pruning, the
 decoding kernel and torch.compile.
 
-On a machine without CUDA the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set below
-before the kernels are first imported) at small shapes, with the interpreter's small tiles (16 to 32 rows) so
-that every sequence crosses several tiles; ``gpu`` tests repeat the checks at real shapes on CUDA.
+On a machine without CUDA the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before triton is first imported) at small shapes, with the interpreter's small tiles (16 to
+32 rows) so that every sequence crosses several tiles; ``gpu`` tests repeat the checks at real shapes on CUDA.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import rel_err, triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.reference import keys_per_query, logit_bound, prune_threshold  # noqa: E402
-from linmem.ops.recurrence.triton import numerics  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not numerics.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 FP32_TOL = 1e-4
 LOW_TOL = 5e-3  # bf16 against the fp32 reference on the same rounded inputs

@@ -9,17 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+from tests.helpers import rel_err, triton_kernels_device
 
-from linmem.models import LinmemConfig, LinmemForCausalLM
-from linmem.ops import bayes_filter_step
-from linmem.ops.recurrence.triton import numerics
-from tests.helpers import rel_err
+DEVICE = triton_kernels_device()
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not numerics.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-
+from linmem.models import LinmemConfig, LinmemForCausalLM  # noqa: E402
+from linmem.ops import bayes_filter_step  # noqa: E402
 from linmem.ops.bayes import ops  # noqa: E402
 
 

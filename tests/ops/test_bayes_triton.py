@@ -4,31 +4,22 @@ Outputs, variance, final state and every input gradient (q, k, v, log_decay, obs
 the initial mean and covariance), by the error ratio ``rms(x - ref) / rms(ref)``: fp32 inputs against
 the fp64 reference (< 1e-4), bf16 inputs against the fp32 reference on the same rounded inputs and
 cotangents (< 5e-3). On a machine without CUDA the kernels run through the Triton interpreter
-(``TRITON_INTERPRET=1``, set before the kernels are first imported) at small shapes.
+(``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before triton is first imported) at small shapes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import rel_err, triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops import bayes_filter, bayes_filter_step  # noqa: E402
-from linmem.ops.recurrence.triton import numerics  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not numerics.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 from linmem.ops.bayes import launch  # noqa: E402
 

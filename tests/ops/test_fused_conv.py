@@ -8,24 +8,15 @@ cotangents. Without CUDA the kernels run through the Triton interpreter at small
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import rel_err, triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops.fused import short_conv, short_conv_step  # noqa: E402
-from linmem.ops.fused.backend import triton_refusal  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if triton_refusal(torch.zeros(1, device=DEVICE)) is not None:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)

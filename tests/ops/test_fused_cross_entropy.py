@@ -7,26 +7,17 @@ ever allocated. Without CUDA the softmax-gradient kernel runs through the Triton
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import rel_err, triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops.fused import linear_cross_entropy  # noqa: E402
-from linmem.ops.fused.backend import triton_refusal  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if triton_refusal(torch.zeros(1, device=DEVICE)) is not None:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-3}
 

@@ -2,8 +2,8 @@
 
 Every kernel equals the reference loop: outputs, final states and every input gradient, by
 the error ratio ``rms(x - ref) / rms(ref)``. On a machine without CUDA the kernels run on
-the CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set below before the
-kernels are first imported) at small shapes; ``gpu`` tests repeat the checks at real
+the CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``
+before triton is first imported) at small shapes; ``gpu`` tests repeat the checks at real
 shapes on CUDA, with the fp32 bound there too (fp32 inputs' products run as three tf32
 products, ``tf32x3``: error ratios near 6e-7 on an H200; one tf32 product would give about 1e-3).
 
@@ -23,23 +23,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and "linmem.ops.recurrence.triton.numerics" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels (on first use)
+from tests.helpers import make_inputs, rel_err, triton_kernels_device
 
-pytest.importorskip("triton")
+DEVICE = triton_kernels_device()
 
 from linmem.ops import available_backends, linear_recurrence, linear_recurrence_step  # noqa: E402
-from tests.helpers import make_inputs, rel_err  # noqa: E402
 
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
 from linmem.ops.recurrence.triton import configs, cumsum, launch, numerics, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not numerics.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 FP32_TOL = 1e-4
 LOW_TOL = 5e-3  # bf16 / fp16 against the fp32 reference

@@ -40,6 +40,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from linmem.bench.layers import cuda_time_ms  # noqa: E402
+from linmem.bench.ops import fla_forgetting_fn, flex_attention_fn  # noqa: E402
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
 from linmem.ops.attention.triton import launch  # noqa: E402
 
@@ -273,31 +274,6 @@ def accuracy() -> dict:
 # ---------------------------------------------------------------- 3. timings
 
 
-def flex_fn(B: int, T: int):
-    """FlexAttention with the forget bias c_i - c_j as a score_mod and a causal block mask (compiled once)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    flex = torch.compile(flex_attention)
-    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, T, T, device="cuda")
-
-    def fn(q, k, v, log_f):
-        c = log_f.float().cumsum(1).transpose(1, 2).contiguous()  # [B, H, T]
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + c[b, h, q_idx] - c[b, h, kv_idx]
-
-        o = flex(*(x.transpose(1, 2) for x in (q, k, v)), score_mod=score_mod, block_mask=block_mask)
-        return o.transpose(1, 2)
-
-    return fn
-
-
-def fla_fn():
-    from fla.ops.forgetting_attn.parallel import parallel_forgetting_attn
-
-    return lambda q, k, v, log_f: parallel_forgetting_attn(q, k, v, log_f)
-
-
 def timings(shapes, windows, reps: int, skip: set[str]) -> list[Row]:
     rows = []
     for B, T in shapes:
@@ -333,7 +309,7 @@ def timings(shapes, windows, reps: int, skip: set[str]) -> list[Row]:
                 row.note = prune_error(*leaves) + "; "
             try:
                 if fn is None:
-                    fn = flex_fn(B, T) if name.startswith("flex") else fla_fn()
+                    fn = flex_attention_fn(B, T) if name.startswith("flex") else fla_forgetting_fn()
             except Exception as error:
                 row.note = f"not run: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
                 rows.append(row)
@@ -468,7 +444,7 @@ def variants(shapes, reps: int) -> tuple[list[Row], dict]:
             row = Row("fwd+bwd", name, B, T, note=label if "fastest" in name else "")
             if fn is None:
                 try:
-                    fn = fla_fn()
+                    fn = fla_forgetting_fn()
                 except Exception as error:
                     row.note = f"not run: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
                     rows.append(row)

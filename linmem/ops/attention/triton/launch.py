@@ -8,7 +8,6 @@ shape arithmetic: no host synchronisation.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +15,7 @@ from typing import Optional
 import torch
 import triton
 
+from ...recurrence.triton import configs as recurrence_configs
 from . import backward, decode, forward
 
 
@@ -69,14 +69,8 @@ def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
 
 
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _cuda_sms(device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    """The device's streaming multiprocessors (the recurrence's cached count); ``INTERPRETER_SMS`` elsewhere."""
+    return recurrence_configs.sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
 
 
 def _grid(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], block: int, heads: int) -> tuple[tuple[int, int], int]:

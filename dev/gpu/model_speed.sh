@@ -16,7 +16,8 @@
 # fla is installed from .whl/*.whl when the working tree carries its wheels (no network on the device).
 # Outputs under $OUT: env.txt, glue_tests.log, graph_breaks.log, profile.log, and models{,_ckpt,_compile}/ with
 # {models.json,models.md} (rewritten after every cell) and models{,_ckpt,_compile}.log.
-# Run from the repository root: OUT=/tmp/out bash dev/gpu/model_speed.sh
+# Run from the repository root: OUT=/tmp/out bash dev/gpu/model_speed.sh [STAGE...], STAGE one of glue_tests,
+# graph_breaks, profile, models, models_ckpt, models_compile (default: all of them, in that order).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}
@@ -24,6 +25,7 @@ TOTAL_S=${TOTAL_S:-560}  # the whole script's wall-clock cap (a device call allo
 mkdir -p "$OUT"
 work=$(mktemp -d)  # the stages' Python scripts
 start=$SECONDS
+STAGES=" ${*:-glue_tests graph_breaks profile models models_ckpt models_compile} "
 
 stamp() { echo "# $1: $((SECONDS - start)) s since the start" | tee -a "$2"; }
 cap() {  # cap BUDGET: BUDGET seconds, or what is left of TOTAL_S if less (0: nothing left)
@@ -35,6 +37,7 @@ run_stage() {  # run_stage NAME BUDGET CMD...: CMD under timeout, its output int
   local name=$1 limit
   limit=$(cap "$2")
   shift 2
+  [[ $STAGES == *" $name "* ]] || return 0
   if (( limit <= 0 )); then echo "# $name: no time left" | tee "$OUT/$name.log"; return; fi
   timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -80,7 +83,7 @@ EOF
 run_stage graph_breaks 80 python3 "$work/graph_breaks.py"
 
 # 3. the profile of one training step
-cat > "$work/profile.py" <<'EOF'
+cat > "$work/step_profile.py" <<'EOF'
 import time
 
 import torch
@@ -118,12 +121,13 @@ for key in ("deltanet", "gated_deltanet"):
     del model, optimizer
     torch.cuda.empty_cache()
 EOF
-run_stage profile 70 python3 "$work/profile.py"
+run_stage profile 70 python3 "$work/step_profile.py"
 
 bench() {  # bench NAME BUDGET ARGS...: linmem bench models starting no cell after BUDGET s, stopped 60 s later
   local name=$1 budget
   budget=$(cap "$2")
   shift 2
+  [[ $STAGES == *" $name "* ]] || return 0
   if (( budget <= 0 )); then echo "# $name: no time left" | tee "$OUT/$name.log"; return; fi
   run_stage "$name" $((budget + 60)) python3 -m linmem.bench.models --warmup 1 --steps 3 --budget-s "$budget" \
     --out "$OUT/$name" "$@"

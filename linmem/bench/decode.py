@@ -52,6 +52,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..models.modeling import output_cache
 from .models import error_text, free_memory, is_out_of_memory
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, unavailable_reason)
@@ -127,11 +128,6 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def returned_cache(output) -> object:
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 def _static_cache(model: nn.Module, max_len: int) -> object:
     from transformers import StaticCache
 
@@ -166,7 +162,7 @@ def static_cache_refusal(model: nn.Module, device: str) -> Optional[str]:
                              cache_implementation="static", return_dict_in_generate=True)
     except Exception as error:  # the path is missing or broken: say how
         return error_text(error)
-    cache = returned_cache(out)
+    cache = output_cache(out)
     if type(cache) is LinmemCache and not getattr(cache, "is_compileable", False):
         return "generate() ignores cache_implementation='static' (it decoded with the dynamic LinmemCache)"
     return None
@@ -188,14 +184,14 @@ def _own_cache(model: nn.Module, cell: DecodeCell, config: DecodeBenchConfig, id
     sync()
     cell.prefill_ms = (time.perf_counter() - start) * 1e3
     cell.prefill_peak_GB = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
-    state = {"cache": returned_cache(out), "token": out.logits[:, -1:].argmax(-1)}
+    state = {"cache": output_cache(out), "token": out.logits[:, -1:].argmax(-1)}
     del out
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     def step() -> None:
         out = model(input_ids=state["token"], use_cache=True, **{keyword: state["cache"]})
-        state["cache"], state["token"] = returned_cache(out), out.logits[:, -1:].argmax(-1)
+        state["cache"], state["token"] = output_cache(out), out.logits[:, -1:].argmax(-1)
 
     for _ in range(config.warmup):
         step()

@@ -321,8 +321,10 @@ def flex_attention_fn(B: int, T: int, window: Optional[int] = None, device: str 
         if log_forget is not None:
             c = log_forget.float().cumsum(1).transpose(1, 2).contiguous()  # [B, H, T]
 
+            c_key = c.clone()  # one index per tensor: flex's backward (torch 2.11) refuses two into one
+
             def score_mod(score, b, h, q_idx, kv_idx):
-                return score + c[b, h, q_idx] - c[b, h, kv_idx]
+                return score + c[b, h, q_idx] - c_key[b, h, kv_idx]
 
         o = flex(*(x.transpose(1, 2) for x in (q, k, v)), score_mod=score_mod, block_mask=block_mask)
         return o.transpose(1, 2)

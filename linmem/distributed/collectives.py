@@ -34,14 +34,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty(group_size(group) * x.shape[0], *x.shape[1:])
-        dist.all_gather_single(out, x, group=group)
+        dist.all_gather_into_tensor(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[0] // group_size(ctx.group), *grad.shape[1:])
-        dist.reduce_scatter_single(out, grad, group=ctx.group)
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
 
 

@@ -61,10 +61,10 @@ def test_static_generate_equals_dynamic(name):
     model = tiny(**MODELS[name])
     ids, mask = left_padded()
     dynamic, static = generate(model, ids, mask, None), generate(model, ids, mask, "static")
-    assert type(static.cache) is StaticLinmemCache and type(dynamic.cache) is LinmemCache
+    assert type(output_cache(static)) is StaticLinmemCache and type(output_cache(dynamic)) is LinmemCache
     assert torch.equal(static.sequences, dynamic.sequences)
     torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), rtol=0, atol=1e-5)
-    assert static.cache.lengths.tolist() == (mask.sum(1) + 5).tolist()  # the last token is never fed back
+    assert output_cache(static).lengths.tolist() == (mask.sum(1) + 5).tolist()  # the last token is never fed back
 
 
 def test_static_tensors_never_move_after_the_prefill():

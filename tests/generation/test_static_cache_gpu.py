@@ -9,6 +9,7 @@ import torch
 from linmem.generation import GraphDecoder, decode_step
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models.cache import LinmemCache, StaticLinmemCache
+from linmem.models.modeling import output_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +79,7 @@ def test_static_generate_equals_dynamic_on_cuda(name):
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     dynamic = model.generate(ids, **kwargs)
     static = model.generate(ids, cache_implementation="static", **kwargs)
-    assert isinstance(static.cache, StaticLinmemCache) and static.cache.decoder.graph is not None
+    assert isinstance(output_cache(static), StaticLinmemCache) and output_cache(static).decoder.graph is not None
     assert torch.equal(static.sequences, dynamic.sequences)
 
 

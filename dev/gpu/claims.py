@@ -1,8 +1,8 @@
 """The seed papers' claims at a scale one GPU affords: train, evaluate, tabulate, plot.
 
-    OUT=out bash dev/gpu/claims.sh                   # all three claims, about 8 minutes on one H100
-    python dev/gpu/claims.py --out out --claims b    # one claim
-    python dev/gpu/claims.py --out out --smoke       # the whole pipeline with tiny settings (CPU, minutes)
+    OUT=out bash dev/gpu/claims.sh --claims a,b --jobs 4   # claims a and b: one 600 s device call on an H100
+    OUT=out bash dev/gpu/claims.sh --claims c              # claim c: a second call
+    python dev/gpu/claims.py --out out --smoke             # the whole pipeline, tiny settings (CPU, minutes)
 
 (a) hybrid vs pure vs Transformer on the same token budget (Linear-MoE, Table 5's question);
 (b) FoX vs Transformer, with and without the Pro block: per-position loss, extrapolation to 2x and

@@ -6,6 +6,13 @@ varlen convolution), width D = 1024, H = 8 and 16 heads of K = V = 128, MLP widt
 
     OUT=/tmp/fused python dev/gpu/fused_bench.py            # prints one table, writes $OUT/fused_bench.json
 
+    git show main:linmem/ops/fused/triton/conv.py > dev/gpu/conv_base.py      # another revision's conv kernels
+    OUT=/tmp/fused python dev/gpu/fused_bench.py --conv-base dev/gpu/conv_base.py
+
+With ``--conv-base``, the short convolution's launchers (forward + backward, silu, a bias, W = 4, bf16, at every
+head count's shape) run beside that file's, with each conv kernel's GPU time per call (torch.profiler) and the
+two revisions' gradients compared.
+
 Correctness: the error ratio rms(a - ref) / rms(ref) of every output and gradient against the reference
 (fp32 math on the same bf16 inputs; < 5e-3 for bf16, < 1e-4 for fp32 at the same shapes); the script exits
 non-zero if one fails. Time: median of CUDA-event timings of forward + backward (gradients of every input).
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -322,6 +330,48 @@ def decode_row(B: int, C: int) -> Row:
     return row
 
 
+def load_conv_kernels(path: str):
+    """Another revision's ``linmem/ops/fused/triton/conv.py`` as a module of the package (its relative imports
+    resolve there)."""
+    spec = importlib.util.spec_from_file_location("linmem.ops.fused.triton.conv_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def conv_kernel_ms(fn: Callable[[], object], repeats: int = 10) -> dict:
+    """GPU milliseconds per call of fn of each kernel whose name starts with ``conv_`` (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3 / repeats
+            for e in prof.key_averages() if e.key.startswith("conv_")}
+
+
+def conv_revisions(base_path: str, B: int, T: int, C: int) -> tuple[dict, bool]:
+    """conv_forward + conv_backward (silu, a bias, W = 4, bf16) of the working tree and of base_path's conv.py:
+    the whole launch's CUDA-event ms, each kernel's ms, and the gradients' error ratios between the two."""
+    from linmem.ops.fused.triton import conv as head
+
+    revisions = {"head": head, "base": load_conv_kernels(base_path)}
+    x, w, b, dy = rand(B, T, C), rand(C, 4, scale=0.5, seed=1), rand(C, seed=2), rand(B, T, C, seed=3)
+
+    def step(kernels):
+        kernels.conv_forward(x, w, b, None, None, 1, False)
+        return kernels.conv_backward(x, w, b, None, None, dy, None, 1)
+
+    grads = {name: step(kernels)[:3] for name, kernels in revisions.items()}
+    errors = {n: rel_err(g, ref) for n, g, ref in zip(("dx", "dw", "db"), grads["head"], grads["base"])}
+    result = {"shape": f"{B}x{T}x{C}", "errors head vs base": errors}
+    for name, kernels in revisions.items():
+        run = lambda kernels=kernels: step(kernels)  # noqa: E731
+        result[name] = {"ms": cuda_time_ms(run, repeats=20), "kernels ms": conv_kernel_ms(run)}
+    return result, all(e < 5e-3 for e in errors.values())
+
+
 def table(rows: list[Row]) -> str:
     names = ["linmem", "eager", "fla"]
     head = ("| op | shape | " + " | ".join(f"{n} ms" for n in names) + " | vs eager | vs fla | kept MB l/e/f | "
@@ -342,6 +392,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (B x T)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--conv-base", help="another revision's linmem/ops/fused/triton/conv.py to time beside")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -359,16 +410,27 @@ def main() -> int:
         rows.append(row)
         print(f"{row.op} {row.shape}: {row.ms} {row.errors} {row.notes}", flush=True)
     rows.append(decode_row(64, 2048))
+    revisions = []
+    for H in args.heads if args.conv_base else []:
+        result, agree = conv_revisions(args.conv_base, B, T, H * K)
+        failed |= not agree
+        revisions.append(result)
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "fla": fla_version}
     print(f"\n{env}\n\n{table(rows)}")
     for r in rows:
         for note in r.notes:
             print(f"  {r.op} ({r.shape}): {note}")
+    for result in revisions:
+        print(f"\nshort_conv fwd+bwd launchers {result['shape']}, head vs {args.conv_base}: errors "
+              f"{result['errors head vs base']}")
+        for name in ("head", "base"):
+            kernels = ", ".join(f"{k} {v * 1e3:.0f} us" for k, v in sorted(result[name]["kernels ms"].items()))
+            print(f"  {name}: {result[name]['ms']:.3f} ms ({kernels})")
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "fused_bench.json"), "w") as f:
-        json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"env": env, "rows": [asdict(r) for r in rows], "conv_revisions": revisions}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -209,10 +209,11 @@ def train_cell(key: str, mode: str, T: int, config: TrainBenchConfig) -> TrainCe
 
 def run_models(config: TrainBenchConfig, report: Callable[[TrainCell], None] = lambda cell: None,
                row_done: Callable[[str, float], None] = lambda label, seconds: None) -> list[TrainCell]:
-    """Every cell of the table, in order; ``report`` sees each cell, ``row_done`` each row's label and seconds."""
+    """Every cell of the table; ``report`` sees each cell, ``row_done`` each row's label and seconds. linmem's rows
+    run before the peers' (a peer's first autotuning can take minutes), so that ``budget_s`` cuts peers first."""
     started = time.perf_counter()
     cells = []
-    for key, mode in config.rows():
+    for key, mode in sorted(config.rows(), key=lambda row: model_spec(row[0]).family != "linmem"):
         row_start = time.perf_counter()
         for T in config.seq_lens:
             if config.budget_s is not None and time.perf_counter() - started > config.budget_s:

@@ -28,8 +28,12 @@ averages each KV head's key over n groups of consecutive channels (n = K: the ke
     gated_retention   logsigmoid(P_1(k)) / 16                          per head       phi(k)
     gsa               logsigmoid(P_M(k)) / 16 over M slots             per slot       gated slot attention
 
-The normaliser 16 is GLA's (decays start near 1). HGRN-2's lower bound gamma has no parameter here:
-it grows with depth, gamma = layer_idx / num_layers (0 in the first layer, as Liger's code). GSA
+``gate_logit_normalizer`` = 16 (:data:`GATE_LOGIT_NORMALIZER`) is the one of GLA, fla and Liger's code:
+alpha = sigmoid(g)^(1/16), so decays sit near 1. For ``gla`` the gate and phi read the same key channel:
+phi(k) = softmax(k) writes where k is large, where alpha ~ 1, so right after conversion the state forgets
+little of what it holds and the memory read-out grows with position (docs/liger.md).
+HGRN-2's lower bound gamma has no parameter here: it grows with depth, gamma = layer_idx / num_layers
+(Liger's code uses 0 in every layer). GSA
 (:mod:`linmem.layers.gsa`) reads q and k without phi, with the attention scale K^-0.5 on its slot
 scores (a slot score is then a weighted average of attention logits). A log decay below
 :data:`MIN_LOG_DECAY` is clamped to it: the state keeps at most e^-20 of itself, and the cumulative
@@ -81,7 +85,7 @@ LIGER_MEMORIES = ("gla", "mamba2", "hgrn2", "rwkv6", "gated_retention", "gsa")
 LIGER_GATES = ("pooled_key", "projection")
 #: phi of q and k in the recurrence (``liger_feature_map``)
 LIGER_FEATURE_MAPS = ("softmax", "learnable")
-#: GLA's normaliser of log-sigmoid gates (GLA, gated retention, GSA)
+#: gate_logit_normalizer of GLA, fla and Liger's code: log alpha = logsigmoid(g) / 16 (GLA, gated retention, GSA)
 GATE_LOGIT_NORMALIZER = 16
 #: lower clamp of every Liger log decay
 MIN_LOG_DECAY = -20.0

@@ -72,6 +72,18 @@ def test_a_spent_budget_starts_no_cell():
     assert cell.status == "not run" and "budget" in cell.reason
 
 
+def test_linmem_rows_run_before_the_peers_and_the_table_keeps_each_peer_above_its_model(monkeypatch):
+    ran = []
+    monkeypatch.setattr(models, "train_cell", lambda key, mode, T, config: ran.append(key) or models.TrainCell(
+        key, peers.model_spec(key).label, mode, 1, T))
+    config = models.TrainBenchConfig(models=("deltanet", "transformer"), peers=("llama", "fla-deltanet"),
+                                     seq_lens=(64,), device="cpu")
+    cells = models.run_models(config)
+    assert ran == ["deltanet", "transformer", "fla-deltanet", "llama"]
+    assert [row[0].model for row in models._row_cells(cells, config)] == ["fla-deltanet", "deltanet", "llama",
+                                                                         "transformer"]
+
+
 def test_fla_gated_backward_refusal_is_read_from_flas_flags(monkeypatch):
     flags = types.ModuleType("fla.ops.common.chunk_o")
     flags.IS_NVIDIA_HOPPER, flags.TRITON_ABOVE_3_4_0, flags.TRITON_ABOVE_3_7_1 = True, True, False

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from linmem.layers import LayerState, build_mixer
 from linmem.layers.liger import (
@@ -98,16 +99,30 @@ def test_huge_keys_give_finite_outputs_and_gradients(memory):
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
 
 
-@pytest.mark.parametrize("memory", ["gla", "mamba2", "hgrn2", "rwkv6", "gated_retention"])
-def test_decays_are_bounded_and_hgrn2_writes_one_minus_its_decay(memory):
+#: Liger Table 1 as decays alpha of the pooled key g (gamma = 1/4: layer 1 of 4); gla and gated retention with
+#: Liger's code's gate_logit_normalizer 16
+TABLE_1 = {
+    "gla": lambda g: torch.sigmoid(g) ** (1 / 16),
+    "gated_retention": lambda g: torch.sigmoid(g[..., 0]) ** (1 / 16),
+    "mamba2": lambda g: torch.exp(-F.softplus(g[..., 0])),
+    "rwkv6": lambda g: torch.exp(-torch.exp(g)),
+    "hgrn2": lambda g: 0.25 + 0.75 * torch.sigmoid(g),
+}
+
+
+@pytest.mark.parametrize("memory", list(TABLE_1))
+def test_decays_follow_table_1_and_hgrn2_writes_one_minus_its_decay(memory):
     mixer = liger(liger_memory=memory, layer_idx=1, num_layers=4)
-    gate = 5 * torch.randn(2, 6, H, 1 if memory in ("mamba2", "gated_retention") else D // H)
-    log_decay, key = mixer.decay_and_key(gate, torch.randn(2, 6, H, D // H))
+    gate = 2 * torch.randn(2, 6, H, 1 if memory in ("mamba2", "gated_retention") else D // H)
+    k = torch.randn(2, 6, H, D // H)
+    log_decay, key = mixer.decay_and_key(gate, k)
+    torch.testing.assert_close(log_decay.exp(), TABLE_1[memory](gate))
+    if memory == "hgrn2":  # key = 1 - alpha
+        torch.testing.assert_close(key, 1 - TABLE_1[memory](gate))
+    else:
+        torch.testing.assert_close(key, torch.softmax(k, -1))
+    log_decay, _ = mixer.decay_and_key(50 * gate, k)
     assert (log_decay <= 0).all() and (log_decay.clamp_min(MIN_LOG_DECAY) >= MIN_LOG_DECAY).all()
-    if memory == "hgrn2":  # alpha = gamma + (1 - gamma) sigmoid(g), gamma = 1/4; key = 1 - alpha
-        alpha = 0.25 + 0.75 * torch.sigmoid(gate)
-        torch.testing.assert_close(log_decay.exp(), alpha)
-        torch.testing.assert_close(key, 1 - alpha)
 
 
 def test_branch_weights_zero_and_one():

@@ -77,6 +77,22 @@ def test_varlen(dtype):
     compare(tensors, cot, activation="silu", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("case", ["batch", "varlen"])
+def test_weight_gradient_over_several_programs(case, monkeypatch):
+    """The dx/dw pass split into programs of 16 tokens, of two token tiles each (the last program partial,
+    sequences straddling programs): dw and db are the sums of the programs' partial sums."""
+    from linmem.ops.fused.triton import conv as kernels
+
+    monkeypatch.setattr(kernels, "TOKENS_PER_PROGRAM", 16)
+    if case == "batch":
+        tensors, cot = conv_inputs(2, 40, 12, 4, 2, torch.float32)
+        compare(tensors, cot, activation="silu")
+    else:
+        cu = torch.tensor([0, 3, 19, 21, 37], dtype=torch.int32, device=DEVICE)
+        tensors, cot = conv_inputs(1, 37, 12, 4, 4, torch.float32)
+        compare(tensors, cot, activation="silu", cu_seqlens=cu)
+
+
 def test_no_activation_no_bias_no_history():
     tensors, cot = conv_inputs(2, 9, 8, 3, 2, torch.float32, bias=False, history=False)
     compare(tensors, cot)

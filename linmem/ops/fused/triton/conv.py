@@ -12,10 +12,13 @@ activation dz is dy and this pass is skipped); ``conv_dx_kernel`` then reads dz,
 (token s + lag reads x_s through weight column W-1-lag)::
 
     dx_s = sum_lag w[:, W-1-lag] dz_(s+lag)   (s + lag inside the sequence)  + dfinal[n, W-1-(eos-s)] (last W-1)
-    dw[:, i] = sum_t dz_t x_(t-lag_i),  db = sum_t dz_t   (per token block, summed after)
+    dw[:, i] = sum_t dz_t x_(t-lag_i),  db = sum_t dz_t   (per program of TOKENS_PER_PROGRAM tokens, summed after)
     dh0[n, j] = sum_(u <= j) w[:, j-u] dz_(bos+u)   + dfinal[n, j - L] (sequences shorter than W-1)
 
-One pass that recomputed dz_(s+lag) for every lag held W + 1 tiles of taps at once and spilled registers.
+One pass that recomputed dz_(s+lag) for every lag held W + 1 tiles of taps at once and spilled registers. The dx
+pass loops over TOKENS_PER_PROGRAM tokens and sums dw in registers: reducing dw over every 16-token tile (five
+block-wide reductions, 24 barriers, per 16 x 128 tile) and writing a [C, W] partial per tile made it 6x slower
+than the forward on an H100.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ BLOCK_T = 16
 BLOCK_C = 128
 #: warps per program of the token-tile kernels
 WARPS = 8
+#: source tokens per program of the backward's dx/dw pass (a multiple of BLOCK_T): its weight gradient is reduced
+#: over the tokens once per this many, and P = B * T / this many partial sums are written and summed after
+TOKENS_PER_PROGRAM = 64
+#: the dx/dw pass holds (next_pow2(W) * its token tile) x BLOCK_C sums of dw: at most this many rows (32: 76
+#: registers on sm_90 at W = 4, three programs per SM)
+DW_ROWS = 32
 
 
 def _blocks(T: int, C: int) -> tuple[int, int]:
@@ -120,36 +129,54 @@ def conv_dz_kernel(x, w, bias, h0, dy, dz, cu_seqlens, T, C, N, STEPS, sxb, sxt,
 
 
 @triton.jit
-def conv_dx_kernel(x, w, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, STEPS, sxb, sxt, W: tl.constexpr,
+def conv_dx_kernel(x, w, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, STEPS, CHUNK, sxb, sxt, W: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr):
-    """dx [B, T, C] for a [BT, BC] tile of source tokens from dz (fp32, contiguous), and the tile's shares of
-    dw [P, C, W] and db [P, C] (fp32, P = B * T blocks). Grid (T blocks, C blocks, B)."""
+                   BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
+    """dx [B, T, C] from dz (fp32, contiguous) for the CHUNK source tokens of a program, a [BT, BC] tile at a time,
+    and the chunk's shares of dw [P, W, C] and db [P, C] (fp32, P = B * T chunks). Grid (T chunks, C blocks, B).
+
+    dw is summed elementwise over the tiles in BW * BT rows r = i BT + u (tap i < BW = next_pow2(W), token u of the
+    tile) and reduced over the tokens once per chunk: a reduction per tile crosses the warps through shared
+    memory and barriers."""
     b = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mt, mc = t < T, c < C
-    n, bos, eos = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
-    rows = dz + (b.to(tl.int64) * T + t) * C
-    g = tl.zeros((BT, BC), tl.float32)
-    for lag in tl.static_range(W):  # token t + lag reads x_t through weight column W - 1 - lag
-        wl = tl.load(w + c * W + W - 1 - lag, mask=mc, other=0.0).to(tl.float32)
-        later = (mt & (t + lag < eos))[:, None] & mc[None, :]
-        g += wl[None, :] * tl.load((rows + lag * C)[:, None] + c[None, :], mask=later, other=0.0).to(tl.float32)
-    if HAS_DFINAL:  # the last W - 1 tokens of a sequence are its final state
-        j = W - 1 - (eos - t)
-        slots = dfinal + (n * (W - 1) + j).to(tl.int64) * C
-        g += tl.load(slots[:, None] + c[None, :], mask=(mt & (j >= 0))[:, None] & mc[None, :],
-                     other=0.0).to(tl.float32)
-    out = (dx + (b.to(tl.int64) * T + t) * C)[:, None] + c[None, :]
-    tl.store(out, rounded(g, dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
-    dz_t = tl.load(rows[:, None] + c[None, :], mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    mc = c < C
+    r = tl.arange(0, BW * BT)
+    i, u = r // BT, r % BT
+    start = tl.program_id(0) * CHUNK
+    dw_rows = tl.zeros((BW * BT, BC), tl.float32)
+    db_tile = tl.zeros((BT, BC), tl.float32)
+    for t0 in range(start, tl.minimum(start + CHUNK, T), BT):
+        t = t0 + tl.arange(0, BT)
+        mt = t < T
+        n, _, eos = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
+        rows = dz + (b.to(tl.int64) * T + t) * C
+        dz_t = tl.load(rows[:, None] + c[None, :], mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
+        g = tl.load(w + c * W + W - 1, mask=mc, other=0.0).to(tl.float32)[None, :] * dz_t
+        for lag in tl.static_range(1, W):  # token t + lag reads x_t through weight column W - 1 - lag
+            wl = tl.load(w + c * W + W - 1 - lag, mask=mc, other=0.0).to(tl.float32)
+            later = (mt & (t + lag < eos))[:, None] & mc[None, :]
+            g += wl[None, :] * tl.load((rows + lag * C)[:, None] + c[None, :], mask=later, other=0.0).to(tl.float32)
+        if HAS_DFINAL:  # the last W - 1 tokens of a sequence are its final state
+            j = W - 1 - (eos - t)
+            slots = dfinal + (n * (W - 1) + j).to(tl.int64) * C
+            g += tl.load(slots[:, None] + c[None, :], mask=(mt & (j >= 0))[:, None] & mc[None, :],
+                         other=0.0).to(tl.float32)
+        out = (dx + (b.to(tl.int64) * T + t) * C)[:, None] + c[None, :]
+        tl.store(out, rounded(g, dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+        db_tile += dz_t
+        tr = t0 + u  # row r: dz of token tr times its tap i, x lag_i = W - 1 - i tokens before
+        mr = (tr < T) & (i < W)
+        nr, bosr, _ = locate(tr, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
+        dz_r = tl.load((dz + (b.to(tl.int64) * T + tr) * C)[:, None] + c[None, :], mask=mr[:, None] & mc[None, :],
+                       other=0.0).to(tl.float32)
+        dw_rows += dz_r * tap(x, h0, b, tr, tr - bosr, nr, c, mr, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
     p = (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
-    for i in tl.static_range(W):
-        xi = tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
-        tl.store(dw + (p * C + c) * W + i, total(dz_t * xi, 0), mask=mc)
+    taps = tl.arange(0, BW)
+    tl.store(dw + (p * W + taps)[:, None] * C + c[None, :], total(tl.reshape(dw_rows, (BW, BT, BC)), 1),
+             mask=(taps < W)[:, None] & mc[None, :])
     if HAS_BIAS:
-        tl.store(db + p * C + c, total(dz_t, 0), mask=mc)
+        tl.store(db + p * C + c, total(db_tile, 0), mask=mc)
 
 
 @triton.jit
@@ -277,11 +304,14 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
                              ACT=act, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT,
                              BC=BC, num_warps=WARPS)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    dw = torch.empty(B * blocks, C, W, device=x.device, dtype=torch.float32)
-    db = torch.empty(B * blocks, C, device=x.device, dtype=torch.float32) if bias is not None else None
-    conv_dx_kernel[grid](x, weight, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1),
-                         W=W, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, HAS_DFINAL=dfinal is not None,
-                         IS_VARLEN=varlen, BT=BT, BC=BC, num_warps=WARPS)
+    BW = next_power_of_2(W)
+    chunks = triton.cdiv(T, TOKENS_PER_PROGRAM)
+    dw = torch.empty(B * chunks, W, C, device=x.device, dtype=torch.float32)
+    db = torch.empty(B * chunks, C, device=x.device, dtype=torch.float32) if bias is not None else None
+    conv_dx_kernel[(chunks, triton.cdiv(C, BC), B)](
+        x, weight, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, TOKENS_PER_PROGRAM, x.stride(0),
+        x.stride(1), W=W, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, HAS_DFINAL=dfinal is not None,
+        IS_VARLEN=varlen, BT=max(1, min(BT, DW_ROWS // BW)), BC=BC, BW=BW, num_warps=WARPS)
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, W - 1, C, device=x.device, dtype=torch.float32)
@@ -290,7 +320,7 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
                                                        BJ=next_power_of_2(W - 1), BC=BC)
         dh0 = dh0.to(h0.dtype)
     dbias = None if bias is None else db.sum(0).to(bias.dtype)
-    return dx, dw.sum(0).to(weight.dtype), dbias, dh0
+    return dx, dw.sum(0).t().to(weight.dtype).contiguous(), dbias, dh0
 
 
 def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], act: int) -> Tensor:

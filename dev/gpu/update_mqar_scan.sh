@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # What the Update-MQAR recipes need to leave the ln(V) plateau on one GPU, in one device call (under 10
 # minutes): the recipes' model (two layers of width 256, 4 heads, bf16 autocast, lr 2e-3) with either memory,
-# scored at (L, kv) = (256, 32) and (512, 64), one lever per row:
-#   hard     trained on (256, 32) and (512, 64) alone, one pool of 8192 tokens (the recipes before the mix)
+# trained and scored at (L, kv) = (256, 32) and (512, 64), one change per row:
+#   hard     the update variant on a pool of 8192 tokens (the recipes' first version)
 #   base     as hard, on Zoology's MQAR (keys and values from disjoint halves of the vocabulary)
 #   shared   as hard, on the shared pool without rebinding
-#   v1024    as hard, on a pool of 1024 tokens
-#   easy     as hard, with Zoology's easy settings (64, 4), (128, 8), (256, 16) in the mix
-#   recipe   the recipes as shipped: easy and v1024 together
+#   recipe   the recipes as shipped: a pool of 1024 tokens
+#   v256     a pool of 256 tokens
+#   easy     as recipe, with Zoology's easy settings (64, 4), (128, 8), (256, 16) in the training mix
 # Every run is a `linmem train` with overrides, all of one model started at once on the GPU for $BUDGET_S
 # seconds (SIGINT stops a run after its step and keeps its last evaluation, every 100 steps); each prints
 # its final metrics (the line starting "done:"), collected in $OUT/update_mqar_scan.log with the last
 # logged training loss. A row has left the plateau when its loss is below ln(V) (9.01 for 8192, 6.93 for
-# 1024) and its accuracy above 1/V.
+# 1024, 5.55 for 256) and its accuracy above 1/V.
 # Knobs (environment): BUDGET_S=260 per model.
 set -uo pipefail -f  # -f: the [[L, kv]] lists below are not glob patterns
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 COMMON="schedule.steps=3000 run.save_every=0 run.device=cuda run.progress=false run.log_every=50
   run.tensorboard=false run.resume=false run.eval_every=100 data.mqar.eval_examples=300
   data.mqar.train_examples=50000 data.mqar.eval_settings=[[256,32],[512,64]]"
-HARD="data.mqar.settings=[[256,32],[512,64]]"
+EASY="data.mqar.settings=[[64,4],[128,8],[256,16],[256,32],[512,64]]"
 run() {  # model, name, overrides...
   local model=$1 name=$2; shift 2
   timeout -s INT -k 30 "$BUDGET_S" python3 -m linmem.cli train --recipe "update-mqar-$model" $COMMON "$@" \
@@ -32,12 +32,12 @@ run() {  # model, name, overrides...
     >> "$OUT/update_mqar_scan.log"
 }
 for model in gated_deltanet bayes; do
-  run "$model" hard "$HARD" data.mqar.vocab_size=8192 &
-  run "$model" base "$HARD" data.mqar.vocab_size=8192 data.mqar.variant=base &
-  run "$model" shared "$HARD" data.mqar.vocab_size=8192 data.mqar.variant=shared &
-  run "$model" v1024 "$HARD" &
-  run "$model" easy data.mqar.vocab_size=8192 &
+  run "$model" hard data.mqar.vocab_size=8192 &
+  run "$model" base data.mqar.vocab_size=8192 data.mqar.variant=base &
+  run "$model" shared data.mqar.vocab_size=8192 data.mqar.variant=shared &
   run "$model" recipe &
+  run "$model" v256 data.mqar.vocab_size=256 &
+  run "$model" easy "$EASY" &
   wait
 done
 sort "$OUT/update_mqar_scan.log"

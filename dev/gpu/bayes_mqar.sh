@@ -6,8 +6,10 @@
 #     packed sequences, every gradient; a model decoding through its cached mean and covariance; inductor);
 #  2. Update-MQAR: the recipes update-mqar-bayes and update-mqar-gated_deltanet as shipped (two layers of width
 #     256, 4 heads, short convolutions, bf16 autocast, the same data, seed and steps; keys and values from one
-#     pool of 8192 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
+#     pool of 1024 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
 #     trained on (L, kv) = (256, 32) and (512, 64) mixed, evaluated there and at (1024, 128) every 250 steps).
+#     With a pool of 8192 tokens both stayed at the loss ln(8192) and chance accuracy in this budget
+#     (docs/bayes.md); dev/gpu/update_mqar_scan.sh measures what the pool and other changes do.
 #     Each model gets half of the time left before $DEADLINE_S; a run past it stops after its step (SIGINT)
 #     and keeps its last evaluation.
 # Prints a table (also $OUT/summary.md): per model the steps run, the median tokens/s, the accuracy at the

@@ -81,4 +81,9 @@ def test_the_update_mqar_recipes_differ_only_in_the_memory():
     assert (bayes.model.memory, gdn.model.memory) == ("bayes", "gated_deltanet")
     bayes.model.memory, bayes.run.out_dir = gdn.model.memory, gdn.run.out_dir
     assert bayes == gdn
-    assert gdn.data.mqar.variant == "update"
+    m = gdn.data.mqar
+    assert m.variant == "update"
+    generate = mqar_generator(m.variant, update_fraction=m.update_fraction)
+    for seq_len, kv in m.settings + m.eval_settings:  # every setting fits the recipe's pool
+        inputs, labels = generate(1, seq_len, kv, m.vocab_size, power_a=m.power_a, seed=0)
+        assert int((labels != -100).sum()) == kv and int(inputs.max()) < m.vocab_size

@@ -3,6 +3,7 @@ CPU tests (gloo) on NCCL and the GPU kernels, then the trainer's tokens/s.
 
     OUT=out python dev/gpu/distributed_train.py            # 1, 2 and (with 4 GPUs) 4 GPUs, ~5 minutes
     OUT=out python dev/gpu/distributed_train.py --smoke    # tiny, on CPU with gloo: try it without GPUs
+    OUT=out python dev/gpu/distributed_train.py --stages reshard,throughput   # some of the stages below
 
 1. curve: a small MoE hybrid on MQAR in fp32: one GPU on the global batch; 2 GPUs dp=2 with the experts
    over ep=2 and activation checkpointing; 4 GPUs dp=2 x sp=2, ep=2 (sequence parallelism only when the
@@ -49,6 +50,10 @@ SMOKE = {"model.hidden_size=128": "model.hidden_size=32", "model.num_heads=4": "
          "model.recipe=hybrid-gdn-340m": "model.hidden_size=64", "data.text.max_files=400": "data.text.max_files=20",
          "data.tokens_per_batch=8192": "data.tokens_per_batch=256", "schedule.steps=30": "schedule.steps=6",
          "run.dtype=bf16": "run.dtype=fp32"}
+
+
+#: the script's stages, in the order they run
+STAGES = ("curves", "resume", "reshard", "throughput")
 
 
 def layers_consult_the_hook() -> bool:
@@ -146,7 +151,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo), no GPU needed")
     parser.add_argument("--ranks", type=int, default=2, help="processes that --smoke plays GPUs with")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma list of {', '.join(STAGES)} (resume and reshard also run the 1- and 2-GPU curves)")
     args = parser.parse_args()
+    stages = set(args.stages.split(","))
+    if not stages <= set(STAGES):
+        parser.error(f"--stages: unknown {sorted(stages - set(STAGES))}; valid: {', '.join(STAGES)}")
     out = Path(args.out).resolve() / "distributed_train"
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(out, args.smoke)
@@ -163,21 +173,22 @@ def main() -> None:
 
     # 1. curves
     moe = [*MOE, *MQAR]
-    runner.run(1, "one", [*moe, f"data.batch_size={GLOBAL_BATCH}"])
-    reference = runner.losses("one")
     two = [*moe, f"data.batch_size={GLOBAL_BATCH // 2}", "parallel.dp=2", "parallel.ep=2",
            "parallel.activation_checkpointing=true"]
-    if gpus >= 2:
-        runner.run(2, "two", two)
-        check("2 GPUs dp=2 ep=2 vs 1 GPU", worst(runner.losses("two"), reference), tol)
-    if gpus >= 4:
+    if stages & {"curves", "resume", "reshard"}:
+        runner.run(1, "one", [*moe, f"data.batch_size={GLOBAL_BATCH}"])
+        reference = runner.losses("one")
+        if gpus >= 2:
+            runner.run(2, "two", two)
+            check("2 GPUs dp=2 ep=2 vs 1 GPU", worst(runner.losses("two"), reference), tol)
+    if gpus >= 4 and "curves" in stages:
         layout = ["parallel.dp=2", "parallel.sp=2", "parallel.ep=2", f"data.batch_size={GLOBAL_BATCH // 2}"] if sp \
             else ["parallel.dp=4", "parallel.ep=2", f"data.batch_size={GLOBAL_BATCH // 4}"]
         runner.run(4, "four", [*moe, *layout])
         check(f"4 GPUs {' '.join(layout[:3])} vs 1 GPU", worst(runner.losses("four"), reference), tol)
 
     # 2. ctrl-c and resume
-    if gpus >= 2:
+    if gpus >= 2 and "resume" in stages:
         code = runner.run(2, "cut", two, stop_after=3)
         stopped = len(runner.losses("cut"))
         print(f"  stopped after step {stopped} (launcher exit {code})", flush=True)
@@ -186,7 +197,7 @@ def main() -> None:
                                                                             runner.losses("two")), 0.0)
 
     # 3. the 2-GPU checkpoint of step 4 on other layouts
-    if gpus >= 2:
+    if gpus >= 2 and "reshard" in stages:
         for gpus_now, name, layout in [(1, "reshard_one", ["schedule.grad_accum=2"]),
                                        (4, "reshard_four", ["parallel.dp=2", "parallel.sp=2", "parallel.ep=2"])]:
             if gpus_now > gpus or (gpus_now == 4 and not sp):
@@ -202,7 +213,7 @@ def main() -> None:
 
     # 4. throughput through the trainer (bf16)
     n = min(gpus, 4)
-    if n >= 2:
+    if n >= 2 and "throughput" in stages:
         runner.run(1, "text_one", [*TEXT, f"schedule.grad_accum={n}"])
         runner.run(n, "text_many", [*TEXT, f"parallel.dp={n}"])
         for name, count in (("text_one", 1), ("text_many", n)):

@@ -59,8 +59,8 @@ def rotary_kernel(q, k, qo, ko, pos, T, Hq, Hk, HALF, sqb, sqt, sqh, skb, skt, s
     p = tl.load(pos + b.to(tl.int64) * spb + t.to(tl.int64) * spt).to(tl.float64)
     i = tl.arange(0, BHALF)
     # the angles in fp64, r^i from the binary powers of r, then reduced to [-pi, pi] before fp32 cos / sin: as
-    # accurate at position 10^6 as at 0 (fp32 angles would be off by p 2^-24 radians; and the fast
-    # trigonometric instructions lose accuracy far from 0)
+    # accurate at position 10^6 as at 0 (fp32 angles would be off by p 2^-24 radians), and cos / sin never
+    # take their slow path for large arguments
     inv_freq = tl.full([BHALF], 1.0, tl.float64)
     r = (inv_freq * r_hi) + (inv_freq * r_lo)
     for j in tl.static_range(LOG_BHALF):

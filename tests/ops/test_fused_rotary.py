@@ -53,7 +53,7 @@ def compare(q, k, position_ids, dtype, theta=10000.0) -> dict:
     outs, grads = run("triton", q, k, dtype)
     ref_outs, ref_grads = run("reference", q.double(), None if k is None else k.double(), torch.float64)
     assert all(o.dtype == dtype and o.shape == x.shape for o, x in zip(outs, (q, k)))
-    errors = {name: rel_err(a.detach(), b) for name, a, b in zip(("q", "k", "dq", "dk"), [*outs, *grads],
+    errors = {name: rel_err(a.detach(), b.detach()) for name, a, b in zip(("q", "k", "dq", "dk"), [*outs, *grads],
                                                          [*ref_outs, *ref_grads])}
     assert all(e < TOL[dtype] for e in errors.values()), errors
     return errors

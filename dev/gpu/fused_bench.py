@@ -2,7 +2,8 @@
 beside the eager PyTorch code they replace and beside fla's fused modules (when ``fla`` is importable).
 
 Shapes of a ~370M model at 16K tokens a step: B x T = 8 x 2048 (and one packed 16K sequence of 8 for the
-varlen convolution), width D = 1024, H = 8 and 16 heads of K = V = 128, MLP width 2752, vocab 32000, bf16.
+varlen convolution), width D = 1024, H = 8 and 16 heads of K = V = 128, MLP width 2752, vocab 32000, bf16; the
+rotary embedding of q and k at the softmax transformer's 16 heads of 64, and at one decoding step of 8 rows.
 
     OUT=/tmp/fused python dev/gpu/fused_bench.py            # prints one table, writes $OUT/fused_bench.json
 
@@ -96,6 +97,20 @@ def eager_swiglu(gate_up):
     return F.silu(gate) * up
 
 
+def eager_rotary(q, k, position_ids, theta=10000.0):
+    """RotaryEmbedding.forward as the attention layers ran it, once for q and once for k."""
+    def rope(x):
+        D = x.shape[-1]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=x.device) / D))
+        angles = position_ids.float()[..., None] * inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        return (x32 * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    return rope(q), rope(k)
+
+
 def eager_lm_loss(hidden, weight, labels):
     return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100)
 
@@ -147,8 +162,12 @@ def fla_ops() -> tuple[dict, str]:
         loss = fm.FusedLinearCrossEntropyLoss()
         return lambda h, w: loss(h, labels, w)
 
+    def rotary(D):
+        m = importlib.import_module("fla.modules.rotary").RotaryEmbedding(D).to(DEV)  # fp32 frequencies
+        return lambda q, k: m(q, k)  # positions 0 .. T - 1 in every row
+
     return ({"short_conv": conv, "l2_norm": l2_norm, "gated_rms_norm": gated_rms_norm, "rms_norm": rms_norm,
-             "swiglu": swiglu, "linear_cross_entropy": linear_cross_entropy}, getattr(fla, "__version__", "?"))
+             "swiglu": swiglu, "linear_cross_entropy": linear_cross_entropy, "rotary": rotary}, getattr(fla, "__version__", "?"))
 
 
 def with_weight(module, weight):
@@ -299,6 +318,13 @@ def cases(fla: dict, B: int, T: int, D: int, heads: list[int], K: int, mlp: int,
     yield (Row("swiglu", f"{B}x{T}x{mlp}"), impls, [rand(B, T, 2 * mlp)],
            lambda gu: reference.swiglu(*gu.chunk(2, dim=-1)))
 
+    # the static decoding profile's attention: 16 heads of 64
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    impls = {"linmem": lambda q, k: fused.rotary(q, k, pos), "eager": lambda q, k: eager_rotary(q, k, pos),
+             "fla": peer(fla, "rotary", 64)}
+    yield (Row("rotary (q and k)", f"{B}x{T}x16x64 each"), impls, [rand(B, T, 16, 64), rand(B, T, 16, 64, seed=9)],
+           lambda q, k: reference.rotary(q, k, pos))
+
     labels = torch.randint(0, vocab, (B * T,), device=DEV, generator=torch.Generator(device=DEV).manual_seed(8))
     labels[::T] = -100
     impls = {"linmem": lambda h, w: fused.linear_cross_entropy(h, w, labels),
@@ -327,6 +353,20 @@ def decode_row(B: int, C: int) -> Row:
     with torch.no_grad():
         row.ms["linmem"] = cuda_time_ms(lambda: fused.short_conv_step(x, state, w, b, "silu"), repeats=50)
         row.ms["eager"] = cuda_time_ms(eager, repeats=50)
+    return row
+
+
+def rotary_decode_row(B: int, H: int, D: int, position: int) -> Row:
+    """One decoding step's rotary of q and k [B, 1, H, D] (forward only): the one fused launch vs the eager
+    kernels of q and of k."""
+    row = Row("rotary (decode)", f"B={B}, H={H}, D={D}, p~{position}")
+    q, k = rand(B, 1, H, D), rand(B, 1, H, D, seed=1)
+    pos = position - torch.arange(B, device=DEV)[:, None]
+    ref = reference.rotary(q.float(), k.float(), pos)
+    row.errors["linmem bf16"] = max(rel_err(a, b) for a, b in zip(fused.rotary(q, k, pos), ref))
+    with torch.no_grad():
+        row.ms["linmem"] = cuda_time_ms(lambda: fused.rotary(q, k, pos), repeats=50)
+        row.ms["eager"] = cuda_time_ms(lambda: eager_rotary(q, k, pos), repeats=50)
     return row
 
 
@@ -410,6 +450,7 @@ def main() -> int:
         rows.append(row)
         print(f"{row.op} {row.shape}: {row.ms} {row.errors} {row.notes}", flush=True)
     rows.append(decode_row(64, 2048))
+    rows.append(rotary_decode_row(8, 16, 64, 2048))
     revisions = []
     for H in args.heads if args.conv_base else []:
         result, agree = conv_revisions(args.conv_base, B, T, H * K)

@@ -337,7 +337,7 @@ class _Attention(Mixer):
         if self.rotary:
             if position_ids is None:
                 position_ids = default_positions(hidden, cache, cu_seqlens)
-            q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+            q, k = self.rope.pair(q, k, position_ids)
         return q, k, v
 
     def log_forget(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

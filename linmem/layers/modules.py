@@ -25,7 +25,7 @@ from einops import rearrange
 from torch import nn
 
 from ..ops import parallel
-from ..ops.fused import gated_rms_norm, rms_norm, short_conv, short_conv_step
+from ..ops.fused import gated_rms_norm, rms_norm, rotary, short_conv, short_conv_step
 from .base import LayerState, MixerArgs
 
 # ---------------------------------------------------------------- initialisation
@@ -440,27 +440,25 @@ def token_shift(
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half form) for q, k: [B, T, H, D].
+    """Rotary position embedding (rotate-half form) for q, k: [B, T, H, D] (:func:`linmem.ops.fused.rotary`:
+    one kernel for q and k on CUDA, the PyTorch form elsewhere).
 
-    The frequencies are computed in ``forward`` rather than stored in a buffer, so a
-    model built on the meta device (as ``from_pretrained`` does) has nothing to restore.
+    The frequencies are computed on the fly rather than stored in a buffer, so a model built on the meta
+    device (as ``from_pretrained`` does) has nothing to restore.
     """
 
     def __init__(self, dim: int, theta: float = 10000.0) -> None:
         super().__init__()
         self.dim, self.theta = dim, theta
 
+    def pair(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [B, T, H, D], k: [B, T, Hkv, D], position_ids: [B, T] -> rotated (q, k), in one launch."""
+        return rotary(q, k, position_ids, theta=self.theta)
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D], position_ids: [B, T] -> rotated x."""
-        steps = torch.arange(0, self.dim, 2, dtype=torch.float32, device=x.device)
-        inv_freq = 1.0 / (self.theta ** (steps / self.dim))
-        angles = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
-        cos, sin = angles.cos(), angles.sin()
-        cos, sin = torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]
-        x32 = x.float()
-        x1, x2 = x32.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        return rotary(x, None, position_ids, theta=self.theta)[0]
 
 
 # ---------------------------------------------------------------- RWKV's low-rank projections and init schedules

@@ -142,7 +142,7 @@ class Retention(_ConstantDecayAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # only relative positions reach the output, so a running count per row serves left padding too
         pos = running_positions(q.shape[0], q.shape[1], cache=cache, cu_seqlens=cu_seqlens, device=q.device)
-        return self.rotary(q, pos), self.rotary(k, pos)
+        return self.rotary.pair(q, k, pos)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)

@@ -1,5 +1,5 @@
 """The layers' glue as fused kernels: short convolution, L2 norm, RMSNorm (residual add, output gate), SwiGLU,
-linear + cross-entropy.
+rotary position embedding, linear + cross-entropy.
 
 Each op has a readable PyTorch form in :mod:`linmem.ops.fused.reference`, Triton kernels forward and backward
 (under autograd in eager mode, as ``torch.library`` custom ops under ``torch.compile``) and ``backend=``:
@@ -11,6 +11,7 @@ from .conv import short_conv, short_conv_step
 from .cross_entropy import linear_cross_entropy
 from .norm import gated_rms_norm, l2_norm, rms_norm
 from .glu import swiglu
+from .rotary import rotary
 
 __all__ = [
     "BACKENDS",
@@ -20,5 +21,6 @@ __all__ = [
     "rms_norm",
     "gated_rms_norm",
     "swiglu",
+    "rotary",
     "linear_cross_entropy",
 ]

@@ -8,6 +8,7 @@ kernels do; autograd gives the gradients. Shapes::
     rms_norm          y = x / sqrt(mean(x^2) + eps) * w                   over the last dim
     gated_rms_norm    y = rms_norm(x) * act(gate)
     swiglu            y = silu(gate) * up
+    rotary            y = x * cos(p theta^(-2i/D)) + rotate_half(x) * sin(...)   x: [B, T, H, D], p: [B, T]
     linear_cross_entropy  mean_n (logsumexp(h_n W^T) - (h_n W^T)[label_n])
 
 Keep this file short and literal; it is the oracle of ``linmem.ops.fused``.
@@ -114,6 +115,26 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up."""
     dt = compute_dtype(gate)
     return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
+
+
+def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float = 10000.0
+           ) -> tuple[Tensor, Optional[Tensor]]:
+    """Rotary position embedding, rotate-half form, of q [B, T, H, D] and k [B, T, Hkv, D] (or None) at the
+    integer positions [B, T]: each head's halves (x1, x2) turn by the angles p theta^(-2i/D), i < D/2."""
+    D, dt = q.shape[-1], compute_dtype(q)
+    steps = torch.arange(0, D, 2, dtype=dt, device=q.device)  # 2i
+    inv_freq = 1.0 / (theta ** (steps / D))  # [D/2]
+    angles = position_ids.to(dt)[..., None] * inv_freq  # [B, T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]  # [B, T, 1, D]
+
+    def rotate(x: Tensor) -> Tensor:
+        x_ = x.to(dt)
+        x1, x2 = x_.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half(x)
+        return (x_ * cos + rotated * sin).to(x.dtype)
+
+    return rotate(q), (None if k is None else rotate(k))
 
 
 def linear_cross_entropy(

@@ -454,11 +454,17 @@ class RotaryEmbedding(nn.Module):
     def pair(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, T, H, D], k: [B, T, Hkv, D], position_ids: [B, T] -> rotated (q, k), in one launch."""
+        self._check_dim(q)
         return rotary(q, k, position_ids, theta=self.theta)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D], position_ids: [B, T] -> rotated x."""
+        self._check_dim(x)
         return rotary(x, None, position_ids, theta=self.theta)[0]
+
+    def _check_dim(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RotaryEmbedding: built for head dim {self.dim}, got a tensor of shape {list(x.shape)}")
 
 
 # ---------------------------------------------------------------- RWKV's low-rank projections and init schedules

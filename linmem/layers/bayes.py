@@ -52,8 +52,9 @@ from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: |b_t| is clamped to this before r_t = r_h exp(-b_t)
 LOGIT_LIMIT = 10.0
-#: the backends of :func:`linmem.ops.bayes_filter` the layer runs ("delta" is the covariance-reset filter only)
-LAYER_BACKENDS = tuple(b for b in BACKENDS if b != "delta")
+#: the backends of :func:`linmem.ops.bayes_filter` the layer runs ("delta" is the covariance-reset filter only;
+#: "chunk" has no decoding step in :func:`linmem.ops.bayes_filter_step`)
+LAYER_BACKENDS = tuple(b for b in BACKENDS if b not in ("delta", "chunk"))
 #: softplus^-1(1): the raw value of a noise parameter that starts at 1
 SOFTPLUS_INV_ONE = math.log(math.e - 1.0)
 

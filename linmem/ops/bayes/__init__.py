@@ -1,16 +1,18 @@
 """The Bayesian memory of Memory by Design (arXiv 2605.31163): a Kalman filter over an associative memory.
 
-One entry point, :func:`bayes_filter`, with three backends:
+One entry point, :func:`bayes_filter`, with four backends:
 
 * ``"reference"``: the token loop of :mod:`.reference` (fp32, fp64 for fp64 inputs), the oracle;
 * ``"delta"``: with ``reset=True`` the filter is exactly the gated delta rule with
   ``beta = p / (p |k|^2 + r)``, computed by ``linear_recurrence`` (chunked, Triton on CUDA);
 * ``"triton"``: the fused sequential kernels of :mod:`.kernels` (forward and backward, P in fp32
-  registers per head, K <= 128, V in blocks).
+  registers per head, K <= 128, V in blocks);
+* ``"chunk"``: the exact chunked form of :mod:`.chunk` in PyTorch (per chunk of 64 tokens a 64 x 64
+  Cholesky factorisation and triangular solves; gradients by autograd), ``reset=False`` only.
 
 ``"auto"`` takes "delta" for ``reset=True``, else "triton" on CUDA, else "reference". A backend that
 cannot serve the inputs falls back to "delta" (reset) or "reference", with the reason logged at
-debug level. With the full covariance no exact chunked form is offered: ``docs/bayes.md`` says why.
+debug level. ``docs/bayes.md`` derives the chunked form.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .chunk import chunk_filter
 from .delta import delta_filter
 from .inputs import FilterInputs, State, compute_dtype, validate
 from .reference import filter_step, information_form, reference_filter
@@ -30,7 +33,7 @@ __all__ = ["bayes_filter", "bayes_filter_step", "information_form", "BACKENDS"]
 logger = logging.getLogger("linmem.ops")
 
 #: names accepted by ``backend=``
-BACKENDS = ("auto", "reference", "delta", "triton")
+BACKENDS = ("auto", "reference", "delta", "triton", "chunk")
 #: the backends of :func:`bayes_filter_step`
 STEP_BACKENDS = ("auto", "reference", "triton")
 #: input dtypes of the Triton kernels
@@ -66,6 +69,10 @@ def _triton_refusal(inputs: FilterInputs) -> Optional[str]:
     if inputs.q.shape[1] == 0:
         return "no tokens"
     return _device_refusal(inputs.q)
+
+
+def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
+    return "reset=True is the delta rule, served by the 'delta' backend" if inputs.reset else None
 
 
 def _delta_refusal(inputs: FilterInputs) -> Optional[str]:
@@ -107,6 +114,7 @@ _BACKENDS: dict[str, tuple[Callable[[FilterInputs], Result], Callable[[FilterInp
     "reference": (reference_filter, lambda inputs: None),
     "delta": (delta_filter, _delta_refusal),
     "triton": (_triton_filter, _triton_refusal),
+    "chunk": (chunk_filter, _chunk_refusal),
 }
 
 
@@ -172,7 +180,8 @@ def bayes_filter(
         output_final_state: also return the final ``(M, P)``.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).
         return_variance: also return the predictive variance ``var``.
-        backend: ``"auto"``, ``"reference"``, ``"delta"`` (reset only) or ``"triton"``.
+        backend: ``"auto"``, ``"reference"``, ``"delta"`` (reset only), ``"triton"`` or ``"chunk"`` (the exact
+            chunked form in PyTorch, reset=False only).
 
     Returns:
         ``(o, var, state)``: ``o [B, T, H, V]`` in the dtype of q; ``var [B, T, H]`` (fp32, fp64 for fp64

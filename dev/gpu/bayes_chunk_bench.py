@@ -1,0 +1,163 @@
+"""Check the chunked Bayesian filter (backend "chunk") on a GPU and time it beside the sequential kernels.
+
+One run, one GPU; everything goes to ``$OUT/bayes_chunk_bench.json`` (and a summary to stdout):
+
+1. correctness: ``chunk_filter`` (C = 64) against the token-loop reference at K = V = 64 and 128, T = 300
+   (a shorter last chunk), with an initial state and the mixer's process noise ``0.5 (1 - a^2)``: fp32 inputs
+   against the fp64 reference, bf16 inputs against the fp32 reference on the same rounded values; outputs,
+   variance, final state and every gradient as error ratios (bounds: fp32 1e-4, bf16 5e-3);
+2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 beside "triton" (the sequential
+   kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
+   B x T = 16K tokens, bf16, with the peak memory of each forward+backward.
+
+    OUT=/tmp/out python dev/gpu/bayes_chunk_bench.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from linmem.ops import bayes_filter, linear_recurrence
+from linmem.ops.bayes.chunk import chunk_filter
+from linmem.ops.bayes.inputs import validate
+
+DEV = "cuda"
+HEADS = 16
+SHAPES = [(8, 2048), (1, 16384)]
+DIMS = [64, 128]
+CHUNKS = [32, 64, 128]
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def filter_inputs(B, T, H, K, V, dtype, seed=0, initial_state=False):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
+    g = F.logsigmoid(rnd(B, T, H) + 3)
+    t = dict(q=rnd(B, T, H, K).to(dtype), k=F.normalize(rnd(B, T, H, K), dim=-1).to(dtype),
+             v=rnd(B, T, H, V).to(dtype), log_decay=g, obs_noise=F.softplus(rnd(B, T, H)) + 0.1,
+             process_noise=0.5 * (1 - torch.exp(2 * g)))
+    state = None
+    if initial_state:
+        A = rnd(B, H, K, K) / K ** 0.5
+        state = (rnd(B, H, K, V), A @ A.transpose(-1, -2) + 0.2 * torch.eye(K, device=DEV))
+    return t, state
+
+
+def chunked(chunk_size, **kwargs):
+    """bayes_filter's "chunk" backend at a given chunk size."""
+    inputs = validate(**kwargs)
+    return chunk_filter(inputs, chunk_size)
+
+
+def call(backend, t, state=None, chunk_size=64, **extra):
+    kwargs = dict(**t, initial_state=state, prior=1.0, reset=False, scale=None, cu_seqlens=None)
+    kwargs.update(dict(output_final_state=False, return_variance=False), **extra)
+    if backend == "chunk":
+        return chunked(chunk_size, **kwargs)
+    return bayes_filter(**kwargs, backend=backend)
+
+
+def grads_of(backend, t, state, qkv_dtype, other_dtype):
+    leaves = {n: x.to(qkv_dtype if n in "qkv" else other_dtype).detach().requires_grad_(True) for n, x in t.items()}
+    st = tuple(x.to(other_dtype).detach().requires_grad_(True) for x in state)
+    o, var, (M, P) = call(backend, leaves, st, output_final_state=True, return_variance=True)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    outs = [o, var, M, P]
+    loss = sum((x.double() * torch.randn(x.shape, generator=gen, device=DEV).bfloat16().double()).sum() for x in outs)
+    wrt = list(leaves.values()) + list(st)
+    grads = torch.autograd.grad(loss, wrt)
+    names = ["o", "var", "M", "P"] + [f"d{n}" for n in leaves] + ["dM0", "dP0"]
+    return dict(zip(names, [x.detach() for x in outs] + list(grads)))
+
+
+def check(K, dtype) -> dict:
+    t, state = filter_inputs(2, 300, 4, K, K, torch.float32, seed=K, initial_state=True)
+    if dtype == torch.bfloat16:
+        t = {n: (x.bfloat16().float() if n in "qkv" else x) for n, x in t.items()}
+    ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    ref = grads_of("reference", t, state, ref_dtype, ref_dtype)
+    got = grads_of("chunk", t, state, dtype, torch.float32)
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    bound = 1e-4 if dtype == torch.float32 else 5e-3
+    return dict(K=K, dtype=str(dtype), worst=max(errors.values()), ok=max(errors.values()) < bound, errors=errors)
+
+
+def ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def fwd_bwd(fn, leaves):
+    def step():
+        fn().float().square().mean().backward()
+        for x in leaves:
+            x.grad = None
+    return step
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def timing(B, T, K) -> dict:
+    t, _ = filter_inputs(B, T, HEADS, K, K, torch.bfloat16)
+    leaves = [t[n].requires_grad_(True) for n in ("q", "k", "v", "log_decay", "obs_noise", "process_noise")]
+    beta = torch.sigmoid(torch.randn(B, T, HEADS, device=DEV)).requires_grad_(True)
+    runs = {"triton": lambda: call("triton", t)[0]}
+    for C in CHUNKS:
+        runs[f"chunk{C}"] = lambda C=C: call("chunk", t, chunk_size=C)[0]
+    runs["gated_delta"] = lambda: linear_recurrence(t["q"], t["k"], t["v"], log_decay=t["log_decay"], beta=beta)[0]
+    row = dict(B=B, T=T, H=HEADS, K=K, V=K)
+    for name, fn in runs.items():
+        wrt = leaves[:4] + [beta] if name == "gated_delta" else leaves
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_ms"] = ms(fn)
+            row[f"{name}_fwd_bwd_ms"] = ms(fwd_bwd(fn, wrt))
+            row[f"{name}_peak_mib"] = peak_mib(fwd_bwd(fn, wrt))
+        except torch.OutOfMemoryError as error:  # a size that does not fit is a result, not a failure
+            row[f"{name}_error"] = repr(error)[:200]
+            torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    start = time.time()
+    report["checks"] = [check(K, dtype) for K in DIMS for dtype in (torch.float32, torch.bfloat16)]
+    for c in report["checks"]:
+        print(f"check K={c['K']} {c['dtype']}: worst error ratio {c['worst']:.2e} {'ok' if c['ok'] else 'FAIL'}")
+    report["timing"] = []
+    for K in DIMS:
+        for B, T in SHAPES:
+            row = timing(B, T, K)
+            report["timing"].append(row)
+            print(f"K=V={K} {B}x{T}: " + ", ".join(
+                f"{n} {row[f'{n}_fwd_bwd_ms']:.2f} ms (fwd {row[f'{n}_fwd_ms']:.2f}, {row[f'{n}_peak_mib']:.0f} MiB)"
+                if f"{n}_fwd_bwd_ms" in row else f"{n} failed"
+                for n in ["triton", *(f"chunk{C}" for C in CHUNKS), "gated_delta"]))
+            (out / "bayes_chunk_bench.json").write_text(json.dumps(report, indent=1))
+    report["seconds"] = time.time() - start
+    (out / "bayes_chunk_bench.json").write_text(json.dumps(report, indent=1))
+    print("wrote", out / "bayes_chunk_bench.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -40,13 +40,15 @@ def rel_err(x, ref) -> float:
     return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-def filter_inputs(B, T, H, K, V, dtype, seed=0, initial_state=False):
+def filter_inputs(B, T, H, K, V, dtype, seed=0, initial_state=False, mixer_noise=False):
+    """Inputs of bayes_filter; the process noise uniform in [0, 0.05), or the mixer's 0.5 (1 - a^2)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
     t = dict(q=rnd(B, T, H, K).to(dtype), k=F.normalize(rnd(B, T, H, K), dim=-1).to(dtype),
              v=rnd(B, T, H, V).to(dtype),
-             log_decay=F.logsigmoid(rnd(B, T, H) + 3), obs_noise=F.softplus(rnd(B, T, H)) + 0.1,
-             process_noise=0.05 * torch.rand(B, T, H, generator=gen, device=DEV))
+             log_decay=F.logsigmoid(rnd(B, T, H) + 3), obs_noise=F.softplus(rnd(B, T, H)) + 0.1)
+    t["process_noise"] = 0.5 * (1 - torch.exp(2 * t["log_decay"])) if mixer_noise else \
+        0.05 * torch.rand(B, T, H, generator=gen, device=DEV)
     state = None
     if initial_state:
         A = rnd(B, H, K, K) / K ** 0.5
@@ -68,13 +70,14 @@ def grads_of(backend, t, state, qkv_dtype, other_dtype):
     return dict(zip(names, [x.detach() for x in outs] + list(grads)))
 
 
-def check(K, dtype) -> dict:
-    t, state = filter_inputs(2, 256, 4, K, K, torch.float32, seed=K, initial_state=True)
+def check(K, dtype, backend="triton", T=256, mixer_noise=False) -> dict:
+    """``backend`` against the token loop (fp64 for fp32 inputs, fp32 for bf16): every output and gradient."""
+    t, state = filter_inputs(2, T, 4, K, K, torch.float32, seed=K, initial_state=True, mixer_noise=mixer_noise)
     if dtype == torch.bfloat16:
         t = {n: (x.bfloat16().float() if n in "qkv" else x) for n, x in t.items()}
     ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     ref = grads_of("reference", t, state, ref_dtype, ref_dtype)
-    got = grads_of("triton", t, state, dtype, torch.float32)
+    got = grads_of(backend, t, state, dtype, torch.float32)
     errors = {n: rel_err(got[n], ref[n]) for n in ref}
     bound = 1e-4 if dtype == torch.float32 else 5e-3
     return dict(K=K, dtype=str(dtype), worst=max(errors.values()), ok=max(errors.values()) < bound, errors=errors)

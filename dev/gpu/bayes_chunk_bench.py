@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton.testing
+from bayes_bench import check, filter_inputs  # this folder's script: the checks and inputs it shares
 
 from linmem.ops import bayes_filter, linear_recurrence
 from linmem.ops.bayes.chunk import chunk_filter
@@ -33,25 +33,6 @@ HEADS = 16
 SHAPES = [(8, 2048), (1, 16384)]
 DIMS = [64, 128]
 CHUNKS = [32, 64, 128]
-
-
-def rel_err(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
-def filter_inputs(B, T, H, K, V, dtype, seed=0, initial_state=False):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
-    g = F.logsigmoid(rnd(B, T, H) + 3)
-    t = dict(q=rnd(B, T, H, K).to(dtype), k=F.normalize(rnd(B, T, H, K), dim=-1).to(dtype),
-             v=rnd(B, T, H, V).to(dtype), log_decay=g, obs_noise=F.softplus(rnd(B, T, H)) + 0.1,
-             process_noise=0.5 * (1 - torch.exp(2 * g)))
-    state = None
-    if initial_state:
-        A = rnd(B, H, K, K) / K ** 0.5
-        state = (rnd(B, H, K, V), A @ A.transpose(-1, -2) + 0.2 * torch.eye(K, device=DEV))
-    return t, state
 
 
 def chunked(chunk_size, **kwargs):
@@ -66,31 +47,6 @@ def call(backend, t, state=None, chunk_size=64, **extra):
     if backend == "chunk":
         return chunked(chunk_size, **kwargs)
     return bayes_filter(**kwargs, backend=backend)
-
-
-def grads_of(backend, t, state, qkv_dtype, other_dtype):
-    leaves = {n: x.to(qkv_dtype if n in "qkv" else other_dtype).detach().requires_grad_(True) for n, x in t.items()}
-    st = tuple(x.to(other_dtype).detach().requires_grad_(True) for x in state)
-    o, var, (M, P) = call(backend, leaves, st, output_final_state=True, return_variance=True)
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    outs = [o, var, M, P]
-    loss = sum((x.double() * torch.randn(x.shape, generator=gen, device=DEV).bfloat16().double()).sum() for x in outs)
-    wrt = list(leaves.values()) + list(st)
-    grads = torch.autograd.grad(loss, wrt)
-    names = ["o", "var", "M", "P"] + [f"d{n}" for n in leaves] + ["dM0", "dP0"]
-    return dict(zip(names, [x.detach() for x in outs] + list(grads)))
-
-
-def check(K, dtype) -> dict:
-    t, state = filter_inputs(2, 300, 4, K, K, torch.float32, seed=K, initial_state=True)
-    if dtype == torch.bfloat16:
-        t = {n: (x.bfloat16().float() if n in "qkv" else x) for n, x in t.items()}
-    ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
-    ref = grads_of("reference", t, state, ref_dtype, ref_dtype)
-    got = grads_of("chunk", t, state, dtype, torch.float32)
-    errors = {n: rel_err(got[n], ref[n]) for n in ref}
-    bound = 1e-4 if dtype == torch.float32 else 5e-3
-    return dict(K=K, dtype=str(dtype), worst=max(errors.values()), ok=max(errors.values()) < bound, errors=errors)
 
 
 def ms(fn) -> float:
@@ -115,7 +71,7 @@ def peak_mib(fn) -> float:
 
 
 def timing(B, T, K) -> dict:
-    t, _ = filter_inputs(B, T, HEADS, K, K, torch.bfloat16)
+    t, _ = filter_inputs(B, T, HEADS, K, K, torch.bfloat16, mixer_noise=True)
     leaves = [t[n].requires_grad_(True) for n in ("q", "k", "v", "log_decay", "obs_noise", "process_noise")]
     beta = torch.sigmoid(torch.randn(B, T, HEADS, device=DEV)).requires_grad_(True)
     runs = {"triton": lambda: call("triton", t)[0]}
@@ -141,7 +97,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     start = time.time()
-    report["checks"] = [check(K, dtype) for K in DIMS for dtype in (torch.float32, torch.bfloat16)]
+    report["checks"] = [check(K, dtype, "chunk", T=300, mixer_noise=True) for K in DIMS
+                        for dtype in (torch.float32, torch.bfloat16)]
     for c in report["checks"]:
         print(f"check K={c['K']} {c['dtype']}: worst error ratio {c['worst']:.2e} {'ok' if c['ok'] else 'FAIL'}")
     report["timing"] = []

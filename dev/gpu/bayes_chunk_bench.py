@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from bayes_bench import check, filter_inputs  # this folder's script: the checks and inputs it shares
+from bayes_bench import check, filter_inputs, fwd_bwd, ms, peak_mib  # this folder's script: what it shares
 
 from linmem.ops import bayes_filter, linear_recurrence
 from linmem.ops.bayes.chunk import chunk_filter
@@ -47,27 +47,6 @@ def call(backend, t, state=None, chunk_size=64, **extra):
     if backend == "chunk":
         return chunked(chunk_size, **kwargs)
     return bayes_filter(**kwargs, backend=backend)
-
-
-def ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def fwd_bwd(fn, leaves):
-    def step():
-        fn().float().square().mean().backward()
-        for x in leaves:
-            x.grad = None
-    return step
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def timing(B, T, K) -> dict:

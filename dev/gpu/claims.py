@@ -1,7 +1,6 @@
 """The seed papers' claims at a scale one GPU affords: train, evaluate, tabulate, plot.
 
-    OUT=out bash dev/gpu/claims.sh --claims a,b --jobs 4   # claims a and b: one 600 s device call on an H100
-    OUT=out bash dev/gpu/claims.sh --claims c              # claim c: a second call
+    OUT=out bash dev/gpu/claims.sh --jobs 8                # all three claims: about one 600 s call on an H100
     python dev/gpu/claims.py --out out --smoke             # the whole pipeline, tiny settings (CPU, minutes)
 
 (a) hybrid vs pure vs Transformer on the same token budget (Linear-MoE, Table 5's question);
@@ -13,8 +12,9 @@
 Every model is a recipe ``linmem/recipes/claims-<name>.yaml`` (width 384, 8 layers, 20-29M
 parameters) trained with ``python -m linmem.cli train`` on the Python standard library's sources
 with a BPE of 8192 tokens trained first (``linmem.tokenizer.train_tokenizer``), documents cut to
-512 tokens, the same tokens for every model. Runs train ``--jobs`` at a time on the one GPU, then
-are evaluated (``python -m linmem.eval.command``: perplexity, position-loss, niah) the same way.
+512 tokens, the same tokens for every model. ``--jobs`` models at a time share the one GPU, each
+evaluated (``python -m linmem.eval.command``: perplexity, position-loss, niah) as soon as it is
+trained. Stopped by SIGINT (``timeout -s INT``), it writes the report from the runs that finished.
 Writes into ``--out``: ``runs/<model>/`` (weights, metrics, eval/), ``claims_<x>.csv/.md``,
 ``claims_<x>_*.png``, ``claims.md`` (tables, whether each agrees with the paper's direction) and
 ``logs/``. One seed per model: differences smaller than the seed-to-seed spread (not measured
@@ -68,25 +68,35 @@ def log(message: str) -> None:
     print(f"[claims {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run_parallel(jobs: dict[str, list[str]], logs: Path, width: int,
-                 env: dict[str, str]) -> dict[str, tuple[int, float]]:
-    """Run the commands ``width`` at a time (with ``env`` added to the environment); returns
-    name -> (exit status, seconds). Output goes to logs/<name>.log."""
+def run_pipelines(jobs: dict[str, list[tuple[str, list[str]]]], logs: Path, width: int,
+                  env: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """Run the pipelines ``width`` at a time (with ``env`` added to the environment): each is a list of
+    (stage name, command) run in order, the next stage starting as soon as one succeeds, none after a
+    failure. Returns stage name -> (exit status, seconds); output goes to logs/<stage>.log. On
+    KeyboardInterrupt (``timeout -s INT``) the running stages are stopped and recorded with status -2,
+    and what finished is returned, so that the report is written from it."""
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-    waiting, running, done = list(jobs.items()), {}, {}
-    while waiting or running:
-        while waiting and len(running) < width:
-            name, command = waiting.pop(0)
-            out = open(logs / f"{name}.log", "w")
-            out.write(" ".join(command) + "\n")
-            out.flush()
-            running[name] = (subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env),
-                             time.perf_counter(), out)
-            log(f"started {name}")
-        time.sleep(1.0)
-        for name, (process, started, out) in list(running.items()):
-            if process.poll() is not None:
+    waiting = [list(stages) for stages in jobs.values() if stages]
+    running, done = {}, {}
+
+    def start(stages: list[tuple[str, list[str]]]) -> None:
+        name, command = stages.pop(0)
+        out = open(logs / f"{name}.log", "w")
+        out.write(" ".join(command) + "\n")
+        out.flush()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        running[name] = (process, time.perf_counter(), out, stages)
+        log(f"started {name}")
+
+    try:
+        while waiting or running:
+            while waiting and len(running) < width:
+                start(waiting.pop(0))
+            time.sleep(1.0)
+            for name, (process, started, out, rest) in list(running.items()):
+                if process.poll() is None:
+                    continue
                 out.close()
                 done[name] = (process.returncode, time.perf_counter() - started)
                 del running[name]
@@ -95,6 +105,15 @@ def run_parallel(jobs: dict[str, list[str]], logs: Path, width: int,
                 if process.returncode != 0:
                     tail = (logs / f"{name}.log").read_text().splitlines()[-15:]
                     print("\n".join("    " + line for line in tail), flush=True)
+                elif rest:
+                    start(rest)
+    except KeyboardInterrupt:
+        log(f"interrupted: stopping {sorted(running)}; the report covers what finished")
+        for name, (process, started, out, _) in running.items():
+            process.terminate()
+            process.wait()
+            out.close()
+            done[name] = (-2, time.perf_counter() - started)
     return done
 
 
@@ -283,14 +302,16 @@ def main() -> int:
     done_before = [m for m in models if (out / "runs" / m / "model" / "config.json").exists()]
     if done_before:
         log(f"reusing the finished runs {done_before} in {out / 'runs'} (delete them to train again)")
-    to_train = [m for m in models if m not in done_before]
-    trained = run_parallel(train_commands(to_train, out, tokenizer, args), out / "logs", width, env)
-    trained.update({f"train-{m}": (0, float("nan")) for m in done_before})
-    ok = [m for m in models if trained[f"train-{m}"][0] == 0]
-    log(f"training done at {time.perf_counter() - started:.0f} s: {len(ok)} of {len(models)} runs")
-    evaluated = run_parallel(eval_commands(ok, out, args), out / "logs", width, env)
-    ok = [m for m in ok if evaluated[f"eval-{m}"][0] == 0]
-    log(f"evaluation done at {time.perf_counter() - started:.0f} s")
+    train = train_commands([m for m in models if m not in done_before], out, tokenizer, args)
+    evaluate = eval_commands(models, out, args)
+    pipelines = {m: [(f"train-{m}", train[f"train-{m}"])] * (m not in done_before) + [(f"eval-{m}", evaluate[f"eval-{m}"])]
+                 for m in models}  # each model is evaluated as soon as it is trained
+    stages = {f"train-{m}": (0, float("nan")) for m in done_before}
+    stages.update(run_pipelines(pipelines, out / "logs", width, env))
+    for name, _ in (stage for pipeline in pipelines.values() for stage in pipeline):
+        stages.setdefault(name, (None, float("nan")))  # never started: a stage before it failed, or the time ran out
+    ok = [m for m in models if stages.get(f"eval-{m}", (None,))[0] == 0]
+    log(f"training and evaluation done at {time.perf_counter() - started:.0f} s: {len(ok)} of {len(models)} runs")
 
     results = {m: run_summary(out / "runs" / m) for m in ok}
     builders = {"a": table_a, "b": table_b, "c": table_c}
@@ -313,10 +334,11 @@ def main() -> int:
             plot_niah_by_length(mine, ["niah_single_1", "niah_single_2"], out / "claims_b_niah.png")
         if c == "c":
             plot_niah_by_length(mine, ["niah_multikey_1", "niah_multiquery"], out / "claims_c_niah.png")
-    report += ["## Runs", "", "| run | status | seconds |", "|---|---|---|"]
-    report += [f"| {name} | {'ok' if code == 0 else f'exit {code}'} | "
-               f"{'reused' if math.isnan(seconds) else f'{seconds:.0f}'} |"
-               for name, (code, seconds) in {**trained, **evaluated}.items()]
+    report += ["## Runs", "", "| stage | status | seconds |", "|---|---|---|"]
+    status = {0: "ok", -2: "stopped at the time limit", None: "not started"}
+    report += [f"| {name} | {status.get(code, f'exit {code}')} | "
+               f"{'' if code is None else 'reused' if math.isnan(seconds) else f'{seconds:.0f}'} |"
+               for name, (code, seconds) in stages.items()]
     (out / "claims.md").write_text("\n".join(report) + "\n")
     print("\n".join(report), flush=True)
     log(f"all done in {time.perf_counter() - started:.0f} s; report: {out / 'claims.md'}")

@@ -18,6 +18,7 @@ One run, one GPU; everything goes to ``$OUT/bayes_models.json`` (and a table to 
 
     OUT=/tmp/out python dev/gpu/bayes_models.py            # checks and timings
     OUT=/tmp/out python dev/gpu/bayes_models.py --checks   # the checks only (dev/gpu/bayes_mqar.sh runs these)
+    OUT=/tmp/out python dev/gpu/bayes_models.py --timings --seq-lens 2048   # one column of timings only
 
 Exits with status 1 when a check fails (an error ratio above 2e-2 in bf16, 1e-3 for decoding and compile in fp32,
 an asymmetric or indefinite P, or an exception).
@@ -159,14 +160,20 @@ def failures(name: str, result: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checks", action="store_true", help="run the checks only, not the timings")
-    checks_only = parser.parse_args().checks
+    parser.add_argument("--timings", action="store_true", help="run the timings only, not the checks")
+    parser.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)), help="comma list of T to time")
+    args = parser.parse_args()
+    if args.checks and args.timings:
+        parser.error("--checks and --timings exclude each other (neither: both)")
+    seq_lens = [int(t) for t in args.seq_lens.split(",")]
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     path = out / "bayes_models.json"
     failed = []
-    for name, check in (("layer: triton vs reference (bf16)", layer_check), ("decoding", decode_check),
-                        ("compile", compile_check)):
+    checks = (("layer: triton vs reference (bf16)", layer_check), ("decoding", decode_check),
+              ("compile", compile_check))
+    for name, check in checks if not args.timings else ():
         start = time.perf_counter()
         try:
             report[name] = check()
@@ -176,15 +183,16 @@ def main() -> None:
         failed += failures(name, report[name])
         report["failed checks"] = failed
         path.write_text(json.dumps(report, indent=1))
-    print("checks: " + ("all passed" if not failed else "FAILED: " + "; ".join(failed)), flush=True)
-    if checks_only:
+    if not args.timings:
+        print("checks: " + ("all passed" if not failed else "FAILED: " + "; ".join(failed)), flush=True)
+    if args.checks:
         raise SystemExit(1 if failed else 0)
     shape = ModelShape()
     report["timing"] = []
     print(f"\nforward+backward of ~370M models, {TOKENS_PER_STEP} tokens a step, bf16")
-    print(f"{'model':<26}" + "".join(f"{f'T = {T}':>22}" for T in SEQ_LENS))
+    print(f"{'model':<26}" + "".join(f"{f'T = {T}':>22}" for T in seq_lens))
     for name in MODELS:
-        cells = [timing(name, T, shape) for T in SEQ_LENS]
+        cells = [timing(name, T, shape) for T in seq_lens]
         report["timing"] += cells
         path.write_text(json.dumps(report, indent=1))
         text = [c.get("error", f"{c['ms']:.0f} ms ({c['peak_GB']:.1f} GB)")[:20] for c in cells]

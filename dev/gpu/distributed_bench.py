@@ -9,7 +9,11 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
   under sequence parallelism against one GPU when the layers consult ``linmem.ops.parallel``.
 * sp: weak scaling, every GPU a piece of ``--piece`` tokens of one sequence (sequence = piece * N)
   for the ~340M Gated DeltaNet and its hybrid (LLLN), activation checkpointing, bf16.
-* dp: data-parallel throughput of the Gated DeltaNet (FSDP2, 4 x 4096 tokens per GPU).
+* dp: data-parallel throughput of the Gated DeltaNet (FSDP2, 4 x 4096 tokens per GPU); on more than one
+  GPU twice: blocks resharded after the forward (``parallel.fsdp=true``, gathered again for the backward)
+  and kept gathered (``false``: one all-gather a step fewer, more memory).
+* ``--profile``: after a row's timed steps, rank 0 records one more step with ``torch.profiler`` and writes
+  the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>.txt``.
 * ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU).
 """
 
@@ -47,6 +51,7 @@ from linmem.ops.attention import forgetting_attention
 
 GDN, HYBRID, MOE = "gated_deltanet-340m", "hybrid-gdn-340m", "linear-moe-a0.3b-2b"
 DEV = "cuda"  # "cpu" with --smoke: tiny models on gloo, to try the script without GPUs
+OUT_DIR = Path("out")  # --out
 SMOKE = {"hidden_size": 64, "num_heads": 2, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32}
 
@@ -210,7 +215,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 
 def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig, rows: int, seq: int,
-                   steps: int, warmup: int = 2) -> dict:
+                   steps: int, warmup: int = 2, profile: bool = False) -> dict:
     world = dist.get_world_size()
     if DEV == "cuda":
         torch.cuda.empty_cache()  # the previous measurement's model is gone
@@ -240,6 +245,7 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         optimizer.zero_grad(set_to_none=True)
 
     row = {"mode": name, "model": model_config.name_or_path, "gpus": world, "config": str(config), "seq": seq,
+           "fsdp": config.fsdp,
            "tokens_per_gpu": rows * seq // config.sp}
     try:
         for _ in range(warmup):
@@ -254,10 +260,31 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         tokens = rows * seq * config.dp  # the global batch
         row.update(step_s=seconds, tokens_per_s=tokens / seconds, tokens_per_s_per_gpu=tokens / seconds / world,
                    peak_gb=peak_gb())
+        if profile:
+            profiled_step(step, f"{name}_{world}gpu_{model_config.name_or_path}_{seq}_fsdp{int(config.fsdp)}")
     except torch.cuda.OutOfMemoryError:
         row.update(result="out of memory", peak_gb=peak_gb())
     log(json.dumps(row))
     return row
+
+
+def profiled_step(step, label: str) -> None:
+    """One more step, recorded on rank 0 (the others run it unrecorded: the collectives need every rank)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    with profile(activities=activities) if dist.get_rank() == 0 else nullcontext() as recorded:
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        synchronize()
+        wall = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        averages = recorded.key_averages()
+        text = [f"{label}: one step, {wall * 1e3:.1f} ms wall (under the profiler)"]
+        for key in (["self_device_time_total"] if DEV == "cuda" else []) + ["self_cpu_time_total"]:
+            text += ["", f"sorted by {key}", averages.table(sort_by=key, row_limit=30, max_name_column_width=70)]
+        (OUT_DIR / f"profile_{label}.txt").write_text("\n".join(text))
 
 
 def synchronize() -> None:
@@ -288,11 +315,15 @@ def run_timing(args) -> list[dict]:
                                  "result": "not run: the layers do not consult linmem.ops.parallel"})
                     continue
                 config = ParallelConfig(dp=1, sp=world, activation_checkpointing=True)
-                rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps))
+                rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps,
+                                           profile=args.profile))
     if args.modes == "all" or "dp" in args.modes:
-        rows.append(timed_training("dp", ParallelConfig(dp=world), recipe_config(GDN), 4, 4096, args.steps))
+        for fsdp in (True, False) if world > 1 else (True,):
+            rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp), recipe_config(GDN), 4, 4096,
+                                       args.steps, profile=args.profile))
     if args.modes == "all" or "ep" in args.modes:
-        rows.append(timed_training("ep", ParallelConfig(dp=world, ep=world), recipe_config(MOE), 4, 2048, args.steps))
+        rows.append(timed_training("ep", ParallelConfig(dp=world, ep=world), recipe_config(MOE), 4, 2048, args.steps,
+                                   profile=args.profile))
     return rows
 
 
@@ -319,7 +350,8 @@ def table(out: Path) -> None:
             r["efficiency"] = r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
         if "tokens_per_s" in r:
             print(f"{r['mode']:6} {r['model']:22} {r['gpus']:>4} {r['seq']:>8} {r['tokens_per_s']:>10,.0f} "
-                  f"{r['tokens_per_s_per_gpu']:>10,.0f} {eff:>6} {r['step_s']:>7.2f} {r['peak_gb']:>8.1f}")
+                  f"{r['tokens_per_s_per_gpu']:>10,.0f} {eff:>6} {r['step_s']:>7.2f} {r['peak_gb']:>8.1f}  "
+                  f"{'' if r.get('fsdp', True) else 'blocks kept gathered (fsdp=false)'}")
         else:
             print(f"{r['mode']:6} {r.get('model', ''):22} {r.get('gpus', ''):>4} {r.get('seq', ''):>8}  "
                   f"{r['result']}")
@@ -332,11 +364,13 @@ def main() -> None:
     parser.add_argument("--modes", default="all", help="all, or a comma list of check, sp, dp, ep; table joins")
     parser.add_argument("--pieces", type=int, nargs="+", default=[32768, 65536], help="sp: tokens per GPU")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="a profiled step after each timed row (rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo): try the script")
     args = parser.parse_args()
-    global DEV
+    global DEV, OUT_DIR
     if args.smoke:
         DEV = "cpu"
+    OUT_DIR = args.out
     args.out.mkdir(parents=True, exist_ok=True)
     if args.modes == "table":
         table(args.out)

@@ -5,22 +5,22 @@
 #     fake implementations), then `dev/gpu/bayes_models.py --checks` (the bf16 layer against the token loop on
 #     packed sequences, every gradient; a model decoding through its cached mean and covariance; inductor);
 #  2. Update-MQAR: the recipes update-mqar-bayes and update-mqar-gated_deltanet as shipped (two layers of width
-#     256, 4 heads, short convolutions, bf16 autocast, the same data, seed and steps; keys and values from one
-#     pool of 1024 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
-#     trained on (L, kv) = (256, 32) and (512, 64) mixed, evaluated there and at (1024, 128) every 250 steps).
-#     With a pool of 8192 tokens both stayed at the loss ln(8192) and chance accuracy in this budget
-#     (docs/bayes.md); dev/gpu/update_mqar_scan.sh measures what the pool and other changes do.
+#     128, 2 heads, short convolutions, bf16 autocast, the same data, seed and steps; keys and values from one
+#     pool of 128 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
+#     trained on (L, kv) = (16, 1) ... (64, 8) mixed, evaluated at (64, 8) and (128, 16) every 250 steps).
+#     At width 256 with pools of 8192 and 1024 tokens both stayed at the loss ln(V) and chance accuracy in
+#     this budget (docs/bayes.md); dev/gpu/update_mqar_scan.sh measures what the pool and other changes do.
 #     Each model gets half of the time left before $DEADLINE_S; a run past it stops after its step (SIGINT)
 #     and keeps its last evaluation.
 # Prints a table (also $OUT/summary.md): per model the steps run, the median tokens/s, the accuracy at the
 # last evaluation both runs reached (the fair comparison) and at each run's own last one.
 # Outputs: $OUT/env.txt, $OUT/tests.log, $OUT/checks.log, $OUT/bayes_models.json, $OUT/<model>.log,
 # $OUT/<model>/{config.yaml,metrics.jsonl}, $OUT/summary.md. Exit status 1 when a check failed.
-# Knobs (environment): DEADLINE_S=560; STEPS (default: the recipes' 3000).
+# Knobs (environment): DEADLINE_S=560; STEPS (default: the recipes' 4000).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-3000} DEADLINE_S=${DEADLINE_S:-560}
+STEPS=${STEPS:-4000} DEADLINE_S=${DEADLINE_S:-560}
 RUNS=$(mktemp -d)  # checkpoints stay here; only the logs and metrics go to $OUT
 mkdir -p "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \

@@ -19,11 +19,13 @@ Sequence parallelism needs no change to the modules: the trainer installs a
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -139,21 +141,50 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of (possibly sharded) parameters to a global norm; returns the norm before clipping.
 
-    Gradients that are DTensors on different meshes (the experts and the rest) are normed per mesh,
-    each over all its ranks, then combined: the result is the norm of the full gradient, the same
-    on every rank, as ``torch.nn.utils.clip_grad_norm_`` on one process.
+    Works on the ranks' local shards: one ``_foreach_norm`` over them, the ``norm_type``-th powers
+    summed (``inf``: the maximum) over the ranks of each mesh dimension a gradient is sharded on (one
+    ``all_reduce`` per process group), one ``_foreach_mul_`` to clip. The result is the norm of the
+    full gradient, the same on every rank, as ``torch.nn.utils.clip_grad_norm_`` on one process;
+    gradients on different meshes (the experts and the rest) may be mixed. Going through the local
+    tensors spares DTensor's dispatch per op, which costs more host time than the arithmetic.
     """
-    by_mesh: dict[Optional[object], list[nn.Parameter]] = defaultdict(list)
+    infinite = math.isinf(norm_type)
+    by_groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # process groups to reduce over -> shards
+    grads = []
     for p in parameters:
-        if p.grad is not None:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
+        if p.grad is None:
+            continue
+        grad = p.grad
+        groups: tuple = ()
+        if isinstance(grad, DTensor):
+            for dim, placement in enumerate(grad.placements):
+                if placement.is_partial():
+                    raise ValueError(f"clip_grad_norm_: expected gradients sharded or replicated, got placements "
+                                     f"{grad.placements}")
+                if placement.is_shard():
+                    groups += (grad.device_mesh.get_group(dim),)
+            grad = grad.to_local()
+        by_groups[groups].append(grad)
+        grads.append(grad)
+    if not grads:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
-    for group in by_mesh.values():  # one mesh at a time: a fused update cannot mix meshes
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    total = None
+    for groups, shards in by_groups.items():
+        norms = torch.cat([torch.stack(torch._foreach_norm(same, norm_type)).float().to(shards[0].device)
+                           for same in _by_device_and_dtype(shards)])
+        part = norms.max() if infinite else norms.pow(norm_type).sum()
+        for group in groups:
+            torch.distributed.all_reduce(part, op=ReduceOp.MAX if infinite else ReduceOp.SUM, group=group)
+        total = part if total is None else (torch.maximum(total, part) if infinite else total + part)
+    total = total if infinite else total.pow(1.0 / norm_type)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grads_with_norm_
+    for shards in _by_device_and_dtype(grads):
+        torch._foreach_mul_(shards, scale.to(shards[0].device))
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return list(groups.values())

@@ -96,7 +96,11 @@ class ParallelRun:
             loss.backward()
         if step == 0:
             self.check_gradients(reference_grads)
-        clip_grad_norm_(self.model.parameters(), CLIP)
+        norm = clip_grad_norm_(self.model.parameters(), CLIP)
+        if step == 0 and reference_grads is not None:  # the global norm, and a clip that does scale
+            ref = torch.linalg.vector_norm(torch.stack([g.norm() for g in reference_grads.values()]))
+            assert ref > CLIP and abs(float(norm) - float(ref)) <= 1e-5 * float(ref), \
+                f"{self.config}: gradient norm {float(norm):.8f}, one process {float(ref):.8f}"
         self.optimizer.step()
         self.optimizer.zero_grad()
         mean = loss.detach().clone()

@@ -10,10 +10,11 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
 * sp: weak scaling, every GPU a piece of ``--piece`` tokens of one sequence (sequence = piece * N)
   for the ~340M Gated DeltaNet and its hybrid (LLLN), activation checkpointing, bf16.
 * dp: data-parallel throughput of the Gated DeltaNet (FSDP2, 4 x 4096 tokens per GPU); on more than one
-  GPU twice: blocks resharded after the forward (``parallel.fsdp=true``, gathered again for the backward)
-  and kept gathered (``false``: one all-gather a step fewer, more memory).
+  GPU three times: blocks resharded after the forward (``parallel.fsdp=true``, gathered again for the
+  backward), kept gathered (``false``: one all-gather a step fewer, more memory), and resharded in units
+  of 4 blocks (``blocks_per_unit=4``: a quarter of FSDP2's hooks and copies).
 * ``--profile``: after a row's timed steps, rank 0 records one more step with ``torch.profiler`` and writes
-  the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>.txt``.
+  the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>_unit<k>.txt``.
 * ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU).
 """
 
@@ -246,7 +247,7 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         optimizer.zero_grad(set_to_none=True)
 
     row = {"mode": name, "model": model_config.name_or_path, "gpus": world, "config": str(config), "seq": seq,
-           "fsdp": config.fsdp,
+           "fsdp": config.fsdp, "blocks_per_unit": config.blocks_per_unit,
            "tokens_per_gpu": rows * seq // config.sp}
     try:
         for _ in range(warmup):
@@ -262,7 +263,8 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         row.update(step_s=seconds, tokens_per_s=tokens / seconds, tokens_per_s_per_gpu=tokens / seconds / world,
                    peak_gb=peak_gb())
         if profile:
-            profiled_step(step, f"{name}_{world}gpu_{model_config.name_or_path}_{seq}_fsdp{int(config.fsdp)}")
+            profiled_step(step, f"{name}_{world}gpu_{model_config.name_or_path}_{seq}_fsdp{int(config.fsdp)}"
+                                f"_unit{config.blocks_per_unit}")
     except torch.cuda.OutOfMemoryError:
         row.update(result="out of memory", peak_gb=peak_gb())
     log(json.dumps(row))
@@ -319,9 +321,9 @@ def run_timing(args) -> list[dict]:
                 rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps,
                                            profile=args.profile))
     if args.modes == "all" or "dp" in args.modes:
-        for fsdp in (True, False) if world > 1 else (True,):
-            rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp), recipe_config(GDN), 4, 4096,
-                                       args.steps, profile=args.profile))
+        for fsdp, unit in ((True, 1), (False, 1), (True, 4)) if world > 1 else ((True, 1),):
+            rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp, blocks_per_unit=unit),
+                                       recipe_config(GDN), 4, 4096, args.steps, profile=args.profile))
     if args.modes == "all" or "ep" in args.modes:
         rows.append(timed_training("ep", ParallelConfig(dp=world, ep=world), recipe_config(MOE), 4, 2048, args.steps,
                                    profile=args.profile))
@@ -352,7 +354,8 @@ def table(out: Path) -> None:
         if "tokens_per_s" in r:
             print(f"{r['mode']:6} {r['model']:22} {r['gpus']:>4} {r['seq']:>8} {r['tokens_per_s']:>10,.0f} "
                   f"{r['tokens_per_s_per_gpu']:>10,.0f} {eff:>6} {r['step_s']:>7.2f} {r['peak_gb']:>8.1f}  "
-                  f"{'' if r.get('fsdp', True) else 'blocks kept gathered (fsdp=false)'}")
+                  f"{'' if r.get('fsdp', True) else 'blocks kept gathered (fsdp=false)'}"
+                  f"{f'units of {u} blocks' if (u := r.get('blocks_per_unit', 1)) > 1 else ''}")
         else:
             print(f"{r['mode']:6} {r.get('model', ''):22} {r.get('gpus', ''):>4} {r.get('seq', ''):>8}  "
                   f"{r['result']}")

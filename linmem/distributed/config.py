@@ -35,6 +35,7 @@ class ParallelConfig:
     sp: int = 1  # sequence-parallel ranks: each a contiguous piece of every sequence
     ep: int = 1  # expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts
     fsdp: bool = True  # shard parameters also between forward and backward (off: keep them gathered)
+    blocks_per_unit: int = 1  # consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more gathered
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     timeout_minutes: float = 10.0  # a collective waiting longer fails the run (a rank that died or hangs)
 
@@ -56,7 +57,7 @@ class ParallelConfig:
             seq_len: tokens per sequence (per packed row); ``sp`` must divide it.
             num_experts: experts per MoE layer; ``ep`` must divide it.
         """
-        for name in ("dp", "sp", "ep"):
+        for name in ("dp", "sp", "ep", "blocks_per_unit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")

@@ -38,7 +38,8 @@ RECIPES = importlib.resources.files("linmem") / "recipes"
 RESUMABLE_KEYS = (
     "schedule.steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
     "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.resume", "run.out_dir",
-    "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.activation_checkpointing",
+    "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.blocks_per_unit",
+    "parallel.activation_checkpointing",
     "parallel.timeout_minutes", "schedule.grad_accum",
 )
 

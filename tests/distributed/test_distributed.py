@@ -66,7 +66,7 @@ def _two_ranks(out: str, from_four: str, dense_cut: str, busy: str) -> None:
     sequence_checks.all_sequence_checks()
     sequence_checks.argument_checks()
     expert_checks.all_expert_checks()
-    training_checks.training_checks(ParallelConfig(dp=2, ep=2, activation_checkpointing=True), out)
+    training_checks.training_checks(ParallelConfig(dp=2, ep=2, activation_checkpointing=True, blocks_per_unit=2), out)
     trainer_checks.two_ranks(Path(out), Path(from_four), Path(dense_cut), Path(busy))
 
 
@@ -182,6 +182,8 @@ def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, ca
         launch(1, "parallel.dp=0")
     with pytest.raises(ParallelConfigError, match="parallel.timeout_minutes must be a number > 0"):
         launch(1, "parallel.timeout_minutes=0")
+    with pytest.raises(ParallelConfigError, match="parallel.blocks_per_unit must be an int >= 1, got 0"):
+        launch(1, "parallel.blocks_per_unit=0")
     assert not out.exists()
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert cli.main(["train", *DENSE_RUN, "parallel.dp=3", f"run.out_dir={out}"]) == 2

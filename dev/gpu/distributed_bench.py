@@ -11,8 +11,10 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
   for the ~340M Gated DeltaNet and its hybrid (LLLN), activation checkpointing, bf16.
 * dp: data-parallel throughput of the Gated DeltaNet (FSDP2, 4 x 4096 tokens per GPU); on more than one
   GPU three times: blocks resharded after the forward (``parallel.fsdp=true``, gathered again for the
-  backward), kept gathered (``false``: one all-gather a step fewer, more memory), and resharded in units
-  of 4 blocks (``blocks_per_unit=4``: a quarter of FSDP2's hooks and copies).
+  backward), kept gathered (``false``: one all-gather a step fewer, more memory), resharded in units
+  of 4 blocks (``blocks_per_unit=4``: a quarter of FSDP2's hooks and copies), and with every block
+  compiled (``compile_blocks``, ``run.compile`` under torchrun; its compilation falls in the warm-up).
+  On one GPU the eager and the compiled rows (sharding options have nothing to act on there).
 * ``--profile``: after a row's timed steps, rank 0 records one more step with ``torch.profiler`` and writes
   the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>_unit<k>.txt``.
 * ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU).
@@ -216,14 +218,14 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 
 def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig, rows: int, seq: int,
-                   steps: int, warmup: int = 2, profile: bool = False) -> dict:
+                   steps: int, warmup: int = 2, profile: bool = False, compiled: bool = False) -> dict:
     world = dist.get_world_size()
     if DEV == "cuda":
         torch.cuda.empty_cache()  # the previous measurement's model is gone
         torch.cuda.reset_peak_memory_stats()
     mesh = build_mesh(config)
     torch.manual_seed(0)
-    model = parallelize(LinmemForCausalLM(model_config).to(DEV), mesh, config)
+    model = parallelize(LinmemForCausalLM(model_config).to(DEV), mesh, config, compile_blocks=compiled)
     # the trainer's optimizer: fused on GPU (one kernel launch, no DTensor dispatch per foreach op)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEV == "cuda", foreach=DEV == "cpu")
     group = mesh.data.get_group()
@@ -247,7 +249,7 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         optimizer.zero_grad(set_to_none=True)
 
     row = {"mode": name, "model": model_config.name_or_path, "gpus": world, "config": str(config), "seq": seq,
-           "fsdp": config.fsdp, "blocks_per_unit": config.blocks_per_unit,
+           "fsdp": config.fsdp, "blocks_per_unit": config.blocks_per_unit, "compiled": compiled,
            "tokens_per_gpu": rows * seq // config.sp}
     try:
         for _ in range(warmup):
@@ -264,7 +266,7 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
                    peak_gb=peak_gb())
         if profile:
             profiled_step(step, f"{name}_{world}gpu_{model_config.name_or_path}_{seq}_fsdp{int(config.fsdp)}"
-                                f"_unit{config.blocks_per_unit}")
+                                f"_unit{config.blocks_per_unit}{'_compiled' if compiled else ''}")
     except torch.cuda.OutOfMemoryError:
         row.update(result="out of memory", peak_gb=peak_gb())
     log(json.dumps(row))
@@ -321,9 +323,11 @@ def run_timing(args) -> list[dict]:
                 rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps,
                                            profile=args.profile))
     if args.modes == "all" or "dp" in args.modes:
-        for fsdp, unit in ((True, 1), (False, 1), (True, 4)) if world > 1 else ((True, 1),):
+        variants = ((True, 1, False), (False, 1, False), (True, 4, False), (True, 1, True))
+        for fsdp, unit, compiled in variants if world > 1 else (variants[0], variants[3]):
             rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp, blocks_per_unit=unit),
-                                       recipe_config(GDN), 4, 4096, args.steps, profile=args.profile))
+                                       recipe_config(GDN), 4, 4096, args.steps, profile=args.profile,
+                                       compiled=compiled))
     if args.modes == "all" or "ep" in args.modes:
         rows.append(timed_training("ep", ParallelConfig(dp=world, ep=world), recipe_config(MOE), 4, 2048, args.steps,
                                    profile=args.profile))
@@ -355,7 +359,8 @@ def table(out: Path) -> None:
             print(f"{r['mode']:6} {r['model']:22} {r['gpus']:>4} {r['seq']:>8} {r['tokens_per_s']:>10,.0f} "
                   f"{r['tokens_per_s_per_gpu']:>10,.0f} {eff:>6} {r['step_s']:>7.2f} {r['peak_gb']:>8.1f}  "
                   f"{'' if r.get('fsdp', True) else 'blocks kept gathered (fsdp=false)'}"
-                  f"{f'units of {u} blocks' if (u := r.get('blocks_per_unit', 1)) > 1 else ''}")
+                  f"{f'units of {u} blocks' if (u := r.get('blocks_per_unit', 1)) > 1 else ''}"
+                  f"{'compiled blocks' if r.get('compiled') else ''}")
         else:
             print(f"{r['mode']:6} {r.get('model', ''):22} {r.get('gpus', ''):>4} {r.get('seq', ''):>8}  "
                   f"{r['result']}")

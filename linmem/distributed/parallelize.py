@@ -6,7 +6,8 @@ In order, on every block of the stack:
 1. MoE feed-forwards become :class:`~linmem.distributed.expert.ExpertParallelMoE` (experts split over
    ``ep`` ranks; balancing statistics over the global batch) whenever the run has several ranks;
 2. activation checkpointing (``torch.distributed._composable.checkpoint``: the block recomputes its
-   activations in the backward pass; parameter names do not change);
+   activations in the backward pass; parameter names do not change), then, with ``compile_blocks``,
+   ``torch.compile`` of the block;
 3. FSDP2 (``fully_shard``): the router in fp32 and, under expert parallelism, the shared experts
    and the experts as units of their own (the experts sharded over the ranks holding the same
    experts, their gradients divided by the whole world like the others), then the block (or
@@ -40,10 +41,18 @@ from .expert import expert_parallel
 __all__ = ["parallelize", "checkpoint_blocks", "clip_grad_norm_", "check_model"]
 
 
-def check_model(model: nn.Module, config: ParallelConfig) -> None:
-    """Refuse a model the layout cannot serve, before any work (named errors)."""
+def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: bool = False) -> None:
+    """Refuse a model the layout cannot serve, before any work (named errors). ``compile_blocks`` on
+    several ranks is tested for data parallelism of blocks without MoE feed-forwards only: sequence
+    parallelism and the experts' statistics put collectives inside the blocks, which are refused."""
     blocks = _blocks(model)
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEFeedForward)]
+    if compile_blocks and config.world_size > 1 and (config.sp > 1 or moe):
+        raise ParallelConfigError(
+            "compiled blocks (run.compile=true) on several ranks serve data parallelism of blocks without MoE "
+            f"feed-forwards only; got parallel.sp = {config.sp} and {len(moe)} MoE layers: their collectives run "
+            "inside the blocks; set run.compile=false"
+        )
     if config.ep > 1 and not moe:
         raise ParallelConfigError(f"parallel.ep = {config.ep} needs MoE feed-forwards (mlp='moe'); the model has none")
     for layer in moe:
@@ -72,7 +81,7 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None, *,
-                param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                param_dtype: Optional[torch.dtype] = None, compile_blocks: bool = False) -> nn.Module:
     """Apply ``config`` to ``model`` in place (every rank, same initial weights); returns the model.
 
     Args:
@@ -82,6 +91,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
         config: the layout (default: the one the mesh was built from); its sizes must be the mesh's.
         param_dtype: the dtype FSDP gathers parameters in for compute (gradients are reduced in fp32,
             routers stay fp32); default bf16 on GPU, fp32 on CPU.
+        compile_blocks: ``torch.compile`` every block (after activation checkpointing, inside its FSDP
+            unit), as torchtitan does: FSDP2's hooks stay outside the graphs, blocks of one kind share
+            their compiled code, and a block's many small launches become few.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -94,7 +106,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
     if sizes(config) != sizes(mesh.config):
         raise ParallelConfigError(f"parallelize: config (dp, sp, ep) = {sizes(config)} differs from the mesh's "
                                   f"{sizes(mesh.config)}")
-    check_model(model, config)
+    check_model(model, config, compile_blocks=compile_blocks)
     blocks = _blocks(model)
     world = mesh.data.size()
     if world > 1:
@@ -104,6 +116,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
                 expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
     if config.activation_checkpointing:
         checkpoint_blocks(model)
+    if compile_blocks:
+        for block in blocks:
+            block.compile()
     if world == 1:
         return model
 

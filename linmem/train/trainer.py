@@ -148,9 +148,6 @@ def check_launch(config: TrainConfig) -> int:
     parallel.validate(world)
     for length in _sequence_lengths(config.data):
         parallel.validate(seq_len=length)
-    if config.run.compile:
-        raise ConfigError("run.compile=true is refused with several processes: the trainer does not compile a "
-                          "parallelised model; set run.compile=false")
     parallel_device_type(config.run.device)
     missing = [name for name in TORCHRUN_ENVIRONMENT if name not in os.environ]
     if missing and not dist.is_initialized():
@@ -158,7 +155,7 @@ def check_launch(config: TrainConfig) -> int:
                                   "launch with torchrun --nproc-per-node N -m linmem.cli train ...")
     with torch.device("meta"):  # the structure only: any vocabulary will do
         model = build_model(config.model, _STRUCTURE_VOCAB)
-    check_model(model, parallel)
+    check_model(model, parallel, compile_blocks=config.run.compile)
     return world
 
 
@@ -292,7 +289,8 @@ class Trainer:
                                         targets=lora.targets, train_modules=lora.train_modules)
             self.autocast_dtype = torch.bfloat16 if bf16 else None
         else:  # FSDP gathers the parameters in the compute dtype: no autocast
-            self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32)
+            self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                     compile_blocks=config.run.compile)  # each block inside its FSDP unit
             self.autocast_dtype = None
         o = config.optim
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay), lr=o.lr,
@@ -301,7 +299,7 @@ class Trainer:
         s = config.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: cosine_with_warmup(step, s.warmup_steps, s.steps, s.min_lr_ratio))
-        self.forward = torch.compile(self.model) if config.run.compile else self.model
+        self.forward = torch.compile(self.model) if config.run.compile and self.ranks.mesh is None else self.model
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0

@@ -67,6 +67,7 @@ def _two_ranks(out: str, from_four: str, dense_cut: str, busy: str) -> None:
     sequence_checks.argument_checks()
     expert_checks.all_expert_checks()
     training_checks.training_checks(ParallelConfig(dp=2, ep=2, activation_checkpointing=True, blocks_per_unit=2), out)
+    training_checks.compile_check()
     trainer_checks.two_ranks(Path(out), Path(from_four), Path(dense_cut), Path(busy))
 
 
@@ -174,8 +175,10 @@ def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, ca
         launch(4, "parallel.dp=4", "parallel.ep=4", *MOE, "model.options.num_experts=6")
     with pytest.raises(ConfigError, match="every rank takes its own device"):
         launch(2, "parallel.dp=2", "run.device=cuda:1")
-    with pytest.raises(ConfigError, match="run.compile=true is refused"):
-        launch(2, "parallel.dp=2", "run.compile=true")
+    with pytest.raises(ParallelConfigError, match=r"compiled blocks .* got parallel.sp = 2 and 0 MoE layers"):
+        launch(2, "parallel.sp=2", "run.compile=true")
+    with pytest.raises(ParallelConfigError, match=r"compiled blocks .* got parallel.sp = 1 and 2 MoE layers"):
+        launch(2, "parallel.dp=2", "run.compile=true", *MOE)
     with pytest.raises(ParallelConfigError, match="no process group to join"):
         launch(2, "parallel.dp=2", env=False)
     with pytest.raises(ParallelConfigError, match="parallel.dp must be an int >= 1, got 0"):

@@ -3,7 +3,7 @@
 The eager form launches a dozen small kernels per tensor (the frequencies, cos, sin, the half rotation, fp32
 copies) and keeps fp32 intermediates for the backward; this launches one kernel for q and k together, keeps
 only the positions, and its backward is the rotation by the opposite angles. ``torch.compile`` sees the custom
-ops ``linmem::rotary_fwd`` / ``linmem::rotary_bwd``.
+op ``linmem::rotary``, which serves both directions.
 """
 
 from __future__ import annotations
@@ -29,34 +29,24 @@ def _launch(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float,
     return rotary_launch(q, k, position_ids, theta, inverse)
 
 
-@torch.library.custom_op("linmem::rotary_fwd", mutates_args=())
-def rotary_fwd_op(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """q [B, T, H, D], k [B, T, Hkv, D] or None -> (q rotated, k rotated or empty), contiguous."""
-    qo, ko = _launch(q, k, position_ids, theta, False)
+@torch.library.custom_op("linmem::rotary", mutates_args=())
+def rotary_op(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float,
+              inverse: bool) -> tuple[Tensor, Tensor]:
+    """q [B, T, H, D], k [B, T, Hkv, D] or None -> (q rotated, k rotated or empty), contiguous; ``inverse``
+    turns by minus the angles (the backward: the rotation's adjoint is its inverse)."""
+    qo, ko = _launch(q, k, position_ids, theta, inverse)
     return qo, _or_empty(ko, q)
 
 
-@rotary_fwd_op.register_fake
-def _(q, k, position_ids, theta):
+@rotary_op.register_fake
+def _(q, k, position_ids, theta, inverse):
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
 
 
-@torch.library.custom_op("linmem::rotary_bwd", mutates_args=())
-def rotary_bwd_op(dq: Tensor, dk: Optional[Tensor], position_ids: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """The cotangents of the rotated q, k (k's or None) -> (dq, dk or empty): the rotation by minus the angles."""
-    dq, dk = _launch(dq, dk, position_ids, theta, True)
-    return dq, _or_empty(dk, dq)
-
-
-@rotary_bwd_op.register_fake
-def _(dq, dk, position_ids, theta):
-    return dq.new_empty(dq.shape), (dq.new_empty(0) if dk is None else dk.new_empty(dk.shape))
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, position_ids, theta = inputs
+    q, k, position_ids, theta, inverse = inputs
     ctx.save_for_backward(position_ids)
-    ctx.theta, ctx.q_meta, ctx.has_k = theta, (q.shape, q.dtype), k is not None
+    ctx.theta, ctx.inverse, ctx.q_meta, ctx.has_k = theta, inverse, (q.shape, q.dtype), k is not None
     ctx.set_materialize_grads(False)
 
 
@@ -72,11 +62,11 @@ def _cotangents(ctx, dq: Optional[Tensor], dk: Optional[Tensor]) -> tuple[Tensor
 
 def _backward(ctx, dq, dk):
     dq, dk = _cotangents(ctx, dq, dk)
-    dq, dk_out = rotary_bwd_op(dq, dk, ctx.saved_tensors[0], ctx.theta)
-    return dq, (dk_out if dk is not None else None), None, None
+    dq, dk_out = rotary_op(dq, dk, ctx.saved_tensors[0], ctx.theta, not ctx.inverse)
+    return dq, (dk_out if dk is not None else None), None, None, None
 
 
-rotary_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class RotaryFn(torch.autograd.Function):
@@ -85,13 +75,13 @@ class RotaryFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, position_ids, theta):
         qo, ko = _launch(q, k, position_ids, theta, False)
-        _setup_context(ctx, (q, k, position_ids, theta), None)
+        _setup_context(ctx, (q, k, position_ids, theta, False), None)
         return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
         dq, dk = _cotangents(ctx, dq, dk)
-        dq, dk = _launch(dq, dk, ctx.saved_tensors[0], ctx.theta, True)
+        dq, dk = _launch(dq, dk, ctx.saved_tensors[0], ctx.theta, not ctx.inverse)
         return dq, dk, None, None
 
 
@@ -160,6 +150,6 @@ def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, *, theta: float
         position_ids = position_ids.long()
     theta = float(theta)
     if torch.compiler.is_compiling():
-        qo, ko = rotary_fwd_op(q, k, position_ids, theta)
+        qo, ko = rotary_op(q, k, position_ids, theta, False)
         return qo, (ko if k is not None else None)
     return RotaryFn.apply(q, k, position_ids, theta)

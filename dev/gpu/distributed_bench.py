@@ -204,7 +204,8 @@ def run_checks() -> list[dict]:
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-    """The global-batch share of the cross-entropy without materialising all logits (8K tokens at a time)."""
+    """The global-batch share of the cross-entropy without materialising all logits (8K tokens at a time);
+    ``group`` None: this process's mean."""
     total = hidden.new_zeros((), dtype=torch.float32)
 
     def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -213,6 +214,8 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     for s in range(0, hidden.shape[1], 8192):
         total = total + checkpoint(ce, hidden[:, s:s + 8192], targets[:, s:s + 8192], use_reentrant=False)
     count = (targets != -100).sum().float()
+    if group is None:
+        return total / count
     dist.all_reduce(count, group=group)
     return total * dist.get_world_size(group) / count
 

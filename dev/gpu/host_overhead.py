@@ -3,7 +3,7 @@
 The ``gated_deltanet-340m`` recipe's architecture (all its layers) at a tiny width and a tiny batch,
 on CPU with gloo: every op's arithmetic takes microseconds, so a step's time is the per-op host work
 (Python, dispatch, FSDP2's hooks, DTensor) plus gloo's transfers. One step is the one
-``dev/gpu/distributed_bench.py::timed_training`` runs: forward, loss, backward, ``clip_grad_norm_``,
+``distributed_bench.py::timed_training`` runs: forward, loss, backward, ``clip_grad_norm_``,
 ``optimizer.step()``, ``zero_grad``; each phase is timed on its own (all synchronous on CPU).
 
 Variants (``--variants``, each ``layout[+knob...]``):
@@ -14,7 +14,7 @@ Variants (``--variants``, each ``layout[+knob...]``):
 * knobs: ``fused`` (AdamW ``fused=True`` instead of ``foreach=True``), ``dtclip`` (the gradient norm
   through DTensor ops, as ``torch.nn.utils.get_total_norm`` computes it on sharded gradients, instead
   of ``linmem.distributed.clip_grad_norm_``), ``bf16`` (parameters gathered in bf16 under CPU autocast,
-  the casts a GPU run makes).
+  the casts a GPU run makes), ``unit4`` (``blocks_per_unit=4``: FSDP2 units of 4 blocks).
 
 ``--profile``: one more step per variant on rank 0 under ``torch.profiler``; the ops by self CPU time,
 with the time in gloo's collectives (``record_param_comms``, ``gloo:*``, ``c10d::*``, waits) summed
@@ -26,9 +26,9 @@ gloo's transfers and of waiting for the other rank.
 
 Usage::
 
-    torchrun --standalone --nproc-per-node 2 dev/host_overhead.py
-    python dev/host_overhead.py            # one process: the plain model only
-    python dev/host_overhead.py --fake 2 --variants plain fsdp gathered
+    torchrun --standalone --nproc-per-node 2 dev/gpu/host_overhead.py
+    python dev/gpu/host_overhead.py            # one process: the plain model only
+    python dev/gpu/host_overhead.py --fake 2 --variants plain fsdp gathered
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from distributed_bench import chunked_loss  # this folder's bench: the step's loss is its loss
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from linmem.distributed import ParallelConfig, build_mesh, clip_grad_norm_, init_distributed, parallelize
 from linmem.models import LinmemForCausalLM, model_recipe
@@ -70,19 +69,6 @@ def log(*parts) -> None:
         print(*parts, flush=True)
 
 
-def loss_fn(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-    """``distributed_bench.chunked_loss``: the global-batch share of the cross-entropy (one chunk here)."""
-    def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(F.linear(h, weight).float().flatten(0, 1), t.flatten(), reduction="sum")
-
-    total = checkpoint(ce, hidden, targets, use_reentrant=False)
-    count = (targets != -100).sum().float()
-    if group is None:
-        return total / count
-    dist.all_reduce(count, group=group)
-    return total * dist.get_world_size(group) / count
-
-
 @torch.no_grad()
 def dtensor_clip(parameters, max_norm: float) -> torch.Tensor:
     """The gradient norm through DTensor ops (torch's ``get_total_norm`` on sharded gradients), then the clip."""
@@ -98,9 +84,9 @@ class Variant:
 
     def __init__(self, spec: str, seq: int, rows: int, layers: Optional[int]):
         layout, *knobs = spec.split("+")
-        unknown = set(knobs) - {"fused", "dtclip", "bf16"}
+        unknown = set(knobs) - {"fused", "dtclip", "bf16", "unit4"}
         if layout not in ("plain", "fsdp", "gathered") or unknown:
-            raise ValueError(f"--variants: expected layout plain|fsdp|gathered and knobs fused|dtclip|bf16, "
+            raise ValueError(f"--variants: expected layout plain|fsdp|gathered and knobs fused|dtclip|bf16|unit4, "
                              f"got {spec!r}")
         if layout != "plain" and world() == 1:
             raise ValueError(f"--variants {spec!r} needs several processes (torchrun --nproc-per-node 2)")
@@ -115,7 +101,7 @@ class Variant:
         model = LinmemForCausalLM(config)
         self.group = None
         if layout != "plain":
-            parallel = ParallelConfig(dp=world(), fsdp=layout == "fsdp")
+            parallel = ParallelConfig(dp=world(), fsdp=layout == "fsdp", blocks_per_unit=4 if "unit4" in knobs else 1)
             mesh = build_mesh(parallel, "cpu")
             model = parallelize(model, mesh, parallel, param_dtype=torch.bfloat16 if self.bf16 else None)
             self.group = mesh.data.get_group()
@@ -135,7 +121,7 @@ class Variant:
         w0, t0 = wall(), cpu()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             out = self.model(inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-            loss = loss_fn(out.hidden_states[-1], self.model.lm_head.weight, targets, self.group)
+            loss = chunked_loss(out.hidden_states[-1], self.model.lm_head.weight, targets, self.group)
         t1 = cpu()
         loss.backward()
         t2 = cpu()

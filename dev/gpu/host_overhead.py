@@ -14,7 +14,8 @@ Variants (``--variants``, each ``layout[+knob...]``):
 * knobs: ``fused`` (AdamW ``fused=True`` instead of ``foreach=True``), ``dtclip`` (the gradient norm
   through DTensor ops, as ``torch.nn.utils.get_total_norm`` computes it on sharded gradients, instead
   of ``linmem.distributed.clip_grad_norm_``), ``bf16`` (parameters gathered in bf16 under CPU autocast,
-  the casts a GPU run makes), ``unit4`` (``blocks_per_unit=4``: FSDP2 units of 4 blocks).
+  the casts a GPU run makes), ``unit4`` (``blocks_per_unit=4``: FSDP2 units of 4 blocks), ``compiled``
+  (``torch.compile`` of every block, inside its FSDP unit; compilation falls in the warm-up).
 
 ``--profile``: one more step per variant on rank 0 under ``torch.profiler``; the ops by self CPU time,
 with the time in gloo's collectives (``record_param_comms``, ``gloo:*``, ``c10d::*``, waits) summed
@@ -84,9 +85,9 @@ class Variant:
 
     def __init__(self, spec: str, seq: int, rows: int, layers: Optional[int]):
         layout, *knobs = spec.split("+")
-        unknown = set(knobs) - {"fused", "dtclip", "bf16", "unit4"}
+        unknown = set(knobs) - {"fused", "dtclip", "bf16", "unit4", "compiled"}
         if layout not in ("plain", "fsdp", "gathered") or unknown:
-            raise ValueError(f"--variants: expected layout plain|fsdp|gathered and knobs fused|dtclip|bf16|unit4, "
+            raise ValueError(f"--variants: expected layout plain|fsdp|gathered and knobs fused|dtclip|bf16|unit4|compiled, "
                              f"got {spec!r}")
         if layout != "plain" and world() == 1:
             raise ValueError(f"--variants {spec!r} needs several processes (torchrun --nproc-per-node 2)")
@@ -103,8 +104,12 @@ class Variant:
         if layout != "plain":
             parallel = ParallelConfig(dp=world(), fsdp=layout == "fsdp", blocks_per_unit=4 if "unit4" in knobs else 1)
             mesh = build_mesh(parallel, "cpu")
-            model = parallelize(model, mesh, parallel, param_dtype=torch.bfloat16 if self.bf16 else None)
+            model = parallelize(model, mesh, parallel, param_dtype=torch.bfloat16 if self.bf16 else None,
+                                compile_blocks="compiled" in knobs)
             self.group = mesh.data.get_group()
+        elif "compiled" in knobs:
+            for block in model.model.layers:
+                block.compile()
         self.model = model
         self.parameters = list(model.parameters())
         kind = {"fused": True} if "fused" in knobs else {"foreach": True}

@@ -7,17 +7,20 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
 * check (N GPUs): the sequence-parallel ops (recurrence on the GPU backends in fp32 and bf16,
   attention over gathered keys) and an expert-parallel MoE layer against one GPU; a hybrid model
   under sequence parallelism against one GPU when the layers consult ``linmem.ops.parallel``.
-* sp: weak scaling, every GPU a piece of ``--piece`` tokens of one sequence (sequence = piece * N)
-  for the ~340M Gated DeltaNet and its hybrid (LLLN), activation checkpointing, bf16.
-* dp: data-parallel throughput of the Gated DeltaNet (FSDP2, 4 x 4096 tokens per GPU); on more than one
-  GPU three times: blocks resharded after the forward (``parallel.fsdp=true``, gathered again for the
-  backward), kept gathered (``false``: one all-gather a step fewer, more memory), resharded in units
-  of 4 blocks (``blocks_per_unit=4``: a quarter of FSDP2's hooks and copies), and with every block
-  compiled (``compile_blocks``, ``run.compile`` under torchrun; its compilation falls in the warm-up).
+* sp: weak scaling, every GPU a piece of ``--pieces`` tokens of one sequence (sequence = piece * N)
+  for the ~340M Gated DeltaNet and its hybrid (LLLN) (``--sp-models``), activation checkpointing, bf16,
+  FSDP2 units of ``--unit`` blocks.
+* dp: data-parallel throughput of the Gated DeltaNet (FSDP2, ``--dp-rows`` x 4096 tokens per GPU); on more
+  than one GPU four times: blocks resharded one by one after the forward (``parallel.fsdp=true``,
+  ``blocks_per_unit=1``, gathered again for the backward), kept gathered (``fsdp=false``: one all-gather a
+  step fewer, more memory), resharded in units of 4 blocks (``blocks_per_unit=4``, the default: a quarter
+  of FSDP2's hooks and copies), and with every block compiled (``compile_blocks``, ``run.compile`` under
+  torchrun; its compilation falls in the warm-up).
   On one GPU the eager and the compiled rows (sharding options have nothing to act on there).
 * ``--profile``: after a row's timed steps, rank 0 records one more step with ``torch.profiler`` and writes
   the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>_unit<k>.txt``.
-* ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU).
+* ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU),
+  FSDP2 units of ``--unit`` blocks.
 """
 
 from __future__ import annotations
@@ -316,24 +319,24 @@ def run_timing(args) -> list[dict]:
     rows = []
     if args.modes == "all" or "sp" in args.modes:
         wired = layers_consult_hook()
-        for name in (GDN, HYBRID):
+        for name in args.sp_models:
             for piece in args.pieces:
                 if world > 1 and not wired:
                     rows.append({"mode": "sp", "model": name, "gpus": world, "seq": piece * world,
                                  "result": "not run: the layers do not consult linmem.ops.parallel"})
                     continue
-                config = ParallelConfig(dp=1, sp=world, activation_checkpointing=True)
+                config = ParallelConfig(dp=1, sp=world, activation_checkpointing=True, blocks_per_unit=args.unit)
                 rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps,
                                            profile=args.profile))
     if args.modes == "all" or "dp" in args.modes:
         variants = ((True, 1, False), (False, 1, False), (True, 4, False), (True, 1, True))
         for fsdp, unit, compiled in variants if world > 1 else (variants[0], variants[3]):
             rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp, blocks_per_unit=unit),
-                                       recipe_config(GDN), 4, 4096, args.steps, profile=args.profile,
+                                       recipe_config(GDN), args.dp_rows, 4096, args.steps, profile=args.profile,
                                        compiled=compiled))
     if args.modes == "all" or "ep" in args.modes:
-        rows.append(timed_training("ep", ParallelConfig(dp=world, ep=world), recipe_config(MOE), 4, 2048, args.steps,
-                                   profile=args.profile))
+        config = ParallelConfig(dp=world, ep=world, blocks_per_unit=args.unit)
+        rows.append(timed_training("ep", config, recipe_config(MOE), 4, 2048, args.steps, profile=args.profile))
     return rows
 
 
@@ -375,6 +378,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--modes", default="all", help="all, or a comma list of check, sp, dp, ep; table joins")
     parser.add_argument("--pieces", type=int, nargs="+", default=[32768, 65536], help="sp: tokens per GPU")
+    parser.add_argument("--sp-models", nargs="+", default=[GDN, HYBRID], help="sp: the recipes to time")
+    parser.add_argument("--unit", type=int, default=ParallelConfig().blocks_per_unit,
+                        help="sp, ep: parallel.blocks_per_unit")
+    parser.add_argument("--dp-rows", type=int, default=8, help="dp: sequences of 4096 tokens per GPU")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="a profiled step after each timed row (rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo): try the script")

@@ -35,7 +35,7 @@ class ParallelConfig:
     sp: int = 1  # sequence-parallel ranks: each a contiguous piece of every sequence
     ep: int = 1  # expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts
     fsdp: bool = True  # shard parameters also between forward and backward (off: keep them gathered)
-    blocks_per_unit: int = 1  # consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more gathered
+    blocks_per_unit: int = 4  # consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more gathered
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     timeout_minutes: float = 10.0  # a collective waiting longer fails the run (a rank that died or hangs)
 

@@ -153,7 +153,7 @@ def compile_check() -> None:
     """``compile_blocks`` under data parallelism (a dense model, dp = world): two steps' losses and the first
     step's gradients, gathered whole, equal the eager parallel run's (fp32; inductor reorders sums)."""
     world = dist.get_world_size()
-    config = ParallelConfig(dp=world)
+    config = ParallelConfig(dp=world, blocks_per_unit=1)  # each compiled block its own FSDP unit
     dense = LinmemConfig(vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="LN", memory="gated_deltanet",
                          attention="softmax", intermediate_size=32, recurrence_backend="chunk")
     runs = []

@@ -93,6 +93,13 @@ def test_weight_gradient_over_several_programs(case, monkeypatch):
         compare(tensors, cot, activation="silu", cu_seqlens=cu)
 
 
+def test_weights_in_the_input_dtype():
+    """bf16 weight and bias, as FSDP2 gathers them (the other tests keep fp32 weights, as autocast does)."""
+    tensors, cot = conv_inputs(2, 40, 12, 4, 2, torch.bfloat16)
+    tensors = {n: (x.to(torch.bfloat16) if n in ("weight", "bias") else x) for n, x in tensors.items()}
+    compare(tensors, cot, activation="silu")
+
+
 def test_no_activation_no_bias_no_history():
     tensors, cot = conv_inputs(2, 9, 8, 3, 2, torch.float32, bias=False, history=False)
     compare(tensors, cot)

@@ -7,6 +7,12 @@ x is read as ``[B, T, C]`` (a stride per batch row and per token, channels conti
 the sequence's first token reads the sequence's history ``h0`` ([N, W-1, C], oldest first) or zero. Nothing
 is saved for the backward but the inputs.
 
+The token-tile kernels read the weight tap-major, ``[W, C]`` (the launchers transpose the ``[C, W]`` parameter):
+each tap's channels are one contiguous load. Read from ``[C, W]``, a tap's loads lay W elements apart: at
+8 x 4096 x 1024 on an H100 the forward took 147 µs with bf16 weights and 282 µs with fp32 ones (a model under
+autocast), against 62 and 63 µs tap-major. The decoding step reads the ``[C, W]`` weight as it is (one small
+load per token).
+
 Backward in two passes: ``conv_dz_kernel`` recomputes z and writes ``dz_t = dy_t act'(z_t)`` (fp32; without an
 activation dz is dy and this pass is skipped); ``conv_dx_kernel`` then reads dz, per source token s of sequence n
 (token s + lag reads x_s through weight column W-1-lag)::
@@ -98,7 +104,7 @@ def conv_fwd_kernel(x, w, bias, h0, y, cu_seqlens, T, C, N, STEPS, sxb, sxt, W: 
     n, bos, _ = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
     z = tl.zeros((BT, BC), tl.float32)
     for i in tl.static_range(W):
-        wi = tl.load(w + c * W + i, mask=mc, other=0.0).to(tl.float32)
+        wi = tl.load(w + i * C + c, mask=mc, other=0.0).to(tl.float32)
         z += wi[None, :] * tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
     if HAS_BIAS:
         z += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
@@ -119,7 +125,7 @@ def conv_dz_kernel(x, w, bias, h0, dy, dz, cu_seqlens, T, C, N, STEPS, sxb, sxt,
     n, bos, _ = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
     z = tl.zeros((BT, BC), tl.float32)
     for i in tl.static_range(W):
-        wi = tl.load(w + c * W + i, mask=mc, other=0.0).to(tl.float32)
+        wi = tl.load(w + i * C + c, mask=mc, other=0.0).to(tl.float32)
         z += wi[None, :] * tap(x, h0, b, t, t - bos, n, c, mt, mc, W - 1 - i, sxb, sxt, C, W, HAS_H0)
     if HAS_BIAS:
         z += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
@@ -152,9 +158,9 @@ def conv_dx_kernel(x, w, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, STEPS,
         n, _, eos = locate(t, cu_seqlens, b, T, N, STEPS, IS_VARLEN)
         rows = dz + (b.to(tl.int64) * T + t) * C
         dz_t = tl.load(rows[:, None] + c[None, :], mask=mt[:, None] & mc[None, :], other=0.0).to(tl.float32)
-        g = tl.load(w + c * W + W - 1, mask=mc, other=0.0).to(tl.float32)[None, :] * dz_t
+        g = tl.load(w + (W - 1) * C + c, mask=mc, other=0.0).to(tl.float32)[None, :] * dz_t
         for lag in tl.static_range(1, W):  # token t + lag reads x_t through weight column W - 1 - lag
-            wl = tl.load(w + c * W + W - 1 - lag, mask=mc, other=0.0).to(tl.float32)
+            wl = tl.load(w + (W - 1 - lag) * C + c, mask=mc, other=0.0).to(tl.float32)
             later = (mt & (t + lag < eos))[:, None] & mc[None, :]
             g += wl[None, :] * tl.load((rows + lag * C)[:, None] + c[None, :], mask=later, other=0.0).to(tl.float32)
         if HAS_DFINAL:  # the last W - 1 tokens of a sequence are its final state
@@ -207,7 +213,7 @@ def conv_state_bwd_kernel(w, dz, dfinal, dh0, cu_seqlens, T, C, W: tl.constexpr,
     for k in tl.static_range(W - 1):  # token u = j - k reads slot j through weight column k
         u = j - k
         rows = dz + (b.to(tl.int64) * T + bos + u) * C
-        wk = tl.load(w + c * W + k, mask=mc, other=0.0).to(tl.float32)
+        wk = tl.load(w + k * C + c, mask=mc, other=0.0).to(tl.float32)
         g += wk[None, :] * tl.load(rows[:, None] + c[None, :], mask=(mj & (u >= 0) & (u < L))[:, None] & mc[None, :],
                                    other=0.0).to(tl.float32)
     if HAS_DFINAL:  # a sequence shorter than W - 1 passes slots L.. of its history on to its final state
@@ -266,15 +272,15 @@ def _geometry(x: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, int, int]:
 
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional[Tensor],
                  cu_seqlens: Optional[Tensor], act: int, output_final: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """-> (y [B, T, C] in x's dtype, final state [N, W-1, C] or None). weight, bias, h0 contiguous; x's channels
-    contiguous."""
+    """-> (y [B, T, C] in x's dtype, final state [N, W-1, C] or None). weight [C, W]; bias, h0 contiguous; x's
+    channels contiguous."""
     B, T, C = x.shape
     W = weight.shape[1]
     N, steps, varlen = _geometry(x, cu_seqlens)
     BT, BC = _blocks(T, C)
     y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
-        x, weight, bias, h0, y, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W, ACT=act,
+        x, weight.t().contiguous(), bias, h0, y, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W, ACT=act,
         HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT, BC=BC, num_warps=WARPS)
     if not output_final:
         return y, None
@@ -297,10 +303,11 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
     dfinal = None if dfinal is None else dfinal.contiguous()
     blocks = triton.cdiv(T, BT)
     grid = (blocks, triton.cdiv(C, BC), B)
+    weight_t = weight.t().contiguous()
     dz = dy  # without an activation dz = dy
     if act != 0:
         dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
-        conv_dz_kernel[grid](x, weight, bias, h0, dy, dz, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W,
+        conv_dz_kernel[grid](x, weight_t, bias, h0, dy, dz, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1), W=W,
                              ACT=act, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, IS_VARLEN=varlen, BT=BT,
                              BC=BC, num_warps=WARPS)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
@@ -309,13 +316,13 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
     dw = torch.empty(B * chunks, W, C, device=x.device, dtype=torch.float32)
     db = torch.empty(B * chunks, C, device=x.device, dtype=torch.float32) if bias is not None else None
     conv_dx_kernel[(chunks, triton.cdiv(C, BC), B)](
-        x, weight, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, TOKENS_PER_PROGRAM, x.stride(0),
+        x, weight_t, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, TOKENS_PER_PROGRAM, x.stride(0),
         x.stride(1), W=W, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, HAS_DFINAL=dfinal is not None,
         IS_VARLEN=varlen, BT=max(1, min(BT, DW_ROWS // BW)), BC=BC, BW=BW, num_warps=WARPS)
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, W - 1, C, device=x.device, dtype=torch.float32)
-        conv_state_bwd_kernel[(N, triton.cdiv(C, BC))](weight, dz, dfinal, dh0, cu_seqlens, T, C, W=W,
+        conv_state_bwd_kernel[(N, triton.cdiv(C, BC))](weight_t, dz, dfinal, dh0, cu_seqlens, T, C, W=W,
                                                        HAS_DFINAL=dfinal is not None, IS_VARLEN=varlen,
                                                        BJ=next_power_of_2(W - 1), BC=BC)
         dh0 = dh0.to(h0.dtype)

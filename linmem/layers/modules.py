@@ -212,14 +212,15 @@ class RMSNorm(nn.Module):
         """x: [..., dim] (or [..., H, dim]) -> the same shape."""
         return rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], *,
+                     out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm residual step in one pass: h = x + residual (x when None) -> (RMSNorm(h), h).
 
-        x, residual: [..., dim]; x is brought to the residual's dtype (under autocast the stream keeps its own).
+        x, residual: [..., dim]. h keeps the residual's dtype (under autocast an fp32 stream) and RMSNorm(h) comes
+        in ``out_dtype``, x's when None: a block's bf16 output under autocast gives its successor bf16 inputs,
+        which the projections would otherwise cast once each.
         """
-        if residual is not None and x.dtype != residual.dtype:
-            x = x.to(residual.dtype)
-        return rms_norm(x, self.weight, self.eps, residual=residual, residual_out=True)
+        return rms_norm(x, self.weight, self.eps, residual=residual, residual_out=True, out_dtype=out_dtype)
 
 
 #: output-gate activations of :class:`GatedRMSNorm`

@@ -236,7 +236,7 @@ class LinmemModel(LinmemPreTrainedModel):
             hidden, residual = layer(hidden, residual, cu_seqlens=cu_seqlens, cache=cache[i] if use_cache else None,
                                      token_mask=token_mask, position_ids=position_ids)
             router_stats += layer.pop_router_stats()
-        hidden = self.norm.add_and_norm(hidden, residual)[0]
+        hidden = self.norm.add_and_norm(hidden, residual, out_dtype=None if residual is None else residual.dtype)[0]
         if use_cache:
             cache.advance(T, token_mask)
         if output_hidden_states:

@@ -88,7 +88,7 @@ def fake_checks():
         (conv.short_conv_fwd_op, (x, w, r(C), h0, cu, 1, True)),
         (conv.short_conv_bwd_op, (x, w, r(C), h0, cu, bf(1, 9, C), bf(2, 3, C), 1)),
         (conv.short_conv_step_op, (bf(2, C), bf(2, 3, C), w, None, 1)),
-        (norm.rms_norm_fwd_op, (rows, r(H, K), bf(6, H, K), None, 1e-6, 0)),
+        (norm.rms_norm_fwd_op, (rows, r(H, K), r(6, H, K), None, 1e-6, 0, torch.bfloat16)),  # an fp32 stream
         (norm.rms_norm_bwd_op, (rows, bf(6, H, K), r(K), bf(6, H, K), None, 1e-6, 1)),
         (norm.l2_norm_fwd_op, (rows, 1e-6)),
         (norm.l2_norm_bwd_op, (rows, r(6, H), bf(6, H, K))),

@@ -60,6 +60,24 @@ def test_rms_norm_with_residual(dtype):
                        "residual": rnd(2, 5, 48, dtype=dtype, seed=2)}, dtype, residual_out=True)
 
 
+def test_rms_norm_bf16_input_on_an_fp32_stream():
+    """Autocast's pre-norm step: a bf16 block output added to an fp32 stream; h stays fp32, y comes in bf16 (one
+    rounding of the fp32 result), gradients reach x and the residual in their own dtypes."""
+    x, residual, weight = rnd(2, 5, 48, dtype=BF16), rnd(2, 5, 48, seed=2), rnd(48, seed=1) + 1
+    outs = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, residual, weight)]
+        y, h = rms_norm(leaves[0], leaves[2], residual=leaves[1], residual_out=True, out_dtype=BF16,
+                        backend=backend)
+        assert (y.dtype, h.dtype) == (BF16, FP32)
+        grads = torch.autograd.grad((y.float() * rnd(2, 5, 48, seed=3)).sum() + (h * rnd(2, 5, 48, seed=4)).sum(),
+                                    leaves)
+        assert [g.dtype for g in grads] == [BF16, FP32, FP32]
+        outs[backend] = (y, h, *grads)
+    errors = [rel_err(a.float(), b.float()) for a, b in zip(outs["triton"], outs["reference"])]
+    assert errors[1] < 1e-6 and max(errors) < 5e-3, errors
+
+
 def test_rms_norm_per_head_weight():
     """x [B, T, H, D] with a weight per head [H, D] (the attention's q/k/o norms)."""
     compare(rms_norm, {"x": rnd(2, 5, 3, 16, dtype=BF16), "weight": rnd(3, 16, seed=1) + 1}, BF16)
@@ -106,8 +124,8 @@ def test_bad_inputs_raise():
         rms_norm(x, torch.ones(6))
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, torch.ones(8), residual=torch.randn(2, 8))
-    with pytest.raises(TypeError, match="residual"):
-        rms_norm(x, torch.ones(8), residual=x.double())
+    with pytest.raises(TypeError, match="out_dtype"):
+        rms_norm(x, torch.ones(8), out_dtype=torch.int32)
     with pytest.raises(ValueError, match="gate"):
         gated_rms_norm(x, torch.randn(2, 5, 4), torch.ones(8))
     with pytest.raises(ValueError, match="activation"):

@@ -55,17 +55,18 @@ def _dim_refusal(D: int) -> Optional[str]:
 
 @torch.library.custom_op("linmem::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd_op(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], eps: float,
-                    act: int) -> tuple[Tensor, Tensor]:
-    """Rows [M, H, D] -> (y, h = x + residual or empty)."""
+                    act: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Rows [M, H, D] -> (y in out_dtype, h = x + residual in residual's dtype, or empty)."""
     from .triton.norm import rms_norm_forward
 
-    y, h = rms_norm_forward(x, weight, residual, gate, eps, act)
+    y, h = rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
     return y, _or_empty(h, x)
 
 
 @rms_norm_fwd_op.register_fake
-def _(x, weight, residual, gate, eps, act):
-    return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else x.new_empty(0))
+def _(x, weight, residual, gate, eps, act, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype), (residual.new_empty(x.shape) if residual is not None
+                                                   else x.new_empty(0))
 
 
 @torch.library.custom_op("linmem::rms_norm_bwd", mutates_args=())
@@ -97,11 +98,11 @@ def _rms_gradients(ctx, dy: Optional[Tensor], dh: Optional[Tensor], backward) ->
     if dh is not None and dh.numel() == 0:
         dh = None
     dx, dgate, dw = backward(normed, gate, weight, dy, dh, ctx.eps, ctx.act)
-    return dx, dw, (dx if ctx.has_residual else None), _or_none(dgate), None, None
+    return dx, dw, (dx if ctx.has_residual else None), _or_none(dgate), None, None, None
 
 
 def _rms_setup_context(ctx, inputs, output):
-    x, weight, residual, gate, eps, act = inputs
+    x, weight, residual, gate, eps, act, _ = inputs
     ctx.save_for_backward(x if residual is None else output[1], gate, weight)
     ctx.eps, ctx.act, ctx.has_residual = eps, act, residual is not None
     ctx.set_materialize_grads(False)
@@ -119,10 +120,10 @@ class RMSNormFn(torch.autograd.Function):
     (x, or h = x + residual, which is returned anyway), the gate and the weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, gate, eps, act):
+    def forward(ctx, x, weight, residual, gate, eps, act, out_dtype):
         from .triton.norm import rms_norm_forward
 
-        y, h = rms_norm_forward(x, weight, residual, gate, eps, act)
+        y, h = rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
         ctx.save_for_backward(x if h is None else h, gate, weight)
         ctx.eps, ctx.act, ctx.has_residual = eps, act, residual is not None
         ctx.set_materialize_grads(False)
@@ -134,11 +135,11 @@ class RMSNormFn(torch.autograd.Function):
 
 
 def _rms_rows(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], eps: float,
-              act: int) -> tuple[Tensor, Optional[Tensor]]:
+              act: int, out_dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
     """The kernels on x's rows: -> (y, h or None) shaped as x."""
     by_head = _by_head(x, weight)
     rows = [None if t is None else as_rows(t, by_head) for t in (x, residual, gate)]
-    args = (rows[0], weight.contiguous(), rows[1], rows[2], eps, act)
+    args = (rows[0], weight.contiguous(), rows[1], rows[2], eps, act, out_dtype)
     if torch.compiler.is_compiling():
         y, h = rms_norm_fwd_op(*args)
         h = h if residual is not None else None
@@ -177,20 +178,24 @@ def rms_norm(
     residual: Optional[Tensor] = None,
     residual_out: bool = False,
     *,
+    out_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """RMSNorm over the last dim, with the pre-norm residual add fused: ``h = x (+ residual)``,
     ``y = h / sqrt(mean(h^2) + eps) * weight``.
 
     Args:
-        x: ``[..., D]``; residual: None or x's shape and dtype (the residual stream).
+        x: ``[..., D]``; residual: None or x's shape (the residual stream), in any float dtype: h is computed in
+            fp32 and kept in the residual's dtype (an fp32 stream under autocast takes bf16 block outputs
+            without a cast of its own).
         weight: ``[D]``, or ``[H, D]`` for x ``[..., H, D]`` (a scale per head).
         residual_out: also return h (x itself without a residual), the stream the next block adds to.
+        out_dtype: y's dtype; x's when None.
         backend: ``"auto"`` (the Triton kernels on CUDA, the reference elsewhere), ``"triton"``, ``"reference"``.
 
     Returns:
-        y in x's dtype (fp32 statistics), or ``(y, h)`` with ``residual_out``. The backward saves only h (or x)
-        and recomputes the statistics.
+        y (fp32 statistics), or ``(y, h)`` with ``residual_out``. The backward saves only h (or x) and recomputes
+        the statistics.
 
     Example:
         >>> x, stream = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
@@ -200,11 +205,12 @@ def rms_norm(
     """
     _check_norm("rms_norm", x, weight, ("residual", residual))
     _check_eps("rms_norm", eps)
-    if residual is not None and residual.dtype != x.dtype:
-        raise TypeError(f"rms_norm: `residual` must have x's dtype {x.dtype}, got {residual.dtype}")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"rms_norm: `out_dtype` must be None or a floating-point torch.dtype, got {out_dtype!r}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if not use_triton("rms_norm", backend, x, _dim_refusal(x.shape[-1])):
-        return reference.rms_norm(x, weight, eps, residual, residual_out)
-    y, h = _rms_rows(x, weight, residual, None, eps, 0)
+        return reference.rms_norm(x, weight, eps, residual, residual_out, out_dtype)
+    y, h = _rms_rows(x, weight, residual, None, eps, 0, out_dtype)
     if not residual_out:
         return y
     return y, (x if h is None else h)
@@ -235,7 +241,7 @@ def gated_rms_norm(
         raise ValueError(f"gated_rms_norm: `activation` must be one of {tuple(GATE_ACTIVATIONS)}, got {activation!r}")
     if not use_triton("gated_rms_norm", backend, x, _dim_refusal(x.shape[-1])):
         return reference.gated_rms_norm(x, gate, weight, eps, activation)
-    return _rms_rows(x, weight, None, gate, eps, GATE_ACTIVATIONS[activation])[0]
+    return _rms_rows(x, weight, None, gate, eps, GATE_ACTIVATIONS[activation], x.dtype)[0]
 
 
 # ---------------------------------------------------------------- L2 norm

@@ -94,12 +94,19 @@ def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None, residual_out: bool = False
+    x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None, residual_out: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
-    """h = x (+ residual); y = h / sqrt(mean(h^2) + eps) * weight over the last dim; -> y, or (y, h)."""
-    h = x if residual is None else x + residual  # the pre-norm stream, in x's dtype
-    h32 = h.to(compute_dtype(x))
-    y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(h32.dtype)).to(x.dtype)
+    """h = x (+ residual); y = h / sqrt(mean(h^2) + eps) * weight over the last dim, in out_dtype (x's when None);
+    -> y, or (y, h)."""
+    if residual is None:
+        h = x
+    else:  # the pre-norm stream, summed in fp32 (at least) and kept in the residual's dtype
+        dt = torch.promote_types(compute_dtype(x), residual.dtype)
+        h = (x.to(dt) + residual.to(dt)).to(residual.dtype)
+    h32 = h.to(compute_dtype(h))
+    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(h32.dtype)
+    y = y.to(x.dtype if out_dtype is None else out_dtype)
     return (y, h) if residual_out else y
 
 

@@ -146,13 +146,13 @@ def _strides(t: Optional[Tensor]) -> tuple[int, int]:
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], eps: float,
-                     act: int) -> tuple[Tensor, Optional[Tensor]]:
+                     act: int, out_dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
     """x, residual, gate: [M, H, D] (last dim contiguous); weight [D] or [H, D] contiguous.
-    -> (y, h = x + residual or None), contiguous [M, H, D] in x's dtype."""
+    -> (y in out_dtype, h = x + residual in residual's dtype or None), contiguous [M, H, D]."""
     M, H, D = x.shape
     BM, BD = _tile(M, D)
-    y = torch.empty(M, H, D, device=x.device, dtype=x.dtype)
-    h = torch.empty_like(y) if residual is not None else None
+    y = torch.empty(M, H, D, device=x.device, dtype=out_dtype)
+    h = torch.empty(M, H, D, device=x.device, dtype=residual.dtype) if residual is not None else None
     rms_norm_fwd_kernel[(triton.cdiv(M, BM), H)](
         x, residual, gate, weight, y, h, M, H, D, *_strides(x), *_strides(residual), *_strides(gate),
         D if weight.ndim == 2 else 0, eps, HAS_RES=residual is not None, GATE=act, BM=BM, BD=BD,

@@ -16,7 +16,8 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
   step fewer, more memory), resharded in units of 4 blocks (``blocks_per_unit=4``, the default: a quarter
   of FSDP2's hooks and copies), and with every block compiled (``compile_blocks``, ``run.compile`` under
   torchrun; its compilation falls in the warm-up).
-  On one GPU the eager and the compiled rows (sharding options have nothing to act on there).
+  On one GPU the eager and the compiled rows (sharding options have nothing to act on there). ``--dp-layouts``
+  picks among them; the table sets compiled rows against the compiled one-GPU row.
 * ``--profile``: after a row's timed steps, rank 0 records one more step with ``torch.profiler`` and writes
   the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>_unit<k>.txt``.
 * ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU),
@@ -56,6 +57,9 @@ from linmem.ops import linear_recurrence, parallel
 from linmem.ops.attention import forgetting_attention
 
 GDN, HYBRID, MOE = "gated_deltanet-340m", "hybrid-gdn-340m", "linear-moe-a0.3b-2b"
+#: the data-parallel layouts: (parallel.fsdp, parallel.blocks_per_unit, compiled blocks)
+DP_LAYOUTS = {"units1": (True, 1, False), "gathered": (False, 1, False), "units4": (True, 4, False),
+              "compiled": (True, 1, True)}
 DEV = "cuda"  # "cpu" with --smoke: tiny models on gloo, to try the script without GPUs
 OUT_DIR = Path("out")  # --out
 SMOKE = {"hidden_size": 64, "num_heads": 2, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
@@ -329,8 +333,10 @@ def run_timing(args) -> list[dict]:
                 rows.append(timed_training("sp", config, recipe_config(name), 1, piece * world, args.steps,
                                            profile=args.profile))
     if args.modes == "all" or "dp" in args.modes:
-        variants = ((True, 1, False), (False, 1, False), (True, 4, False), (True, 1, True))
-        for fsdp, unit, compiled in variants if world > 1 else (variants[0], variants[3]):
+        # on one GPU the model is not sharded: every eager layout is the one unsharded row
+        chosen = dict.fromkeys(DP_LAYOUTS[name if world > 1 or name == "compiled" else "units1"]
+                               for name in args.dp_layouts)
+        for fsdp, unit, compiled in chosen:
             rows.append(timed_training("dp", ParallelConfig(dp=world, fsdp=fsdp, blocks_per_unit=unit),
                                        recipe_config(GDN), args.dp_rows, 4096, args.steps, profile=args.profile,
                                        compiled=compiled))
@@ -347,8 +353,8 @@ def table(out: Path) -> None:
     rows = []
     for path in sorted(out.glob("distributed_bench_*.json")):
         rows += json.loads(path.read_text())
-    base = {(r["mode"], r.get("model"), r.get("tokens_per_gpu")): r for r in rows
-            if r.get("gpus") == 1 and "tokens_per_s" in r}
+    key = lambda r: (r["mode"], r.get("model"), r.get("tokens_per_gpu"), r.get("compiled", False))  # noqa: E731
+    base = {key(r): r for r in rows if r.get("gpus") == 1 and "tokens_per_s" in r}  # compiled against compiled
     print(f"{'mode':6} {'model':22} {'GPUs':>4} {'seq':>8} {'tok/s':>10} {'tok/s/GPU':>10} {'eff.':>6} "
           f"{'step s':>7} {'peak GB':>8}  note")
     for r in rows:
@@ -356,7 +362,7 @@ def table(out: Path) -> None:
             print(f"check  {r['what']:40} " + (f"error ratio {r['error_ratio']:.2e} {'ok' if r['ok'] else 'FAIL'}"
                                               if "error_ratio" in r else r["result"]))
             continue
-        one = base.get((r["mode"], r.get("model"), r.get("tokens_per_gpu")))
+        one = base.get(key(r))
         eff = ""
         if one is not None and "tokens_per_s" in r:
             eff = f"{r['tokens_per_s_per_gpu'] / one['tokens_per_s_per_gpu']:.0%}"
@@ -382,6 +388,8 @@ def main() -> None:
     parser.add_argument("--unit", type=int, default=ParallelConfig().blocks_per_unit,
                         help="sp, ep: parallel.blocks_per_unit")
     parser.add_argument("--dp-rows", type=int, default=8, help="dp: sequences of 4096 tokens per GPU")
+    parser.add_argument("--dp-layouts", nargs="+", default=list(DP_LAYOUTS), choices=list(DP_LAYOUTS),
+                        help="dp: the layouts to time (one GPU: every eager one is the unsharded model)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="a profiled step after each timed row (rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo): try the script")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..layers.modules import positions_in_sequence
+from ..ops.varlen import positions_in_sequence
 from .sequence import PieceLayout
 
 __all__ = ["DataParallelBatches", "shard_sequence", "split_packing", "next_token_targets", "global_lm_loss"]

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..ops import parallel
 from ..ops.fused import gated_rms_norm, rms_norm, rotary, short_conv, short_conv_step
+from ..ops.varlen import positions_in_sequence
 from .base import LayerState, MixerArgs
 
 # ---------------------------------------------------------------- initialisation
@@ -273,16 +274,6 @@ class HeadGroupNorm(nn.Module):
 
 
 # ---------------------------------------------------------------- time: convolution, shift, positions
-
-
-def positions_in_sequence(T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[T] position of every packed token inside its own sequence (arange without cu_seqlens)."""
-    steps = torch.arange(T, device=device)
-    if cu_seqlens is None:
-        return steps
-    starts = cu_seqlens.to(device=device, dtype=torch.long)
-    seq_id = torch.searchsorted(starts[1:], steps, right=True)
-    return steps - starts[seq_id]
 
 
 def causal_window(

@@ -51,6 +51,7 @@ from ..ops.routing import (
     segment_tails,
     top_k_routing,
 )
+from ..ops.varlen import sequence_ids
 from .base import (
     MIXERS,
     LayerState,
@@ -315,7 +316,7 @@ def _sequence_of_tokens(
     if cu_seqlens is None:
         return torch.arange(B, device=device).repeat_interleave(T), B
     starts = cu_seqlens.to(device=device, dtype=torch.long)
-    return torch.searchsorted(starts[1:], torch.arange(T, device=device), right=True), starts.numel() - 1
+    return sequence_ids(starts, T), starts.numel() - 1
 
 
 def _per_row(x: object, rows: int) -> bool:

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, Linear, RMSNorm, RotaryEmbedding, ShortConvs, positions_in_sequence, xavier_init
+from ..ops.varlen import positions_in_sequence
+from .modules import GatedRMSNorm, Linear, RMSNorm, RotaryEmbedding, ShortConvs, xavier_init
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: TransNormerLLM keeps this much of the slope in the last layer, so its decay stays below 1

@@ -31,11 +31,12 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from ..generation import generation_forward, prepare_generation_cache
 from ..layers import LayerState, build_mixer
-from ..layers.modules import Linear, RMSNorm, normal_init, positions_in_sequence
+from ..layers.modules import Linear, RMSNorm, normal_init
 from ..layers.moe import MoEFeedForward, SwiGLU
 from ..layers.recurrent import activation_dtype
 from ..ops.fused import linear_cross_entropy
 from ..ops.routing import RouterStats
+from ..ops.varlen import positions_in_sequence
 from .cache import LinmemCache, StaticLinmemCache
 from .config import LinmemConfig
 

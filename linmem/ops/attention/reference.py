@@ -24,12 +24,7 @@ import torch
 from einops import rearrange, repeat
 
 from ..recurrence.inputs import LOG_DECAY_FLOOR
-
-
-def sequence_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """[T] index of the packed sequence every token belongs to (empty sequences skipped)."""
-    steps = torch.arange(T, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].to(torch.long), steps, right=True)
+from ..varlen import sequence_ids
 
 
 def forget_cumsum(log_forget: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..varlen import count_at_or_below, sequence_ids
 from .inputs import LOG_DECAY_FLOOR, RecurrenceInputs, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
@@ -394,10 +395,10 @@ class _ChunkLayout:
         begin = end - per_sequence
         nonempty = lengths > 0
         t = torch.arange(T, device=device)
-        sequence = torch.searchsorted(bounds[1:], t, right=True)  # [T]
+        sequence = sequence_ids(bounds, T)  # [T]
         slot = begin[sequence] * C + (t - bounds[sequence])
         c = torch.arange(chunks, device=device)
-        owner = torch.searchsorted(end, c, right=True).clamp(max=N - 1)
+        owner = count_at_or_below(end, chunks).clamp(max=N - 1)
         extra = chunks + torch.arange(N, device=device)  # out-of-range places for empty sequences
         return _ChunkLayout(
             lengths=lengths, chunks=chunks, slots=chunks * C, slot=slot,

@@ -35,6 +35,7 @@ from ..layers.modules import Linear, RMSNorm, normal_init
 from ..layers.moe import MoEFeedForward, SwiGLU
 from ..layers.recurrent import activation_dtype
 from ..ops.fused import linear_cross_entropy
+from ..ops.recurrence.inputs import _values_checkable
 from ..ops.routing import RouterStats
 from ..ops.varlen import positions_in_sequence
 from .cache import LinmemCache, StaticLinmemCache
@@ -266,8 +267,8 @@ class LinmemModel(LinmemPreTrainedModel):
             return inputs_embeds
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}")
-        if not torch.compiler.is_compiling():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync
+        if input_ids.numel() and _values_checkable(input_ids):  # CPU ids; on a GPU under debug checks (a sync)
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
             if low < 0 or high >= self.config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"`input_ids` must lie in [0, vocab_size = {self.config.vocab_size}), got {bad}")

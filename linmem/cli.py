@@ -52,7 +52,8 @@ def _train(args: argparse.Namespace) -> int:
     say(config.to_yaml())
     _quiet_transformers()
     trainer = Trainer(config)
-    say(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}", flush=True)
+    say(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}; step: "
+        f"{trainer.mode}", flush=True)
     result = trainer.train()
     if result.already_finished:  # another process finished it in the meantime
         say(f"{config.run.out_dir} holds a finished run ({result.steps} steps); nothing to do.")

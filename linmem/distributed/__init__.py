@@ -4,7 +4,8 @@ Model code is written for one device; this package parallelises it (as torchtita
 
 * :func:`build_mesh` / :class:`ParallelConfig`: the ``parallel`` section (``dp``, ``sp``, ``ep``,
   ``fsdp``, ``activation_checkpointing``) and its device mesh;
-* :func:`parallelize`: FSDP2 per block, expert-parallel MoE layers, activation checkpointing;
+* :func:`parallelize`: FSDP2 per block, expert-parallel MoE layers, activation checkpointing, regional
+  compilation (:func:`apply_compile`, also what one process uses);
 * :class:`SequenceParallel` + :func:`sequence_parallel`: the handler the ops consult so that
   memory layers, attention layers and short convolutions run over sequences split between ranks;
   :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
@@ -22,7 +23,7 @@ from .checkpoint import export_pretrained, load_distributed, read_shards, save_d
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh, build_mesh, init_distributed
 from .expert import ExpertParallelMoE, expert_parallel, global_router_stats
 from .handler import SequenceParallel, sequence_parallel
-from .parallelize import check_model, checkpoint_blocks, clip_grad_norm_, parallelize
+from .parallelize import apply_compile, check_model, checkpoint_blocks, clip_grad_norm_, compile_refusal, parallelize
 from .sequence import PieceLayout, sp_halo, sp_linear_recurrence
 
 __all__ = [
@@ -33,10 +34,12 @@ __all__ = [
     "ParallelMesh",
     "PieceLayout",
     "SequenceParallel",
+    "apply_compile",
     "build_mesh",
     "check_model",
     "checkpoint_blocks",
     "clip_grad_norm_",
+    "compile_refusal",
     "expert_parallel",
     "export_pretrained",
     "global_lm_loss",

@@ -38,7 +38,7 @@ from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import expert_parallel
 
-__all__ = ["parallelize", "checkpoint_blocks", "clip_grad_norm_", "check_model"]
+__all__ = ["parallelize", "apply_compile", "checkpoint_blocks", "clip_grad_norm_", "check_model", "compile_refusal"]
 
 
 def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: bool = False) -> None:
@@ -47,12 +47,9 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
     parallelism and the experts' statistics put collectives inside the blocks, which are refused."""
     blocks = _blocks(model)
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEFeedForward)]
-    if compile_blocks and config.world_size > 1 and (config.sp > 1 or moe):
-        raise ParallelConfigError(
-            "compiled blocks (run.compile=true) on several ranks serve data parallelism of blocks without MoE "
-            f"feed-forwards only; got parallel.sp = {config.sp} and {len(moe)} MoE layers: their collectives run "
-            "inside the blocks; set run.compile=false"
-        )
+    refusal = compile_refusal(model, config)
+    if compile_blocks and refusal is not None:
+        raise ParallelConfigError(f"{refusal}; set run.compile=false")
     if config.ep > 1 and not moe:
         raise ParallelConfigError(f"parallel.ep = {config.ep} needs MoE feed-forwards (mlp='moe'); the model has none")
     for layer in moe:
@@ -67,6 +64,18 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
         )
 
 
+def compile_refusal(model: nn.Module, config: ParallelConfig) -> Optional[str]:
+    """Why the blocks of ``model`` cannot be compiled on the layout ``config`` (None: they can). Compiled blocks on
+    several ranks serve data parallelism of blocks without MoE feed-forwards: sequence parallelism and the
+    experts' statistics put collectives inside the blocks."""
+    moe = sum(isinstance(b.mlp, MoEFeedForward) for b in _blocks(model))
+    if config.world_size > 1 and (config.sp > 1 or moe):
+        return (f"compiled blocks (run.compile) on several ranks serve data parallelism of blocks without MoE "
+                f"feed-forwards only; got parallel.sp = {config.sp} and {moe} MoE layers: their collectives run "
+                "inside the blocks")
+    return None
+
+
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
     """Activation checkpointing per block, in place: every block of ``model.layers`` recomputes its
     activations in the backward pass (parameter names do not change). Returns the model.
@@ -77,6 +86,20 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     """
     for block in _blocks(model):
         checkpoint(block)
+    return model
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Regional compilation, in place: ``torch.compile`` each block of ``model.layers`` on its own. Blocks of one
+    kind share their compiled code (dynamo compiles a block's forward once and reuses it wherever its guards
+    hold), so compile time does not grow with depth; everything between the blocks stays eager. Returns the model.
+
+    Example:
+        >>> from linmem.models import LinmemConfig, LinmemForCausalLM
+        >>> model = apply_compile(LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2)))
+    """
+    for block in _blocks(model):
+        block.compile()
     return model
 
 
@@ -117,8 +140,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
     if config.activation_checkpointing:
         checkpoint_blocks(model)
     if compile_blocks:
-        for block in blocks:
-            block.compile()
+        apply_compile(model)
     if world == 1:
         return model
 

@@ -37,7 +37,8 @@ RECIPES = importlib.resources.files("linmem") / "recipes"
 #: checkpoint would not match the new config.
 RESUMABLE_KEYS = (
     "schedule.steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
-    "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.resume", "run.out_dir",
+    "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.compile_cache", "run.resume",
+    "run.out_dir",
     "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.blocks_per_unit",
     "parallel.activation_checkpointing",
     "parallel.timeout_minutes", "schedule.grad_accum",
@@ -129,7 +130,8 @@ class RunSection:
     seed: int = 0  # model init and every other RNG
     device: str = "auto"  # auto, cpu, cuda, cuda:1
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp32
-    compile: bool = False  # torch.compile the model
+    compile: Optional[bool] = None  # torch.compile each block (regional); null: on CUDA unless the parallel layout needs eager blocks, off on CPU
+    compile_cache: Optional[str] = None  # folder for torch.compile's caches, reused by later runs naming it (null: torch's)
     log_every: int = 10  # steps between metric lines
     eval_every: int = 0  # steps between evaluations (0 = only at the end)
     save_every: int = 500  # steps between checkpoints (0 = only at the end)

@@ -64,12 +64,13 @@ class MetricsLog:
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, self.path)
 
-    def write(self, step: int, values: dict[str, float]) -> None:
+    def write(self, step: int, values: dict[str, float | str]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
         if self.writer is not None:
             for name, value in values.items():
-                self.writer.add_scalar(name, value, step)
+                if not isinstance(value, str):  # a label such as the step's mode goes to metrics.jsonl only
+                    self.writer.add_scalar(name, value, step)
             self.writer.flush()
 
     def close(self) -> None:

@@ -41,14 +41,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, check_model, checkpoint_blocks,
-                           clip_grad_norm_, export_pretrained, global_lm_loss, next_token_targets, parallelize,
-                           sequence_parallel, shard_sequence, write_shards)
+from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, apply_compile, check_model,
+                           checkpoint_blocks, clip_grad_norm_, compile_refusal, export_pretrained, global_lm_loss,
+                           next_token_targets, parallelize, sequence_parallel, shard_sequence, write_shards)
 from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.modeling import LinmemCausalLMOutput
 from ..ops.routing import load_summary
+from .compilation import CompileProgress, use_compile_cache
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
 from .config import ConfigError, DataSection, ModelSection, TrainConfig
@@ -155,7 +156,7 @@ def check_launch(config: TrainConfig) -> int:
                                   "launch with torchrun --nproc-per-node N -m linmem.cli train ...")
     with torch.device("meta"):  # the structure only: any vocabulary will do
         model = build_model(config.model, _STRUCTURE_VOCAB)
-    check_model(model, parallel, compile_blocks=config.run.compile)
+    check_model(model, parallel, compile_blocks=config.run.compile is True)
     return world
 
 
@@ -167,6 +168,16 @@ def _sequence_lengths(data: DataSection) -> list[int]:
     if data.task == "mqar":
         return sorted({seq_len for seq_len, _ in data.mqar.settings})
     return [data.tokens_per_batch]
+
+
+def compiles_blocks(config: TrainConfig, device: torch.device, model: torch.nn.Module) -> bool:
+    """Whether the training step runs compiled blocks: ``run.compile``, or where it is null, on CUDA unless the
+    parallel layout needs eager blocks (:func:`~linmem.distributed.compile_refusal`)."""
+    if config.run.compile is not None:
+        return config.run.compile
+    if device.type != "cuda":
+        return False
+    return world_size() == 1 or compile_refusal(model, config.parallel) is None
 
 
 def parallel_device_type(name: str) -> str:
@@ -279,6 +290,9 @@ class Trainer:
         special = self.task.codec.special_tokens() if self.task.codec is not None else {}
         bf16 = config.run.dtype == "bf16" or (config.run.dtype == "auto" and self.device.type == "cuda")
         model = build_model(config.model, self.task.vocab_size, special).to(self.device)
+        self.compiled = compiles_blocks(config, self.device, model)
+        if self.compiled:
+            use_compile_cache(config.run.compile_cache)
         if self.ranks.mesh is None:
             self.model = checkpoint_blocks(model) if config.parallel.activation_checkpointing else model
             if config.lora.rank:  # adapters on the targets, everything else frozen
@@ -287,10 +301,12 @@ class Trainer:
                 lora = config.lora
                 self.model = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                         targets=lora.targets, train_modules=lora.train_modules)
+            if self.compiled:
+                apply_compile(self.model)
             self.autocast_dtype = torch.bfloat16 if bf16 else None
         else:  # FSDP gathers the parameters in the compute dtype: no autocast
             self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                     compile_blocks=config.run.compile)  # each block inside its FSDP unit
+                                     compile_blocks=self.compiled)  # each block inside its FSDP unit
             self.autocast_dtype = None
         o = config.optim
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay), lr=o.lr,
@@ -299,7 +315,6 @@ class Trainer:
         s = config.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: cosine_with_warmup(step, s.warmup_steps, s.steps, s.min_lr_ratio))
-        self.forward = torch.compile(self.model) if config.run.compile and self.ranks.mesh is None else self.model
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
@@ -396,7 +411,7 @@ class Trainer:
             return self._parallel_micro_step(batch, num_targets, step_targets)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.forward(**batch, use_cache=False)
+            out = self.model(**batch, use_cache=False)
         loss = out.loss * (num_targets / step_targets)
         loss.backward()
         self.tokens_seen += batch["input_ids"].numel()
@@ -413,7 +428,7 @@ class Trainer:
         handler = sequence_parallel(SequenceParallel(mesh.sp.get_group(), layout, cu_seqlens)) if sp > 1 \
             else contextlib.nullcontext()
         with handler:
-            out = self.forward(piece["input_ids"], position_ids=piece["position_ids"], cu_seqlens=cu_seqlens,
+            out = self.model(piece["input_ids"], position_ids=piece["position_ids"], cu_seqlens=cu_seqlens,
                                use_cache=False)
             loss = global_lm_loss(out.logits, piece["targets"], mesh.data.get_group(), num_targets=num_targets)
             if out.aux_loss is not None:
@@ -427,7 +442,8 @@ class Trainer:
         """The task's metrics (under torchrun every rank evaluates the whole held-out set; rank 0's bar)."""
         self.model.eval()
         try:
-            return self.task.evaluate(self.model, self.device, progress=progress and self.ranks.is_main)
+            with torch.compiler.set_stance("force_eager"):  # compiled blocks would compile again for inference
+                return self.task.evaluate(self.model, self.device, progress=progress and self.ranks.is_main)
         finally:
             self.model.train()
 
@@ -462,8 +478,11 @@ class Trainer:
         log.truncate_after(self.step)
         result = TrainResult(out_dir=self.out_dir, steps=self.step)
         progress = _progress(self.step, cfg.schedule.steps, run.progress and main)
+        log.write(self.step, {"mode": self.mode})
+        say = (lambda line: progress.write(f"compile: {line}")) if main else (lambda line: None)
         try:
-            with _StopSignals() as signals:  # the final save and evaluation below stop at once on Ctrl-C
+            with _StopSignals() as signals, CompileProgress(say) as compiling:  # Ctrl-C stops the final save at once
+                self.compiling = compiling
                 self._steps(result, log, progress, signals, stop_at)
             progress.close()
             if self.step >= cfg.schedule.steps:
@@ -498,7 +517,7 @@ class Trainer:
             if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
                 log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                                       "tokens": self.tokens_seen, "tok_s": tok_s,
-                                      "skipped_steps": self.skipped_steps, **router})
+                                      "skipped_steps": self.skipped_steps, **router, **self._compile_metrics()})
             if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
                 result.metrics = self.evaluate()
                 log.write(self.step, result.metrics)
@@ -511,6 +530,17 @@ class Trainer:
                 if self.saved_step != self.step:
                     self.save()
                 raise Interrupted(self.step, received)
+
+    @property
+    def mode(self) -> str:
+        """How the training step runs: "eager" or "compiled" (regional torch.compile of the blocks)."""
+        return "compiled" if self.compiled else "eager"
+
+    def _compile_metrics(self) -> dict[str, float]:
+        """Seconds spent compiling so far and the graphs compiled (compiled steps only)."""
+        if not self.compiled:
+            return {}
+        return {"compile_s": self.compiling.seconds, "compiled_graphs": self.compiling.graphs}
 
     def _optimizer_step(self, batches) -> tuple[float, float, dict[str, float]]:
         """One optimiser step over grad_accum micro-batches; non-finite steps are skipped and counted.

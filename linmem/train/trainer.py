@@ -55,7 +55,7 @@ from .config import ConfigError, DataSection, ModelSection, TrainConfig
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
-from .tasks import Task, build_task
+from .tasks import Task, build_task, verify_text_shards
 
 logger = logging.getLogger("linmem.train")
 
@@ -273,6 +273,8 @@ class Trainer:
         self.device = self.ranks.device
         self.ranks.on_main(check_run_directory, config)  # a different config is refused before the data is read
         _seed_everything(config.run.seed)  # the same on every rank: the same initial weights and data order
+        if task is None:  # every start and resume: rank 0 hashes the shards, its refusal stops all ranks
+            self.ranks.on_main(verify_text_shards, config.data)
         self.task = task if task is not None else build_task(config.data)
         self.batches = self.task.train_batches if self.ranks.mesh is None else DataParallelBatches(
             self.task.train_batches, rank=self.ranks.mesh.dp.get_local_rank(), size=config.parallel.dp)

@@ -586,7 +586,7 @@ def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: in
 
 
 def accuracy_rows(config: BenchConfig, device: str = "cuda") -> list[str]:
-    """Lines of the error ratios ``rms(x - ref) / rms(ref)`` (docs/architecture.md, "What the tests guarantee") of every memory op's
+    """Lines of the error ratios ``rms(x - ref) / rms(ref)`` (as the tests measure them) of every memory op's
     backends and fla peer at the first shape of ``config``: the output and the gradient of every
     input under one random cotangent, against the chunk backend run in float64 on the same inputs.
     The cotangent is representable in the benchmark dtype, so a ratio counts only what the

@@ -9,9 +9,10 @@ and ``manifest.json`` (format, codec, vocabulary and special tokens, source and 
 settings, per-split and per-shard counts, the SHA-256 of every file and of them all, the
 data's fingerprint), plus ``tokenizer/`` when a tokenizer made the tokens. A document never
 spans two shards. :func:`verify_prepared` hashes the files against those sums: the trainer calls
-it whenever it starts or resumes a run, evaluation for the validation split it reads. The documents and their order are those of an in-memory run on the same
-source and seed (:mod:`linmem.train.corpus`), so training reads the same batches; only the
-piece table of packing and the document index live in memory, the tokens stay on disk.
+it whenever it starts or resumes a run, evaluation for the validation split it reads. The
+documents and their order are those of an in-memory run on the same source and seed
+(:mod:`linmem.train.corpus`), so training reads the same batches; only the piece table of
+packing and the document index live in memory, the tokens stay on disk.
 
 Example:
     >>> from linmem.train.config import TextSection

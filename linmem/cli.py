@@ -306,7 +306,8 @@ def _train_error(err: BaseException, *names: str) -> bool:
 
 def _is_usage_error(err: BaseException) -> bool:
     """Errors in what the user asked for (printed as one line), as opposed to faults of linmem."""
-    return isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, ImportError)) or _train_error(
+    path_errors = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+    return isinstance(err, (ValueError, ImportError, *path_errors)) or _train_error(
         err, "CheckpointError", "RunError")
 
 

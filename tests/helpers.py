@@ -1,5 +1,5 @@
-"""Shared test helpers: random inputs of the unified recurrence, the error ratio of DESIGN section 7, and the
-device the Triton kernels' tests run on."""
+"""Shared test helpers: random inputs of the unified recurrence, the error ratio of the backend tests
+(docs/architecture.md, "What the tests guarantee"), and the device the Triton kernels' tests run on."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ RULES = ("additive", "delta", "dplr")
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """rms(x - ref) / rms(ref), the error ratio of DESIGN section 7."""
+    """rms(x - ref) / rms(ref), the error ratio of the backend tests."""
     x, ref = x.double(), ref.double()
     denom = ref.pow(2).mean().sqrt().clamp_min(1e-30)
     return float((x - ref).pow(2).mean().sqrt() / denom)

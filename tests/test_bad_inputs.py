@@ -517,6 +517,60 @@ def cli_generate_empty_prompt(env) -> bool:
     return True
 
 
+# ---------------------------------------------------------------- the probe round: shards, model folders, run configs
+
+def prepared_folder(env, name: str) -> Path:
+    """A prepared folder of four documents (one held out) written for one case."""
+    from linmem.train.config import TextSection
+    from linmem.train.prepared import prepare_corpus
+
+    corpus = env.root / "probe-corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        for i in range(4):
+            (corpus / f"doc{i}.txt").write_text(f"document {i} says hello " * 8)
+    prepare_corpus(TextSection(paths=[str(corpus)], val_fraction=0.25), env.root / name)
+    return env.root / name
+
+
+def train_on_changed_shard(env, name: str, data: Callable[[int], bytes]) -> int:
+    """Training on a prepared folder whose first train shard was rewritten in place with ``data(size)``."""
+    folder = prepared_folder(env, name)
+    shard = folder / "tokens_train_00000.bin"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.write(data(size))
+    assert shard.stat().st_size == size
+    return cli("train", "data.task=text", f"data.text.prepared={folder}", "data.tokens_per_batch=32",
+               "model.hidden_size=16", "schedule.steps=1", "schedule.warmup_steps=0", "run.progress=false",
+               "run.tensorboard=false", f"run.out_dir={env.root / (name + '-run')}")
+
+
+def run_copy(env, name: str, edit: Callable[[Path], Any]) -> Path:
+    """A copy of the shared run directory, changed by ``edit``."""
+    import shutil
+
+    copy = env.root / name
+    shutil.copytree(env.run_dir, copy)
+    edit(copy)
+    return copy
+
+
+def resume_with_config(env, name: str, text: str) -> int:
+    """Continuing a run (a checkpoint in place) whose config.yaml was replaced by ``text``."""
+    import shutil
+
+    run = run_copy(env, name, lambda d: (d / "config.yaml").write_text(text))
+    shutil.copytree(env.checkpoint, run / "checkpoints" / env.checkpoint.name)
+    return cli("train", "--config", str(env.run_dir / "config.yaml"), f"run.out_dir={run}", "run.progress=false")
+
+
+def write_file(env, name: str, data: bytes) -> str:
+    path = env.root / name
+    path.write_bytes(data)
+    return str(path)
+
+
 # ---------------------------------------------------------------- the catalogue
 
 
@@ -847,6 +901,65 @@ CASES: list[Case] = [
     named("model.generate id out of vocabulary", lambda e: hf_generate(e, torch.tensor([[3, 64]]), max_new_tokens=2),
           "`input_ids` must lie"),
     named("model.generate max_new_tokens 0", lambda e: hf_generate(e, ids(e, 1, 4), max_new_tokens=0), "`max_new_tokens`"),
+    # faults of the probe round: prepared shards, model folders, run configs and the command line
+    named("cli train prepared shard, 4 bytes overwritten in place",
+          lambda e: train_on_changed_shard(e, "shard-4-bytes", lambda size: b"\x01\x00\x02\x00"),
+          "tokens_train_00000.bin does not match its SHA-256 sum", fixed=True),
+    named("cli train prepared shard, all of it one valid token",
+          lambda e: train_on_changed_shard(e, "shard-one-token", lambda size: b"a\x00" * (size // 2)),
+          "tokens_train_00000.bin does not match its SHA-256 sum", fixed=True),
+    named("from_pretrained folder without config.json",
+          lambda e: from_pretrained(run_copy(e, "no-config-json", lambda d: (d / "model" / "config.json").unlink())
+                                    / "model"), "model/config.json not found", (FileNotFoundError,), fixed=True),
+    named("cli eval run whose model/ lacks config.json",
+          lambda e: cli("eval", str(run_copy(e, "eval-no-config-json",
+                                             lambda d: (d / "model" / "config.json").unlink()))),
+          "config.json not found", fixed=True),
+    named("cli train model.pretrained missing folder", lambda e: train_cli(e, f"model.pretrained={e.root / 'no-model'}"),
+          "model.pretrained", fixed=True),
+    named("cli train resume, run config.yaml broken YAML", lambda e: resume_with_config(e, "resume-bad-yaml", "model: [1,\n"),
+          "config.yaml is not valid YAML (line 2, column 1", fixed=True),
+    named("cli train resume, run config.yaml a list", lambda e: resume_with_config(e, "resume-list-yaml", "- 1\n"),
+          "config.yaml must hold a mapping of sections", fixed=True),
+    named("cli eval run config.yaml broken YAML",
+          lambda e: cli("eval", str(run_copy(e, "eval-bad-yaml", lambda d: (d / "config.yaml").write_text("a: [1")))),
+          "config.yaml is not valid YAML"),
+    named("cli eval run config.yaml of a wrong type",
+          lambda e: cli("eval", str(run_copy(e, "eval-type-yaml",
+                                             lambda d: (d / "config.yaml").write_text("model:\n  hidden_size: abc\n")))),
+          "config.yaml: model.hidden_size must be int", fixed=True),
+    named("cli train --config not UTF-8", lambda e: cli("train", "--config", write_file(e, "binary.yaml", b"\xff\xfe\x80")),
+          "binary.yaml is not a YAML text file", fixed=True),
+    named("cli train --config a folder", lambda e: cli("train", "--config", str(e.root)), "is a folder", fixed=True),
+    named("cli train run.out_dir a file", lambda e: cli("train", f"run.out_dir={write_file(e, 'out-file', b'x')}"),
+          "run.out_dir", fixed=True),
+    named("cli train run.log_every=0", lambda e: train_cli(e, "run.log_every=0"), "run.log_every must be >= 1", fixed=True),
+    named("cli train run.save_every=-1", lambda e: train_cli(e, "run.save_every=-1"), "run.save_every must be >= 0",
+          fixed=True),
+    named("cli train run.seed=-1", lambda e: train_cli(e, "run.seed=-1"), "run.seed must lie in", fixed=True),
+    named("cli train optim.weight_decay=-1", lambda e: train_cli(e, "optim.weight_decay=-1"), "optim.weight_decay",
+          fixed=True),
+    named("cli train optim.beta2=1", lambda e: train_cli(e, "optim.beta2=1"), "optim.beta1 and optim.beta2", fixed=True),
+    named("cli train optim.eps=0", lambda e: train_cli(e, "optim.eps=0"), "optim.eps must be > 0", fixed=True),
+    named("cli eval --device tpu", lambda e: cli("eval", str(e.run_dir), "--device", "tpu"), "device='tpu' is not a device",
+          fixed=True),
+    named("cli eval --device cuda:99", lambda e: cli("eval", str(e.run_dir), "--device", "cuda:99"), "device='cuda:99'",
+          fixed=True),
+    named("cli eval --batch-size 0", lambda e: cli("eval", str(e.run_dir), "--batch-size", "0"),
+          "batch_size must be >= 1", fixed=True),
+    named("cli tokenizer train --out a file",
+          lambda e: cli("tokenizer", "train", "--out", write_file(e, "tok-file", b"x"), str(e.root / "corpus")),
+          "File exists", fixed=True),
+    named("cli demo --out a file", lambda e: cli("demo", "--quick", "--out", write_file(e, "demo-file", b"x")), "File exists",
+          fixed=True),
+    named("cli linearize --steps 0", lambda e: cli("linearize", "--from", str(e.root / "none"), "--out", str(e.root / "lin"),
+                                                   "--lora-rank", "4", "--steps", "0"), "--steps must be >= 1", fixed=True),
+    named("cli linearize --lr -1", lambda e: cli("linearize", "--from", str(e.root / "none"), "--out", str(e.root / "lin"),
+                                                 "--lora-rank", "4", "--lr", "-1"), "--lr must be a finite number > 0",
+          fixed=True),
+    named("cli linearize --tokens-per-batch 0",
+          lambda e: cli("linearize", "--from", str(e.root / "none"), "--out", str(e.root / "lin"), "--lora-rank", "4",
+                        "--tokens-per-batch", "0"), "--tokens-per-batch must be >= 2", fixed=True),
 ]
 
 

@@ -1,1 +1,2 @@
-"""Benchmarks of linmem beside its peers, measured in one run (DESIGN.md section 8)."""
+"""Benchmarks of linmem beside its peers, measured in one run (the protocols in each module, the tables in
+BENCHMARKS.md)."""

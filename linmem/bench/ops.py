@@ -1,7 +1,7 @@
 """``linmem bench ops``: forward and forward+backward times of linmem's ops, per backend, beside peers.
 
 One table for the shapes asked for (``[B, T, H, D]``, bf16 by default, 16K tokens per
-step at the DESIGN.md section 8 shapes): every memory op of the unified recurrence on
+step at the default shapes: 8 x 2K to 1 x 16K, 16 heads of 128): every memory op of the unified recurrence on
 each backend and the softmax-attention ops of ``forgetting_attention``, and with ``--peers``
 the same computations by others, measured in the same run. A peer that fails (fla refuses gated
 backward on Hopper with Triton < 3.7.1; a FlexAttention that does not compile) prints its error
@@ -586,7 +586,7 @@ def _op_breakdown(op: str, config: BenchConfig, device: str, top: int, iters: in
 
 
 def accuracy_rows(config: BenchConfig, device: str = "cuda") -> list[str]:
-    """Lines of the error ratios ``rms(x - ref) / rms(ref)`` (DESIGN section 7) of every memory op's
+    """Lines of the error ratios ``rms(x - ref) / rms(ref)`` (as the tests measure them) of every memory op's
     backends and fla peer at the first shape of ``config``: the output and the gradient of every
     input under one random cotangent, against the chunk backend run in float64 on the same inputs.
     The cotangent is representable in the benchmark dtype, so a ratio counts only what the

@@ -97,13 +97,14 @@ def open_run(run_dir: PathLike, overrides: Sequence[str] = (), device: Optional[
         256
     """
     from ..train.runs import load_run
+    from ..train.trainer import resolve_device
 
     run_dir = Path(run_dir)
+    if device is not None:  # refused by name before the run loads, then loaded onto it directly
+        resolve_device(device, option="device")
+        overrides = [*overrides, f"run.device={device}"]
     loaded = load_run(run_dir, overrides=overrides)
     model, run_device = loaded.model, loaded.device
-    if device is not None:
-        run_device = torch.device(device)
-        model.to(run_device)
     data = loaded.config.data
     if data.task == "text":
         saved = run_dir / "model"
@@ -241,6 +242,8 @@ def evaluate_run(
     unknown = [s for s in names if s not in SUITES]
     if unknown:
         raise EvalError(f"unknown suite(s) {unknown}; valid: {', '.join(SUITES)}")
+    if options.batch_size < 1:
+        raise EvalError(f"batch_size must be >= 1, got {options.batch_size}")
     run = open_run(run_dir, overrides, device=options.device)
     if not names:
         names = ["mqar" if run.task_kind == "mqar" else "perplexity"]

@@ -67,13 +67,28 @@ def finetune_config(out: Path, args: argparse.Namespace):
     return config
 
 
+def check_finetune_args(args: argparse.Namespace) -> None:
+    """Refuse a fine-tuning option by its flag before the conversion runs (not when the config is trained)."""
+    checks = (
+        (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
+        (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
+        (any(t for t in args.lora_targets.split(",")), f"--lora-targets must name a module, got {args.lora_targets!r}"),
+        (args.steps >= 1, f"--steps must be >= 1, got {args.steps}"),
+        (0 < args.lr < float("inf"), f"--lr must be a finite number > 0, got {args.lr}"),
+        (args.tokens_per_batch >= 2, f"--tokens-per-batch must be >= 2, got {args.tokens_per_batch}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
 def run_linearize_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     options = LinearizeOptions(memory=args.memory, window=args.window, keep_attention=args.keep_attention,
                                memory_weight=args.memory_weight, gate=args.gate, feature_map=args.feature_map,
                                slots=args.slots, seed=args.seed)
-    if args.lora_rank is not None and args.lora_rank < 1:
-        raise ValueError(f"--lora-rank must be >= 1, got {args.lora_rank}")
+    if args.lora_rank is not None:
+        check_finetune_args(args)
     if args.data is not None and args.lora_rank is None:
         raise ValueError("--data fine-tunes with LoRA: give --lora-rank too")
     if args.data is not None and not Path(args.data).is_file():

@@ -124,6 +124,14 @@ class LinmemBlock(GradientCheckpointingLayer):
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # the files from_pretrained reads weights from
 
 
+def _check_config_file(folder: Path, config: object) -> None:
+    """A local model folder read without an explicit ``config`` must hold ``config.json``."""
+    path = folder / "config.json"
+    if config is None and folder.is_dir() and not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a model folder needs the config that save_pretrained "
+                                f"writes beside the weights (or pass config=LinmemConfig(...))")
+
+
 class LinmemPreTrainedModel(PreTrainedModel):
     """Each module initialises its parameters in ``reset_parameters()`` (the mixers as their papers
     do); ``_init_weights`` calls it for the modules a checkpoint leaves incomplete."""
@@ -137,8 +145,11 @@ class LinmemPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """As PreTrainedModel's; weights that cannot be read (a damaged or cut safetensors file, a pickle that
-        the weights-only load refuses) raise an OSError that names the folder and its weight files."""
+        """As PreTrainedModel's; a local folder without ``config.json`` (and no ``config=`` given) raises a
+        FileNotFoundError naming it before a model is built, and weights that cannot be read (a damaged or
+        cut safetensors file, a pickle that the weights-only load refuses) raise an OSError that names the
+        folder and its weight files."""
+        _check_config_file(Path(pretrained_model_name_or_path, kwargs.get("subfolder") or ""), kwargs.get("config"))
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except (SafetensorError, pickle.UnpicklingError) as err:

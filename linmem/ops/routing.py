@@ -1,5 +1,5 @@
 """Routing of tokens to experts or memories: top-k choice, sort by group, gather, grouped GEMM, scatter back,
-and the router's balancing losses (DESIGN.md section 4, "Mixture of memories" and "Mixture of experts").
+and the router's balancing losses (docs/architecture.md, "The other memories": mixture of memories and of experts).
 
 Shared by the MoE feed-forward (:mod:`linmem.layers.moe`) and the mixture of memories
 (:mod:`linmem.layers.mom`). Tokens are flattened to ``N`` rows; each chooses ``S`` slots (its

@@ -197,6 +197,15 @@ class TrainConfig:
              f"({self.schedule.steps}): the learning rate would never reach optim.lr"),
             (self.run.dtype in ("auto", "bf16", "fp32"), f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
             (self.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1"),
+            (self.run.log_every >= 1, f"run.log_every must be >= 1, got {self.run.log_every}"),
+            (self.run.eval_every >= 0, f"run.eval_every must be >= 0 (0: only at the end), got {self.run.eval_every}"),
+            (self.run.save_every >= 0, f"run.save_every must be >= 0 (0: only at the end), got {self.run.save_every}"),
+            (0 <= self.run.seed < 2**32, f"run.seed must lie in [0, 2**32), got {self.run.seed}"),
+            (0 <= self.data.seed < 2**32, f"data.seed must lie in [0, 2**32), got {self.data.seed}"),
+            (self.optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.optim.weight_decay}"),
+            (0 <= self.optim.beta1 < 1 and 0 <= self.optim.beta2 < 1,
+             f"optim.beta1 and optim.beta2 must lie in [0, 1), got {self.optim.beta1} and {self.optim.beta2}"),
+            (self.optim.eps > 0, f"optim.eps must be > 0, got {self.optim.eps}"),
             (all(len(s) == 2 for s in self.data.mqar.settings + self.data.mqar.eval_settings),
              "data.mqar.settings entries must be [seq_len, num_kv_pairs]"),
             (bool(self.data.mqar.settings), "data.mqar.settings must not be empty"),
@@ -388,14 +397,45 @@ def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
     if path is not None and recipe is not None:
         raise ConfigError("give a config file or a recipe, not both")
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} not found")
-        text = Path(path).read_text()
+        data, source = read_config_file(path), str(path)
     else:
-        text = recipe_text(recipe) if recipe is not None else ""
+        source = f"recipe {recipe}"
+        data = _parse_yaml(recipe_text(recipe), source) if recipe is not None else {}
+    try:
+        config = _from_dict(TrainConfig, data, "")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from err
+    return apply_overrides(config, overrides).validate()
+
+
+def read_config_file(path: typing.Union[str, Path]) -> dict[str, Any]:
+    """The mapping of sections in the YAML file ``path`` (a config file or a run's config.yaml); a file
+    that is missing, not UTF-8, not YAML or not a mapping is a ConfigError naming it.
+
+    Example:
+        >>> read_config_file("runs/gdn/config.yaml")["schedule"]["steps"]  # doctest: +SKIP
+        2000
+    """
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} {'is a folder' if Path(path).is_dir() else 'not found'}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not a YAML text file (byte {err.start} is not UTF-8)") from err
+    return _parse_yaml(text, str(path))
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path or recipe} is not valid YAML: {err}".replace("\n", " ")) from err
-    config = _from_dict(TrainConfig, data or {}, "")
-    return apply_overrides(config, overrides).validate()
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(" ".join(f"{source} is not valid YAML ({where}{problem})".split())) from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must hold a mapping of sections (model, data, ...), got a "
+                          f"{type(data).__name__}")
+    return data

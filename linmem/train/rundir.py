@@ -25,10 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from .checkpoint import process_alive, list_checkpoints
-from .config import RESUMABLE_KEYS, TrainConfig, config_differences
+from .config import RESUMABLE_KEYS, ConfigError, TrainConfig, config_differences, read_config_file
 
 logger = logging.getLogger("linmem.train")
 
@@ -104,12 +102,18 @@ def check_run_directory(config: TrainConfig) -> Optional[dict[str, Any]]:
     ``schedule.steps`` (nothing to do), else None.
     """
     out_dir = Path(config.run.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunError(f"run.out_dir {out_dir} is a file, not a folder: choose another run.out_dir")
     if not config.run.resume or not (out_dir / CONFIG).exists():
         return None
     finished = finished_record(out_dir)
     if finished is None and not list_checkpoints(out_dir / "checkpoints"):
         return None  # nothing to continue: the run starts from step 0
-    saved = yaml.safe_load((out_dir / CONFIG).read_text()) or {}
+    try:
+        saved = read_config_file(out_dir / CONFIG)
+    except ConfigError as err:
+        raise RunError(f"{err}: the run cannot be continued; repair the file, or set run.resume=false to start "
+                       f"over (removes its checkpoints and metrics)") from err
     differences = config_differences(saved, config)
     if differences:
         raise RunError(f"{out_dir} holds a run with another config: {'; '.join(differences)}. Only "

@@ -12,7 +12,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ..models import LinmemForCausalLM
 from .config import TrainConfig, apply_overrides, load_config
 from .corpus import Codec
-from .tasks import Task, build_task, text_codec
+from .tasks import Task, build_task, text_codec, verify_text_shards
 from .trainer import resolve_device
 
 
@@ -95,6 +95,7 @@ class Run:
     def task(self) -> Task:
         """The run's task with its held-out data (read on first use)."""
         if self._task is None:
+            verify_text_shards(self.config.data, ("validation",))
             self._task = build_task(self.config.data)
         return self._task
 

@@ -184,6 +184,15 @@ def build_task(data: DataSection) -> Task:
     return MQARTask(data) if data.task == "mqar" else TextTask(data)
 
 
+def verify_text_shards(data: DataSection, splits: Sequence[str] = ("train", "validation")) -> None:
+    """Hash the prepared shards of ``splits`` that ``data`` trains on against their manifest's SHA-256
+    sums (:func:`~linmem.train.prepared.verify_prepared`); nothing for other data."""
+    if data.task == "text" and data.text.prepared is not None:
+        from .prepared import verify_prepared
+
+        verify_prepared(data.text.prepared, splits)
+
+
 def text_codec(data: DataSection, model_dir: Path) -> Codec:
     """How a saved text run turns text into tokens, without reading its corpus: the tokenizer
     saved in ``model_dir``, else the prepared folder's, else the section's (a tokenizer or bytes)."""

@@ -56,7 +56,7 @@ from .config import ConfigError, DataSection, ModelSection, TrainConfig
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
-from .tasks import Task, build_task
+from .tasks import Task, build_task, verify_text_shards
 
 logger = logging.getLogger("linmem.train")
 
@@ -87,6 +87,9 @@ def build_model(section: ModelSection, vocab_size: int,
     """
     options = {**(special_tokens or {}), **section.options}
     if section.pretrained is not None:
+        if not Path(section.pretrained).is_dir():  # a local folder: nothing is downloaded
+            raise FileNotFoundError(f"model.pretrained {section.pretrained} is not a folder (a model saved by "
+                                    f"save_pretrained, a run's model/ or a linmem linearize output)")
         model = LinmemForCausalLM.from_pretrained(section.pretrained, **section.options)
         if vocab_size > model.config.vocab_size:
             raise ConfigError(f"model.pretrained {section.pretrained} has {model.config.vocab_size} tokens, fewer than "
@@ -101,22 +104,23 @@ def build_model(section: ModelSection, vocab_size: int,
     return LinmemForCausalLM(config)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``run.device`` as a torch device; a device this machine lacks is a ConfigError."""
+def resolve_device(name: str, option: str = "run.device") -> torch.device:
+    """``run.device`` (or the ``option`` named in errors) as a torch device; a device this machine lacks
+    is a ConfigError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as err:
-        raise ConfigError(f"run.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from err
+        raise ConfigError(f"{option}={name!r} is not a device: use auto, cpu, cuda or cuda:N") from err
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"run.device={name!r}, but CUDA is not available here (torch {torch.__version__}, "
-                              f"cuda build {torch.version.cuda}): use run.device=cpu or auto")
+            raise ConfigError(f"{option}={name!r}, but CUDA is not available here (torch {torch.__version__}, "
+                              f"cuda build {torch.version.cuda}): use {option}=cpu or auto")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"run.device={name!r}, but there are {torch.cuda.device_count()} CUDA devices")
+            raise ConfigError(f"{option}={name!r}, but there are {torch.cuda.device_count()} CUDA devices")
     elif device.type != "cpu":
-        raise ConfigError(f"run.device={name!r}: the trainer runs on cpu or cuda")
+        raise ConfigError(f"{option}={name!r}: linmem runs on cpu or cuda")
     return device
 
 
@@ -284,6 +288,8 @@ class Trainer:
         self.device = self.ranks.device
         self.ranks.on_main(check_run_directory, config)  # a different config is refused before the data is read
         _seed_everything(config.run.seed)  # the same on every rank: the same initial weights and data order
+        if task is None:  # every start and resume: rank 0 hashes the shards, its refusal stops all ranks
+            self.ranks.on_main(verify_text_shards, config.data)
         self.task = task if task is not None else build_task(config.data)
         self.batches = self.task.train_batches if self.ranks.mesh is None else DataParallelBatches(
             self.task.train_batches, rank=self.ranks.mesh.dp.get_local_rank(), size=config.parallel.dp)

@@ -101,3 +101,55 @@ def test_a_run_on_prepared_shards_resumes_exactly_and_saves_its_tokenizer(tmp_pa
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     text = load_run(tmp_path / "whole").generate("the cat", max_new_tokens=3, temperature=0)
     assert text.startswith("the cat")
+
+
+def _overwrite_in_place(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _train_args(tmp_path, name, steps=4):
+    return ["train", "data.task=text", f"data.text.prepared={tmp_path / 'prepared'}", "data.tokens_per_batch=32",
+            "model.hidden_size=16", "model.layer_pattern=L", f"schedule.steps={steps}", "schedule.warmup_steps=1",
+            "run.save_every=2", "run.progress=false", "run.tensorboard=false", f"run.out_dir={tmp_path / name}"]
+
+
+def test_a_shard_changed_in_place_is_refused_at_start_resume_and_evaluation(tmp_path, capsys):
+    section = TextSection(paths=[str(_corpus(tmp_path / "corpus"))], val_fraction=0.2)
+    manifest = prepare_corpus(section, tmp_path / "prepared", shard_tokens=300)
+    shards = {split: [tmp_path / "prepared" / s["tokens_file"] for s in manifest["splits"][split]["shards"]]
+              for split in ("train", "validation")}
+    first, last = shards["train"][0], shards["train"][-1]
+    original = first.read_bytes()
+    _overwrite_in_place(first, 10, b"\x01\x00\x02\x00")  # 4 bytes, two valid token ids: the same size
+    assert first.stat().st_size == len(original)
+    assert main(_train_args(tmp_path, "four-bytes")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokens_train_00000.bin does not match its SHA-256 sum" in err, err
+    first.write_bytes(original)
+    assert main(_train_args(tmp_path, "run", steps=2)) == 0  # intact again: trains, checkpoint at step 2
+    capsys.readouterr()
+    last.write_bytes(bytes([ord("a"), 0]) * (last.stat().st_size // 2))  # the whole shard one valid token
+    assert main(_train_args(tmp_path, "run", steps=4)) == 2  # the resume refuses it
+    assert f"{last.name} does not match its SHA-256 sum" in capsys.readouterr().err
+    validation = shards["validation"][0]
+    validation.write_bytes(bytes(reversed(validation.read_bytes())))
+    with pytest.raises(DataError, match=validation.name):
+        load_run(tmp_path / "run").task  # evaluation reads the validation split: checked
+
+
+def test_a_long_verification_reports_its_progress_and_rate(tmp_path, caplog, monkeypatch):
+    from linmem.train import prepared
+
+    prepare_corpus(TextSection(paths=[str(_corpus(tmp_path / "corpus"))]), tmp_path / "prepared", shard_tokens=300)
+    with caplog.at_level("INFO", logger="linmem.train"):
+        prepared.verify_prepared(tmp_path / "prepared")
+    assert "SHA-256" not in caplog.text  # a small folder: silent
+    monkeypatch.setattr(prepared, "VERIFY_REPORT_BYTES", 0)
+    monkeypatch.setattr(prepared, "VERIFY_REPORT_SECONDS", 0.0)
+    with caplog.at_level("INFO", logger="linmem.train"):
+        prepared.verify_prepared(tmp_path / "prepared")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("checking 0.0 GB in ") and "against their SHA-256 sums" in lines[0]
+    assert any(line.startswith("checked ") for line in lines) and "files match their SHA-256 sums" in lines[-1]

@@ -9,7 +9,10 @@ a mixture of experts; the routers' balancing losses join the training loss.
 Each mixer takes from the config the fields of its own arguments (:meth:`Mixer.args_from`);
 the config only renames its model-wide fields (``rms_norm_eps`` -> ``norm_eps``, ...).
 Every field is validated on construction: a wrong type or value, or an unknown keyword
-(with the closest field name), is a ``ValueError`` that names it.
+(with the closest field name), is a ``ValueError`` that names it. The keywords every transformers config takes
+(``use_cache``, ``output_hidden_states``, ``return_dict``, ``tie_word_embeddings``, the token ids, ``dtype``, ...)
+are kept, and the models read them as transformers' do; ``output_attentions`` is kept too, but the models refuse
+to run with it True (they have no attention weights to return).
 """
 
 from __future__ import annotations

@@ -227,6 +227,12 @@ def ids(env, *shape: int, high: Optional[int] = None) -> torch.Tensor:
     return torch.randint(0, high or env.model.config.vocab_size, shape, generator=torch.Generator().manual_seed(1))
 
 
+def model_of(model_config):
+    from linmem.models import LinmemForCausalLM
+
+    return LinmemForCausalLM(model_config).eval()
+
+
 def forward(env, **kwargs: Any):
     with torch.no_grad():
         return env.model(**kwargs)
@@ -244,6 +250,24 @@ def float_mask_equals_none(env) -> list:
     x = ids(env, 2, 5)
     with torch.no_grad():
         return [(env.model(x, attention_mask=torch.ones(2, 5)).logits, env.model(x).logits)]
+
+
+def shift_labels_win(env) -> list:
+    """shift_labels given with labels are the loss's targets, as in transformers' ForCausalLMLoss."""
+    from linmem.models.modeling import causal_lm_loss
+
+    x, targets = ids(env, 2, 5), ids(env, 2, 5).masked_fill(torch.eye(2, 5, dtype=torch.bool), -100)
+    with torch.no_grad():
+        got = env.model(x, labels=ids(env, 2, 5, high=3), shift_labels=targets).loss
+        return [(got, causal_lm_loss(env.model(x).logits, None, shift_labels=targets))]
+
+
+def generate_from_embeddings(env) -> list:
+    """generate(inputs_embeds=...) alone gives the tokens that generate(input_ids) appends."""
+    x = ids(env, 2, 4)
+    embedded = hf_generate(env, None, inputs_embeds=env.model.get_input_embeddings()(x).detach(),
+                           attention_mask=torch.ones_like(x), max_new_tokens=3)
+    return [(embedded, hf_generate(env, x, max_new_tokens=3)[:, 4:])]
 
 
 def finite_parameters(model) -> None:
@@ -791,6 +815,17 @@ CASES: list[Case] = [
           "`labels`", fixed=True),
     named("forward labels of another shape", lambda e: forward(e, input_ids=ids(e, 1, 4), labels=ids(e, 1, 3)), "`labels`"),
     correct("forward packed sequences equal separate ones", packed_equals_separate),
+    named("forward output_attentions=True", lambda e: forward(e, input_ids=ids(e, 1, 3), output_attentions=True),
+          "`output_attentions` must be False", fixed=True),
+    named("forward config output_attentions=True",
+          lambda e: model_of(config(output_attentions=True))(ids(e, 1, 3)),
+          "the config's `output_attentions`", fixed=True),
+    named("forward shift_labels of another shape",
+          lambda e: forward(e, input_ids=ids(e, 1, 4), labels=ids(e, 1, 4), shift_labels=ids(e, 1, 3)),
+          "`shift_labels` must be integer token ids of the inputs' shape", fixed=True),
+    named("forward shift_labels float", lambda e: forward(e, input_ids=ids(e, 1, 4), shift_labels=torch.ones(1, 4)),
+          "`shift_labels` must be integer", fixed=True),
+    correct("forward shift_labels win over labels", shift_labels_win, fixed=True),
     # from_pretrained
     named("from_pretrained missing folder", lambda e: from_pretrained(e.root / "no-such-model"), "no-such-model",
           (OSError, ValueError)),
@@ -960,6 +995,10 @@ CASES: list[Case] = [
     named("cli linearize --tokens-per-batch 0",
           lambda e: cli("linearize", "--from", str(e.root / "none"), "--out", str(e.root / "lin"), "--lora-rank", "4",
                         "--tokens-per-batch", "0"), "--tokens-per-batch must be >= 2", fixed=True),
+    named("model.generate output_attentions=True",
+          lambda e: hf_generate(e, ids(e, 1, 4), max_new_tokens=2, output_attentions=True,
+                                return_dict_in_generate=True), "`output_attentions` must be False", fixed=True),
+    correct("model.generate from inputs_embeds alone", generate_from_embeddings, fixed=True),
 ]
 
 

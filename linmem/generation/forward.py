@@ -3,7 +3,8 @@ cache ``generate()`` builds.
 
 :func:`generation_forward` is the first thing :meth:`~linmem.models.LinmemForCausalLM.forward` does: it
 serves the calls of generation (a prompt against a cache, one token against a static cache) and leaves
-every other call (training, labels, hidden states, packed sequences) to the ordinary forward.
+every other call (training, a loss, hidden states, packed sequences) to the ordinary forward, which calls it only
+when there is no loss to compute.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ def generation_forward(
     position_ids: Optional[torch.Tensor],
     cache: Optional[LinmemCache],
     use_cache: Optional[bool],
-    labels: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     output_hidden_states: bool,
     output_router_logits: Optional[bool],
@@ -39,18 +39,18 @@ def generation_forward(
 
     Served here, without autograd:
 
-    * one token per row against a :class:`StaticLinmemCache` (``input_ids [B, 1]``, no explicit
-      ``position_ids``): the decoding step, replayed from a CUDA graph on CUDA
-      (:class:`~linmem.generation.step.GraphDecoder`) and run eagerly elsewhere or where the model
-      cannot be captured (the reason is logged at debug level). The token counts as real, as
-      ``generate()`` feeds it; the rows' positions come from the cache.
+    * one token per row against a :class:`StaticLinmemCache` (``input_ids [B, 1]``): the decoding step,
+      replayed from a CUDA graph on CUDA (:class:`~linmem.generation.step.GraphDecoder`) and run eagerly
+      elsewhere or where the model cannot be captured (the reason is logged at debug level). The token counts
+      as real, as ``generate()`` feeds it; the rows' positions are ``position_ids`` (``[B, 1]``, what
+      ``generate()`` passes) or, without them, the cache's.
     * a prompt longer than the cache's ``prefill_chunk`` of which only the last ``logits_to_keep`` > 0
       logits are wanted: :func:`chunked_prefill` (a dynamic cache is made when none is given).
 
-    Arguments are those of :meth:`~linmem.models.LinmemForCausalLM.forward`.
+    Arguments are those of :meth:`~linmem.models.LinmemForCausalLM.forward` (which computes a loss itself).
     """
-    if (torch.is_grad_enabled() or model.training or labels is not None or cu_seqlens is not None
-            or output_hidden_states or output_router_logits or use_cache is False):
+    if (torch.is_grad_enabled() or model.training or cu_seqlens is not None or output_hidden_states
+            or output_router_logits or use_cache is False):
         return None
     given = input_ids if input_ids is not None else inputs_embeds
     if given is None or given.dim() < 2:
@@ -58,21 +58,24 @@ def generation_forward(
     T = given.shape[1]
     if isinstance(cache, StaticLinmemCache):
         cache.check_room(T)
-        if T == 1 and input_ids is not None and position_ids is None:
-            return _output(model, static_step(model, input_ids, cache), cache)
-    if logits_to_keep and position_ids is None:
+        if T == 1 and input_ids is not None:
+            return _output(model, static_step(model, input_ids, cache, position_ids), cache)
+    if logits_to_keep:
         chunk = cache.prefill_chunk if cache is not None else PREFILL_CHUNK
         if T > chunk:
             if cache is None:
                 cache = LinmemCache(model.config.num_hidden_layers)
             return chunked_prefill(model, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                   attention_mask=attention_mask, cache=cache, logits_to_keep=logits_to_keep)
+                                   attention_mask=attention_mask, cache=cache, logits_to_keep=logits_to_keep,
+                                   position_ids=position_ids)
     return None
 
 
-def static_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCache) -> torch.Tensor:
-    """``input_ids [B, 1]`` -> ``logits [B, 1, vocab]`` against a static cache: from a CUDA graph when the
-    model can be captured (the cache keeps its :class:`GraphDecoder`), else eagerly."""
+def static_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCache,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``input_ids [B, 1]`` (at ``position_ids [B, 1]``, default: the cache's) -> ``logits [B, 1, vocab]`` against
+    a static cache: from a CUDA graph when the model can be captured (the cache keeps its :class:`GraphDecoder`),
+    else eagerly."""
     if input_ids.shape[0] != cache.batch_size:
         raise ValueError(f"the static cache serves batch size {cache.batch_size}, got `input_ids` of shape "
                          f"{list(input_ids.shape)}")
@@ -84,8 +87,8 @@ def static_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCa
             logger.debug("static cache: decoding eagerly (%s)", reason)
             cache.decoder = False
     if cache.decoder:
-        return cache.decoder.step(cache, input_ids)
-    logits = decode_step(model, input_ids, cache)
+        return cache.decoder.step(cache, input_ids, position_ids)
+    logits = decode_step(model, input_ids, cache, position_ids)
     cache.advance_host(1)
     return logits
 
@@ -98,6 +101,7 @@ def chunked_prefill(
     attention_mask: Optional[torch.Tensor],
     cache: LinmemCache,
     logits_to_keep: int,
+    position_ids: Optional[torch.Tensor] = None,
 ):
     """Run a prompt through ``model`` ``cache.prefill_chunk`` tokens at a time; logits of its last positions.
 
@@ -111,6 +115,7 @@ def chunked_prefill(
         attention_mask: ``[B, past + T]`` 1 = token, 0 = padding, or None.
         cache: the cache the prompt continues (``past`` tokens already in it).
         logits_to_keep: how many of the last positions get logits (>= 1).
+        position_ids: ``[B or 1, T]`` the prompt's positions, or None (from the mask and the cache).
 
     Returns:
         The model's output: ``logits [B, min(logits_to_keep, T), vocab]`` and the cache.
@@ -134,7 +139,9 @@ def chunked_prefill(
         part = {"input_ids": input_ids[:, start:end]} if input_ids is not None else \
             {"inputs_embeds": inputs_embeds[:, start:end]}
         mask = attention_mask[:, :end_of_mask - (T - end)] if attention_mask is not None else None
-        out = model.model(**part, attention_mask=mask, cache=cache, use_cache=True)
+        positions = position_ids[:, start:end] if position_ids is not None else None
+        out = model.model(**part, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                          return_dict=True)
         if end > T - logits_to_keep:
             kept.append(out.last_hidden_state[:, max(T - logits_to_keep - start, 0):])
     return _output(model, model.lm_head(torch.cat(kept, 1)), cache)

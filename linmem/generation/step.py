@@ -1,8 +1,9 @@
 """The one-token decoding step against a static cache, and its CUDA-graph runner.
 
 A step is the model's forward for one token per row with everything that changes between steps read
-from device tensors: the token from a fixed input buffer, the rotary positions from the cache's
-per-row ``lengths``, the attention write slots from its ``position``. It never synchronises with the
+from device tensors: the token from a fixed input buffer, the rotary positions from another (the cache's
+per-row ``lengths``, or the ``position_ids`` that ``generate()`` passes), the attention write slots from the
+cache's ``position``. It never synchronises with the
 host and, once the cache's buffers exist, allocates nothing that outlives it, so CUDA can capture it
 once and replay it. The host's share (the token counts, FoX's re-basing) runs after each step in
 :meth:`~linmem.models.cache.StaticLinmemCache.advance_host`.
@@ -24,13 +25,16 @@ from ..models.cache import StaticLinmemCache
 logger = logging.getLogger("linmem.generation")
 
 
-def decode_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCache) -> torch.Tensor:
+def decode_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCache,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row through ``model`` (a :class:`~linmem.models.LinmemForCausalLM`) against ``cache``.
 
     Args:
         model: the causal LM.
         input_ids: ``[B, 1]`` the newest token of every row (a real token, as ``generate()`` feeds).
         cache: the static cache, after its prefill.
+        position_ids: ``[B, 1]`` (or ``[1, 1]``) the token's positions; default: the real tokens before it in
+            its row (``cache.lengths``), what ``generate()`` passes as well.
 
     Returns:
         ``logits [B, 1, vocab]``. The cache's device counters have advanced by one token; the caller
@@ -47,7 +51,7 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, cache: StaticLinmemCa
     """
     body = model.model
     hidden = body.embed_tokens(input_ids)
-    positions = cache.lengths[:, None]  # [B, 1] real tokens before this one: its rotary position
+    positions = cache.lengths[:, None] if position_ids is None else position_ids  # [B, 1] the rotary positions
     residual = None  # the stream is residual + hidden, as in the model's forward
     for layer, state in zip(body.layers, cache.layers):
         hidden, residual = layer(hidden, residual, cu_seqlens=None, cache=state, token_mask=None,
@@ -89,18 +93,22 @@ class GraphDecoder:
         self.model = model
         self.owner = weakref.ref(cache)
         self.input_ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.position.device)
+        self.positions = torch.zeros_like(self.input_ids)  # the step's rotary positions, copied in before each step
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits: Optional[torch.Tensor] = None  # the graph's output
         self.warm = False  # a step ran eagerly
 
-    def step(self, cache: StaticLinmemCache, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids [B, 1]`` -> ``logits [B, 1, vocab]``, advancing ``cache`` (the decoder's own) by one token."""
+    def step(self, cache: StaticLinmemCache, input_ids: torch.Tensor,
+             position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids [B, 1]`` (at ``position_ids [B, 1]``, default: ``cache.lengths``) -> ``logits [B, 1, vocab]``,
+        advancing ``cache`` (the decoder's own) by one token."""
         if self.owner() is not cache:
             raise ValueError("GraphDecoder.step: this decoder was built for another cache")
         cache.check_room(1)
         self.input_ids.copy_(input_ids)
+        self.positions.copy_(cache.lengths[:, None] if position_ids is None else position_ids)
         if not self.warm:
-            logits = decode_step(self.model, self.input_ids, cache)
+            logits = decode_step(self.model, self.input_ids, cache, self.positions)
             self.warm = True
         else:
             if self.graph is None:
@@ -116,7 +124,7 @@ class GraphDecoder:
         counts = [state.seen_tokens for state in cache.layers]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = decode_step(self.model, self.input_ids, cache)
+            self.logits = decode_step(self.model, self.input_ids, cache, self.positions)
         for state, count in zip(cache.layers, counts):
             state.seen_tokens = count
         self.graph = graph

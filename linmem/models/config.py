@@ -9,7 +9,10 @@ a mixture of experts; the routers' balancing losses join the training loss.
 Each mixer takes from the config the fields of its own arguments (:meth:`Mixer.args_from`);
 the config only renames its model-wide fields (``rms_norm_eps`` -> ``norm_eps``, ...).
 Every field is validated on construction: a wrong type or value, or an unknown keyword
-(with the closest field name), is a ``ValueError`` that names it.
+(with the closest field name), is a ``ValueError`` that names it. The keywords every transformers config takes
+(``use_cache``, ``output_hidden_states``, ``return_dict``, ``tie_word_embeddings``, the token ids, ``dtype``, ...)
+are kept, and the models read them as transformers' do; ``output_attentions`` is kept too, but the models refuse
+to run with it True (they have no attention weights to return).
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class LinmemConfig(PretrainedConfig):
         recurrence_backend: str = "auto",
         activation_checkpointing: bool = False,
         tie_word_embeddings: bool = False,
+        use_cache: bool = True,
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
@@ -182,6 +186,7 @@ class LinmemConfig(PretrainedConfig):
         self.initializer_range = initializer_range  # std of normal weight init
         self.recurrence_backend = recurrence_backend  # linear_recurrence backend
         self.activation_checkpointing = activation_checkpointing  # recompute each block in the backward pass
+        self.use_cache = use_cache  # an eval-mode forward keeps a decoding cache by default (transformers' field)
         if not isinstance(layer_pattern, str):
             raise ValueError(f"{OWNER}: `layer_pattern` must be a string of L and N, got {layer_pattern!r}")
         if num_hidden_layers is not None and num_hidden_layers != len(layer_pattern):
@@ -238,7 +243,7 @@ class LinmemConfig(PretrainedConfig):
         check_choice(OWNER, "liger_memory", self.liger_memory, LIGER_MEMORIES)
         check_int(OWNER, "num_shared_experts", self.num_shared_experts, minimum=0)
         for name in ("qk_norm", "output_gate", "output_norm", "kv_shift", "shared_memory", "output_router_logits",
-                     "activation_checkpointing", "tie_word_embeddings", "qkv_bias", "o_bias"):
+                     "activation_checkpointing", "tie_word_embeddings", "qkv_bias", "o_bias", "use_cache"):
             check_bool(OWNER, name, getattr(self, name))
         check_bool(OWNER, "use_short_conv", self.use_short_conv, optional=True)
         for name in ("expand_v", "rope_theta", "rms_norm_eps"):

@@ -10,6 +10,11 @@ with ``inactive_parameter_count()``.
 
 The decoding cache is passed and returned under the name the installed transformers gives it
 (:data:`CACHE_NAME`: ``cache`` from 5.x, ``past_key_values`` before); both are accepted as input.
+
+The forwards follow transformers' conventions: ``output_hidden_states``, ``return_dict`` and ``use_cache``
+default to the config's; ``return_dict=False`` returns the output's ``to_tuple()`` (the loss first when there is
+one). The models compute no attention weights: ``output_attentions=True``, as an argument or in the config, is
+refused (:func:`refuse_attention_outputs`), as transformers' recurrent models document.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from ..generation import generation_forward, prepare_generation_cache
 from ..layers import LayerState, build_mixer
@@ -64,6 +70,27 @@ class LinmemCausalLMOutput(CausalLMOutputWithPast):
 def output_cache(output: BaseModelOutputWithPast) -> Optional[LinmemCache]:
     """The decoding cache of a model output, whatever transformers calls it."""
     return getattr(output, CACHE_NAME)
+
+
+def refuse_attention_outputs(output_attentions: Optional[bool], config: LinmemConfig) -> None:
+    """A ValueError when attention weights are asked for (``output_attentions`` True, or None and the config's
+    True): memory layers have none, and the attention layers' fused kernels never form them.
+
+    Example:
+        >>> refuse_attention_outputs(None, LinmemConfig(hidden_size=32, num_heads=2, layer_pattern="L"))
+    """
+    asked = config.output_attentions if output_attentions is None else output_attentions
+    if asked:
+        where = "" if output_attentions else " (the config's `output_attentions`)"
+        raise ValueError(f"`output_attentions` must be False for linmem models, got True{where}: memory layers have no "
+                         "attention weights and the attention layers' kernels never form them; read "
+                         "`output_hidden_states` instead")
+
+
+def _tuple_or_output(output: ModelOutput, return_dict: Optional[bool], config: LinmemConfig):
+    """``output`` itself, or its ``to_tuple()`` when ``return_dict`` (default: the config's) is False."""
+    keep = config.return_dict if return_dict is None else return_dict
+    return output if keep else output.to_tuple()
 
 
 def _one_cache(cache: Optional[LinmemCache], past_key_values: Optional[LinmemCache]) -> Optional[LinmemCache]:
@@ -211,17 +238,25 @@ class LinmemModel(LinmemPreTrainedModel):
         inputs_embeds: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
-        output_hidden_states: bool = False,
+        output_hidden_states: Optional[bool] = None,
         past_key_values: Optional[LinmemCache] = None,
+        output_attentions: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
         **kwargs,
-    ) -> LinmemModelOutput:
+    ) -> LinmemModelOutput | tuple:
         """input_ids: [B, T] (or inputs_embeds [B, T, D]); attention_mask: [B, past + T] 1 = token, 0 = pad;
         cu_seqlens: [N + 1] boundaries of packed sequences (B == 1; no decoding cache).
 
-        ``use_cache`` defaults to True in eval mode without ``cu_seqlens``; ``past_key_values`` is
-        the name transformers before 5.x gives ``cache``.
+        ``use_cache`` defaults to the config's in eval mode without ``cu_seqlens`` (and to True with a
+        ``cache``); ``output_hidden_states`` and ``return_dict`` default to the config's;
+        ``output_attentions=True`` is refused (:func:`refuse_attention_outputs`); ``past_key_values`` is the
+        name transformers before 5.x gives ``cache``. Other keywords transformers passes (``cache_position``,
+        ...) are accepted and unused.
         """
+        refuse_attention_outputs(output_attentions, self.config)
         cache = _one_cache(cache, past_key_values)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         hidden = self._embed(input_ids, inputs_embeds)
         B, T = hidden.shape[:2]
         if cu_seqlens is not None:
@@ -231,7 +266,7 @@ class LinmemModel(LinmemPreTrainedModel):
                 raise ValueError("packed sequences (`cu_seqlens`) keep no decoding cache; pass use_cache=False "
                                  "and no `cache`, or decode a padded batch with `attention_mask`")
         if use_cache is None:
-            use_cache = cache is not None or (not self.training and cu_seqlens is None)
+            use_cache = cache is not None or (self.config.use_cache and not self.training and cu_seqlens is None)
         if use_cache and cache is None:
             cache = LinmemCache(self.config.num_hidden_layers)
         if isinstance(cache, StaticLinmemCache):
@@ -254,12 +289,13 @@ class LinmemModel(LinmemPreTrainedModel):
             cache.advance(T, token_mask)
         if output_hidden_states:
             all_hidden.append(hidden)
-        return LinmemModelOutput(
+        output = LinmemModelOutput(
             last_hidden_state=hidden,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             router_stats=tuple(router_stats) or None,
             **{CACHE_NAME: cache if use_cache else None},
         )
+        return _tuple_or_output(output, return_dict, self.config)
 
     def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
         """The input as ``[B, T, D]`` hidden states; empty inputs and ids outside the vocabulary are refused."""
@@ -368,75 +404,95 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         labels: Optional[torch.LongTensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
-        output_hidden_states: bool = False,
+        output_hidden_states: Optional[bool] = None,
         logits_to_keep: int = 0,
         output_router_logits: Optional[bool] = None,
         past_key_values: Optional[LinmemCache] = None,
         return_logits: Optional[bool] = None,
+        shift_labels: Optional[torch.LongTensor] = None,
+        num_items_in_batch: Optional[int | torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
         **kwargs,
-    ) -> LinmemCausalLMOutput:
+    ) -> LinmemCausalLMOutput | tuple:
         """Logits [B, T, vocab]; with ``labels`` [B, T] (-100 = ignore) the next-token loss.
 
         Labels are shifted inside: position t predicts label t + 1. Under ``cu_seqlens``
-        the last token of a sequence predicts nothing of the next one. With labels the loss is
-        computed chunk by chunk from the hidden states (:func:`linmem.ops.fused.linear_cross_entropy`),
-        so the ``[B, T, vocab]`` logits are never materialised and ``logits`` is None, unless
-        ``return_logits`` is True (default: logits only without labels). ``logits_to_keep`` keeps the
-        logits of the last positions only. With routed layers
+        the last token of a sequence predicts nothing of the next one. ``shift_labels`` [B, T] are targets already
+        shifted (position t predicts ``shift_labels[:, t]``; what transformers' Trainer passes under context
+        parallelism): given, with or without ``labels``, they are the loss's targets and ``labels`` are not read,
+        as in transformers' ``ForCausalLMLoss``. The loss is the mean over the targets, or their sum divided by
+        ``num_items_in_batch`` when given (the Trainer's count over its gradient-accumulation steps).
+        With a loss the logits are computed chunk by chunk from the hidden states
+        (:func:`linmem.ops.fused.linear_cross_entropy`), so the ``[B, T, vocab]`` logits are never materialised and
+        ``logits`` is None, unless ``return_logits`` is True (default: logits only without a loss).
+        ``logits_to_keep`` keeps the logits of the last positions only. With routed layers
         (MoM, MoE) ``aux_loss`` is their weighted balancing and z-losses, and it is part of
         ``loss`` (set its coefficients to 0 to train without); ``output_router_logits``
         (default: the config's) also returns every routed layer's logits ``[B * T, E]``.
+        ``output_hidden_states``, ``use_cache`` and ``return_dict`` default to the config's (``return_dict=False``:
+        the output's ``to_tuple()``, the loss first); ``output_attentions=True`` is refused.
         The decoding cache comes back under :data:`CACHE_NAME` (read it with :func:`output_cache`).
         With a cache and ``logits_to_keep`` > 0, a prompt longer than the cache's ``prefill_chunk`` runs in
         chunks; a one-token step against a :class:`~linmem.models.cache.StaticLinmemCache` is replayed from a
         CUDA graph on CUDA (:func:`linmem.generation.generation_forward`).
         """
+        refuse_attention_outputs(output_attentions, self.config)
         cache = _one_cache(cache, past_key_values)
-        served = generation_forward(
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        wants_loss = labels is not None or shift_labels is not None
+        served = None if wants_loss else generation_forward(
             self, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, cache=cache, use_cache=use_cache, labels=labels, cu_seqlens=cu_seqlens,
+            position_ids=position_ids, cache=cache, use_cache=use_cache, cu_seqlens=cu_seqlens,
             output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
             logits_to_keep=logits_to_keep,
         )
         if served is not None:
-            return served
+            return _tuple_or_output(served, return_dict, self.config)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
-            use_cache=use_cache, output_hidden_states=output_hidden_states,
+            use_cache=use_cache, output_hidden_states=output_hidden_states, return_dict=True,
         )
         hidden = out.last_hidden_state
         stats = out.router_stats or ()
         aux_loss = router_aux_loss(stats, self.config) if stats else None
         loss = logits = None
-        if labels is not None:
-            loss = self.lm_loss(hidden, labels, cu_seqlens)
+        if wants_loss:
+            loss = self.lm_loss(hidden, labels, cu_seqlens, shift_labels=shift_labels,
+                                num_items_in_batch=num_items_in_batch)
             if aux_loss is not None:
                 loss = loss + aux_loss
         if return_logits is None:
-            return_logits = labels is None
+            return_logits = not wants_loss
         if return_logits:
             logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        return LinmemCausalLMOutput(
+        output = LinmemCausalLMOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states,
             aux_loss=aux_loss, router_logits=tuple(s.logits for s in stats) if output_router_logits and stats else None,
             router_stats=out.router_stats, **{CACHE_NAME: output_cache(out)},
         )
+        return _tuple_or_output(output, return_dict, self.config)
 
-    def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        """The mean next-token cross-entropy of ``lm_head(hidden)`` (the value of :func:`causal_lm_loss`) without
-        the full logits: hidden [B, T, D], labels [B, T] -> an fp32 scalar.
+    def lm_loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
+                *, shift_labels: Optional[torch.Tensor] = None,
+                num_items_in_batch: Optional[int | torch.Tensor] = None) -> torch.Tensor:
+        """The next-token cross-entropy of ``lm_head(hidden)`` (the value of :func:`causal_lm_loss`) without the
+        full logits: hidden [B, T, D], labels [B, T] (or ``shift_labels`` [B, T], already shifted) -> an fp32
+        scalar, the mean over the targets or their sum / ``num_items_in_batch``.
 
         The logits' matmuls run in the activation dtype (autocast's when it is on), the log-sum-exp in fp32.
         """
-        targets = next_token_targets(labels, cu_seqlens)
+        targets = loss_targets(labels, shift_labels, hidden.shape[:2], cu_seqlens)
         dtype = activation_dtype(hidden)
+        reduction = "mean" if num_items_in_batch is None else "sum"
         with torch.autocast(hidden.device.type, enabled=False):  # the chunks pick their own dtypes
-            return linear_cross_entropy(hidden.flatten(0, 1).to(dtype), self.lm_head.weight.to(dtype),
-                                        targets.flatten())
+            loss = linear_cross_entropy(hidden.flatten(0, 1).to(dtype), self.lm_head.weight.to(dtype),
+                                        targets.flatten(), reduction=reduction)
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
 
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters one token uses: all, less those its routed modules leave idle.
@@ -460,19 +516,44 @@ class LinmemForCausalLM(LinmemPreTrainedModel, GenerationMixin):
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: bool = True,
         past_key_values: Optional[LinmemCache] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         **kwargs,
     ) -> dict:
-        """Feed only the tokens the cache has not seen; positions follow the attention mask."""
+        """The inputs of one forward call of ``generate()``: the tokens the cache has not seen (the prompt's
+        ``inputs_embeds`` on the first call), their ``position_ids`` when given, the attention mask, the cache, and
+        every other keyword as given (``output_hidden_states``, ``logits_to_keep``, a caller's own), except those
+        that only steer ``generate()`` (:data:`GENERATE_ONLY_KEYWORDS`).
+
+        Example:
+            >>> model = LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=32, num_heads=2, layer_pattern="L"))
+            >>> inputs = model.prepare_inputs_for_generation(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+            >>> inputs["input_ids"].tolist(), inputs["output_hidden_states"]
+            ([[1, 2, 3]], True)
+        """
         cache = _one_cache(cache, past_key_values)
         seen = cache.get_seq_length() if cache is not None else 0
-        inputs = {CACHE_NAME: cache, "attention_mask": attention_mask, "use_cache": use_cache}
+        inputs = {key: value for key, value in kwargs.items() if key not in GENERATE_ONLY_KEYWORDS}
         if inputs_embeds is not None and seen == 0:
             inputs["inputs_embeds"] = inputs_embeds
         else:
-            inputs["input_ids"] = input_ids[:, seen:]
-        if kwargs.get("logits_to_keep") is not None:
-            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+            inputs["input_ids"] = _unseen_tokens(input_ids, inputs_embeds, seen)
+        if position_ids is not None:
+            new = (inputs_embeds if "inputs_embeds" in inputs else inputs["input_ids"]).shape[1]
+            inputs["position_ids"] = position_ids[..., -new:]
+        inputs.update({CACHE_NAME: cache, "attention_mask": attention_mask, "use_cache": use_cache})
         return inputs
+
+
+#: keywords of ``prepare_inputs_for_generation`` that steer ``generate()`` and are not the model's inputs
+GENERATE_ONLY_KEYWORDS = frozenset({"labels", "next_sequence_length", "is_first_iteration"})
+
+
+def _unseen_tokens(input_ids: torch.Tensor, inputs_embeds: Optional[torch.Tensor], seen: int) -> torch.Tensor:
+    """The tokens of ``input_ids [B, L]`` after the first ``seen`` positions of the sequence. ``input_ids`` hold the
+    whole sequence, or, when the prompt was given as ``inputs_embeds`` alone, only the tokens generated after it
+    (then no more than ``seen``: the cache has seen the prompt)."""
+    whole_sequence = inputs_embeds is None or input_ids.shape[1] > seen
+    return input_ids[:, seen if whole_sequence else seen - inputs_embeds.shape[1]:]
 
 
 def router_aux_loss(stats: Sequence[RouterStats], config: LinmemConfig) -> torch.Tensor:
@@ -509,8 +590,28 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] 
     return torch.cat([following, following.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                   ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) of logits [B, T, vocab] over the targets != ignore_index."""
-    targets = next_token_targets(labels, cu_seqlens, ignore_index)
+def loss_targets(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor], shape: Sequence[int],
+                 cu_seqlens: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
+    """The label each of ``shape = [B, T]`` positions predicts: ``shift_labels`` [B, T] as given (already shifted,
+    as transformers' ``ForCausalLMLoss`` takes them; ``labels`` are then not read), else
+    :func:`next_token_targets` of ``labels`` [B, T].
+
+    Example:
+        >>> loss_targets(torch.tensor([[5, 6, 7]]), torch.tensor([[6, 7, -100]]), (1, 3)).tolist()
+        [[6, 7, -100]]
+    """
+    name, given = ("shift_labels", shift_labels) if shift_labels is not None else ("labels", labels)
+    if given is None:
+        raise ValueError("a loss needs `labels` [B, T] or `shift_labels` [B, T], got neither")
+    if tuple(given.shape) != tuple(shape) or given.dtype.is_floating_point or given.dtype == torch.bool:
+        raise ValueError(f"`{name}` must be integer token ids of the inputs' shape [B, T] = {list(shape)}, "
+                         f"got shape {list(given.shape)} and dtype {given.dtype}")
+    return given if shift_labels is not None else next_token_targets(labels, cu_seqlens, ignore_index)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
+                   ignore_index: int = -100, *, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32) of logits [B, T, vocab] over the targets != ignore_index; the targets
+    are ``shift_labels`` [B, T] when given, else ``labels`` [B, T] shifted (:func:`loss_targets`)."""
+    targets = loss_targets(labels, shift_labels, logits.shape[:2], cu_seqlens, ignore_index)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)

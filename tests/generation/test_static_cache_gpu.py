@@ -91,3 +91,22 @@ def test_long_prompt_prefills_in_chunks_on_cuda():
     whole = model(ids, cache=LinmemCache(4, prefill_chunk=4096), logits_to_keep=1).logits
     assert chunked.shape == (2, 1, VOCAB)  # the kernels' TF32 products differ with the chunking
     assert float((chunked - whole).square().mean().sqrt() / whole.square().mean().sqrt()) < 1e-2
+
+
+@torch.no_grad()
+def test_graph_replay_takes_position_ids_as_generate_passes_them():
+    model = tiny(**MODELS["hybrid"])
+    ids, mask = left_padded()
+    caches = [StaticLinmemCache(len(model.model.layers), batch_size=3, max_cache_len=ids.shape[1] + 6,
+                                device="cuda") for _ in range(2)]
+    token = torch.stack([model(ids, attention_mask=mask, cache=c, logits_to_keep=1).logits[:, -1:].argmax(-1)
+                         for c in caches])[0]
+    decoder = GraphDecoder(model, caches[1])
+    for step in range(6):  # positions 100 past the real ones: not what the cache would give
+        positions = mask.sum(1, keepdim=True) + step + 100
+        eager = decode_step(model, token, caches[0], positions)
+        caches[0].advance_host(1)
+        graphed = decoder.step(caches[1], token, positions)
+        torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-5)
+        token = eager[:, -1:].argmax(-1)
+    assert decoder.graph is not None

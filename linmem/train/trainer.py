@@ -45,13 +45,13 @@ from ..distributed import (DataParallelBatches, ParallelConfigError, SequencePar
                            clip_grad_norm_, export_pretrained, global_lm_loss, next_token_targets, parallelize,
                            sequence_parallel, shard_sequence, write_shards)
 from ..distributed.batch import IGNORE_INDEX
-from ..distributed.config import TORCHRUN_ENVIRONMENT
+from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.modeling import LinmemCausalLMOutput
 from ..ops.routing import load_summary
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
-from .config import ConfigError, DataSection, ModelSection, TrainConfig
+from .config import ConfigError, DataSection, ModelSection, TrainConfig, check_processes
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
@@ -119,33 +119,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def world_size() -> int:
-    """The number of processes launched (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"WORLD_SIZE={text!r} is not a number of processes")
-    return int(text)
-
-
 def check_launch(config: TrainConfig) -> int:
     """Refuse, before any work, a launch that ``config`` cannot run on; returns the number of processes.
 
-    One process: ``run.device`` must exist here (the trainer ignores the parallel section's sizes,
-    with a warning). Several (torchrun): no saved model to fine-tune (``model.pretrained``, ``lora``),
-    ``parallel.dp * parallel.sp``
-    must be the number of processes, ``sp`` must divide every training sequence and ``ep`` the
-    experts, the model must suit the layout (checked on the meta device), every rank takes its own
-    device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
+    First what the config alone decides (:func:`~linmem.train.config.check_processes`: ``parallel.dp *
+    parallel.sp`` processes, 1 without torchrun; no saved model to fine-tune under torchrun). One process:
+    ``run.device`` must exist here. Several (torchrun): ``sp`` must divide every training sequence and
+    ``ep`` the experts, the model must suit the layout (checked on the meta device), every rank takes its
+    own device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
     (:class:`~linmem.distributed.ParallelConfigError` or :class:`ConfigError`).
     """
     world, parallel = world_size(), config.parallel
+    check_processes(config, world)
     if world == 1:
         resolve_device(config.run.device)
         return 1
-    if config.lora.rank or config.model.pretrained is not None:
-        raise ConfigError(f"WORLD_SIZE={world}: fine-tuning a saved model (model.pretrained, lora.rank) runs on one "
-                          "process; launch it without torchrun")
-    parallel.validate(world)
     for length in _sequence_lengths(config.data):
         parallel.validate(seq_len=length)
     parallel_device_type(config.run.device)
@@ -263,10 +251,6 @@ class Trainer:
     def __init__(self, config: TrainConfig, task: Optional[Task] = None) -> None:
         self.config = config.validate()
         world = check_launch(config)
-        p = config.parallel
-        if world == 1 and (p.dp, p.sp, p.ep) != (1, 1, 1):
-            logger.warning("parallel.dp=%d, sp=%d, ep=%d are ignored on one process: launch them with torchrun "
-                           "--nproc-per-node %d -m linmem.cli train ...", p.dp, p.sp, p.ep, p.dp * p.sp)
         self.out_dir = Path(config.run.out_dir)
         self.ranks = Ranks(resolve_device(config.run.device)) if world == 1 else \
             join(config.parallel, parallel_device_type(config.run.device))
@@ -298,7 +282,7 @@ class Trainer:
                                            fused=self.device.type == "cuda")
         s = config.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: cosine_with_warmup(step, s.warmup_steps, s.steps, s.min_lr_ratio))
+            self.optimizer, lambda step: cosine_with_warmup(step, s.warmup, s.steps, s.min_lr_ratio))
         self.forward = torch.compile(self.model) if config.run.compile and self.ranks.mesh is None else self.model
         self.step = 0
         self.skipped_steps = 0

@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -52,6 +51,7 @@ from ..ops.routing import load_summary
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
 from .config import ConfigError, DataSection, ModelSection, TrainConfig, check_processes
+from .console import Console, TokenRate, on_terminal
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
@@ -445,51 +445,58 @@ class Trainer:
         log = MetricsLog(self.out_dir, run.tensorboard) if main else _NoMetrics()
         log.truncate_after(self.step)
         result = TrainResult(out_dir=self.out_dir, steps=self.step)
-        progress = _progress(self.step, cfg.schedule.steps, run.progress and main)
+        console = Console(self.step, cfg.schedule.steps, main=main, bar=run.progress and on_terminal())
         try:
             with _StopSignals() as signals:  # the final save and evaluation below stop at once on Ctrl-C
-                self._steps(result, log, progress, signals, stop_at)
-            progress.close()
+                self._steps(result, log, console, signals, stop_at)
+            console.close()
             if self.step >= cfg.schedule.steps:
                 if self.saved_step != self.step:
                     self.save()  # before the evaluation: a failing evaluation loses no training
-                result.metrics = self.evaluate(progress=run.progress)
+                result.metrics = self.evaluate(progress=console.bar_on)
                 log.write(self.step, result.metrics)
+                console.evaluated(self.step, result.metrics)
                 if main:
                     mark_finished(self.out_dir, self.step, result.metrics)
         finally:
-            progress.close()
+            console.close()
             log.close()
         result.steps, result.skipped_steps = self.step, self.skipped_steps
         return result
 
-    def _steps(self, result: TrainResult, log: MetricsLog, progress: Any, signals: _StopSignals,
+    def _steps(self, result: TrainResult, log: MetricsLog, console: Console, signals: _StopSignals,
                stop_at: Optional[int]) -> None:
         """Optimiser steps until schedule.steps (or ``stop_at``), logging, evaluating and saving as
-        the config says; after a signal (to any rank), save and raise :class:`Interrupted`."""
+        the config says; after a signal (to any rank), save and raise :class:`Interrupted`.
+
+        ``tok_s`` is the rate of the last logging window (time spent evaluating and saving left out),
+        ``tok_s_cumulative`` the rate since this process started training."""
         cfg, run = self.config, self.config.run
         batches = iter(self.batches)
         self.model.train()
-        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+        rate = TokenRate(self.tokens_seen)
         while self.step < cfg.schedule.steps:
             loss, grad_norm, router = self._optimizer_step(batches)
             self.step += 1
             result.losses[self.step] = loss
-            elapsed = time.perf_counter() - started
-            tok_s = (self.tokens_seen - tokens_at_start) / max(elapsed, 1e-9)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            console.step(loss)
             if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
-                log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                                      "tokens": self.tokens_seen, "tok_s": tok_s,
-                                      "skipped_steps": self.skipped_steps, **router})
+                values = {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                          "tokens": self.tokens_seen, "tok_s": rate.window(self.tokens_seen),
+                          "tok_s_cumulative": rate.cumulative(self.tokens_seen), "skipped_steps": self.skipped_steps,
+                          **router}
+                log.write(self.step, values)
+                console.logged(self.step, values)
             if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
-                result.metrics = self.evaluate()
+                with rate.paused():
+                    result.metrics = self.evaluate()
                 log.write(self.step, result.metrics)
+                console.evaluated(self.step, result.metrics)
             if stop_at is not None and self.step >= stop_at:
                 break
             if run.save_every and self.step % run.save_every == 0 and self.step < cfg.schedule.steps:
-                self.save()
+                with rate.paused():
+                    self.save()
             received = self.ranks.any_signal(signals.received)
             if received is not None:
                 if self.saved_step != self.step:
@@ -549,9 +556,3 @@ def _router_metrics(out: LinmemCausalLMOutput) -> dict[str, torch.Tensor]:
     if out.router_stats is None:
         return {}
     return {"aux_loss": out.aux_loss.detach(), **load_summary(out.router_stats)}
-
-
-def _progress(start: int, total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)

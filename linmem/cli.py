@@ -37,11 +37,14 @@ USAGE_ERROR = 2  # exit status of a refused command (argparse's)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import Trainer, load_config
-    from .train.rundir import check_run_directory
-    from .train.trainer import check_launch
+    from .distributed.config import world_size
+    from .train.config import check_processes, load_config
 
     config = load_config(args.config, recipe=args.recipe, overrides=args.overrides)
+    check_processes(config, world_size())  # before torch loads: what only the config decides answers at once
+    from .train.rundir import check_run_directory
+    from .train.trainer import Trainer, check_launch
+
     check_launch(config)
     say = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 speaks
     finished = check_run_directory(config)
@@ -179,6 +182,14 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return main(args.passed_on)
 
 
+def _config_sections() -> str:
+    """The epilog of ``linmem train --help``: the config's sections, and where every key is described."""
+    from .train.config_reference import section_lines
+
+    return "config sections (every key, its type, default and meaning: docs/config.md):\n" + "\n".join(
+        f"  {line}" for line in section_lines())
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .eval.command import add_eval_arguments
     from .tokenizer import add_tokenizer_arguments
@@ -190,10 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", parents=[common], help="train a model from a config file or recipe")
+    train = sub.add_parser("train", parents=[common], help="train a model from a config file or recipe",
+                           epilog=_config_sections(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="a YAML config file")
     train.add_argument("--recipe", help="a named recipe shipped in linmem/recipes/")
-    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. data.task=text "
+                                                    "data.text.paths=[my.txt] schedule.steps=200")
     train.set_defaults(func=_train)
 
     evaluate = sub.add_parser("eval", parents=[common],
@@ -294,14 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: linmem.train's errors that the command line reports, and the modules that define them.
+_TRAIN_ERRORS = {"CheckpointError": "linmem.train.checkpoint", "RunError": "linmem.train.rundir",
+                 "Interrupted": "linmem.train.trainer"}
+
+
 def _train_error(err: BaseException, *names: str) -> bool:
     """Whether ``err`` is one of linmem.train's errors ``names`` (only a subcommand that imported
-    linmem.train can raise them, so nothing is imported here)."""
-    if "linmem.train" not in sys.modules:
-        return False
-    from . import train
-
-    return isinstance(err, tuple(getattr(train, name) for name in names))
+    their module can raise them, so nothing is imported here)."""
+    modules = [sys.modules.get(_TRAIN_ERRORS[name]) for name in names]
+    return isinstance(err, tuple(getattr(module, name) for module, name in zip(modules, names) if module))
 
 
 def _is_usage_error(err: BaseException) -> bool:

@@ -129,8 +129,9 @@ def train_tokenizer(
 
     The texts are the files (and the .txt/.md/.rst/.py files inside the folders) of ``paths``,
     or, when ``paths`` is None or empty, the Python standard library's sources; ``max_files``
-    caps how many are read. Every byte is in the initial alphabet, so any text encodes;
-    ``<|endoftext|>`` is the BOS and EOS token and ``<|pad|>`` the padding token. Returns
+    caps how many are read; ``out_dir`` must be new or empty. Every byte is in the initial
+    alphabet, so any text encodes; ``<|endoftext|>`` is the BOS and EOS token and ``<|pad|>`` the
+    padding token. Returns
     ``out_dir``, loadable with ``AutoTokenizer.from_pretrained(out_dir)`` and :func:`load_codec`.
 
     Example:
@@ -144,6 +145,11 @@ def train_tokenizer(
                              f"got {vocab_size}")
     if min_frequency < 1:
         raise TokenizerError(f"min_frequency must be >= 1, got {min_frequency}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TokenizerError(f"the output folder {out_dir} (--out) is a file: choose a folder")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise TokenizerError(f"the output folder {out_dir} (--out) exists and is not empty: choose a new one")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -163,7 +169,6 @@ def train_tokenizer(
     bpe.train_from_iterator(texts, trainer=trainer, length=len(texts))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                         pad_token=PAD_TOKEN)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
@@ -180,7 +185,8 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """
     sub = parser.add_subparsers(dest="tokenizer_command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE on local text (default: the Python stdlib sources)")
-    train.add_argument("--out", required=True, help="folder to write the tokenizer to (save_pretrained format)")
+    train.add_argument("--out", required=True,
+                       help="the folder to write the tokenizer to (new or empty; save_pretrained format)")
     train.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary, special ones included")
     train.add_argument("--max-files", type=int, default=None, help="read at most this many files")
     train.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned")

@@ -595,6 +595,48 @@ def write_file(env, name: str, data: bytes) -> str:
     return str(path)
 
 
+# ---------------------------------------------------------------- own text and the CLI
+
+def own_text_run(env, name: str, files: dict[str, str]) -> bool:
+    """Train one step on ``files`` through the command line; the run ends with a validation loss."""
+    folder = write_folder(env, name, files)
+    out = env.root / f"{name}-run"
+    assert cli("train", "data.task=text", f"data.text.paths=[{str(folder)!r}]", "schedule.steps=1",
+               "data.tokens_per_batch=64", "model.hidden_size=16", f"run.out_dir={out}", "run.progress=false",
+               "run.tensorboard=false") == 0
+    metrics = json.loads((out / "finished.json").read_text())["metrics"]
+    assert metrics["val_loss"] > 0, metrics
+    return True
+
+
+def no_validation_run(env) -> Path:
+    """A copy of the module's text run whose config holds nothing out (data.text.val_fraction=0)."""
+    import shutil
+
+    run = env.root / "no-validation-run"
+    if not run.exists():
+        shutil.copytree(env.run_dir, run)
+        config = run / "config.yaml"
+        config.write_text(config.read_text().replace("val_fraction: 0.02", "val_fraction: 0.0"))
+    return run
+
+
+def eval_cli(env, *args: str, run: Optional[Path] = None) -> int:
+    return cli("eval", str(run or env.run_dir), "--no-progress", *args)
+
+
+def bench_ops_without_cuda() -> int:
+    from unittest import mock
+
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        return cli("bench", "ops")
+
+
+def tokenizer_into_full_folder(env) -> int:
+    folder = write_folder(env, "full-folder", {"keep.txt": "mine"})
+    return cli("tokenizer", "train", "--out", str(folder), "--vocab-size", "260", "--max-files", "1")
+
+
 # ---------------------------------------------------------------- the catalogue
 
 
@@ -984,7 +1026,7 @@ CASES: list[Case] = [
           "batch_size must be >= 1", fixed=True),
     named("cli tokenizer train --out a file",
           lambda e: cli("tokenizer", "train", "--out", write_file(e, "tok-file", b"x"), str(e.root / "corpus")),
-          "File exists", fixed=True),
+          "(--out) is a file", fixed=True),
     named("cli demo --out a file", lambda e: cli("demo", "--quick", "--out", write_file(e, "demo-file", b"x")), "File exists",
           fixed=True),
     named("cli linearize --steps 0", lambda e: cli("linearize", "--from", str(e.root / "none"), "--out", str(e.root / "lin"),
@@ -999,6 +1041,43 @@ CASES: list[Case] = [
           lambda e: hf_generate(e, ids(e, 1, 4), max_new_tokens=2, output_attentions=True,
                                 return_dict_in_generate=True), "`output_attentions` must be False", fixed=True),
     correct("model.generate from inputs_embeds alone", generate_from_embeddings, fixed=True),
+    # own text and the CLI
+    named("cli train data.text.paths without brackets", lambda e: train_cli(e, "data.task=text", "data.text.paths=a.txt"),
+          "write a list in brackets, e.g. data.text.paths=[a.txt]", fixed=True),
+    named("cli train data.text.paths unclosed list", lambda e: train_cli(e, "data.task=text", "data.text.paths=[a.txt"),
+          "data.text.paths='[a.txt': cannot read a list[str]", fixed=True),
+    named("cli train val_fraction with prepared shards",
+          lambda e: train_cli(e, "data.task=text", "data.text.prepared=p", "data.text.val_fraction=0.1"),
+          "data.text.val_fraction=0.1 does not apply to data.text.prepared", fixed=True),
+    named("cli train parallel.dp=2 on one process", lambda e: train_cli(e, "parallel.dp=2"),
+          "launch with torchrun --nproc-per-node 2", fixed=True),
+    named("cli train parallel.sp=2 on one process", lambda e: train_cli(e, "parallel.sp=2"),
+          "launch with torchrun --nproc-per-node 2", fixed=True),
+    correct("cli train schedule.steps=40 (warm-up scaled)",
+            lambda e: __import__("linmem.train.config", fromlist=["x"]).load_config(
+                overrides=["schedule.steps=40"]).schedule.warmup == 4, fixed=True),
+    correct("cli train one text file (token-tail validation)",
+            lambda e: own_text_run(e, "one-file", {"book.txt": "the quick brown fox. " * 40}), fixed=True),
+    correct("cli train two files, one empty", lambda e: own_text_run(e, "one-empty-file",
+                                                                     {"a.txt": "jumps over the dog. " * 40, "b.txt": ""}),
+            fixed=True),
+    named("cli eval run without validation data", lambda e: eval_cli(e, run=no_validation_run(e)),
+          "has no validation data (validation: none (val_fraction 0))", fixed=True),
+    named("cli eval position-loss --concat without validation data",
+          lambda e: eval_cli(e, "--suite", "position-loss", "--concat", run=no_validation_run(e)),
+          "has no validation data", fixed=True),
+    named("cli eval position-loss windows longer than the data", lambda e: eval_cli(e, "--suite", "position-loss"),
+          "give shorter --lengths", fixed=True),
+    named("cli eval --depths 150", lambda e: eval_cli(e, "--suite", "niah", "--depths", "150"),
+          "argument --depths: a count of evenly spaced depths must lie in [1, 101], got 150", fixed=True),
+    named("cli eval --depths 0,150", lambda e: eval_cli(e, "--suite", "niah", "--depths", "0,150"),
+          "argument --depths: depths are percentages in [0, 100]", fixed=True),
+    named("cli eval --limit 0", lambda e: eval_cli(e, "--suite", "niah", "--limit", "0"), "--limit must be > 0"),
+    named("cli eval niah --limit below its cells", lambda e: eval_cli(e, "--suite", "niah", "--limit", "5"),
+          "--limit 5 is fewer prompts than the 9 (length, depth) cells"),
+    named("cli tokenizer train --out a non-empty folder", tokenizer_into_full_folder, "full-folder (--out) exists",
+          fixed=True),
+    named("cli bench ops without CUDA", lambda e: bench_ops_without_cuda(), "no CUDA device found", fixed=True),
 ]
 
 

@@ -38,6 +38,34 @@ def test_help_imports_neither_torch_nor_transformers_and_version_prints(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"linmem {__version__}"
 
 
+CONFIG_ONLY = [  # mistakes that only the config decides: named before torch loads
+    (["schedule.steps=40", "schedule.warmup_steps=60"], "schedule.warmup_steps (60) must be <= schedule.steps (40)"),
+    (["data.task=text", "data.text.paths=corpus.txt"], "write a list in brackets, e.g. data.text.paths=[corpus.txt]"),
+    (["data.text.prepared=data/p", "data.text.val_fraction=0.1"], "data.text.val_fraction=0.1 does not apply"),
+    (["parallel.dp=2"], "launch with torchrun --nproc-per-node 2"),
+    (["parallel.sp=2"], "launch with torchrun --nproc-per-node 2"),
+    (["optim.lr=-1"], "optim.lr must be > 0"),
+    (["run.progres=false"], "did you mean 'progress'?"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CONFIG_ONLY, ids=[" ".join(c[0]) for c in CONFIG_ONLY])
+def test_config_mistakes_are_named_before_torch_loads(overrides, message, tmp_path):
+    code = ("import sys\nfrom linmem.cli import main\n"
+            f"status = main(['train', *{overrides!r}, 'run.out_dir={tmp_path / 'never'}'])\n"
+            "print(status, [m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr
+    assert done.stderr.startswith("linmem: error: ") and message in done.stderr, done.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_short_run_warms_up_for_a_tenth_of_its_steps():
+    assert load_config(overrides=["schedule.steps=40"]).schedule.warmup == 4
+    assert load_config(overrides=["schedule.steps=5000"]).schedule.warmup == 50  # at most 50, the old default
+    assert load_config(overrides=["schedule.steps=40", "schedule.warmup_steps=0"]).schedule.warmup == 0
+
+
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory) -> Path:
     """A tiny byte-level text run, trained once for the tests of this module."""

@@ -162,7 +162,7 @@ def run_summary(run: Path) -> dict:
     return {
         "params_m": model.num_all_parameters() / 1e6,
         "state_per_layer": config["num_heads"] * head_dim * int(head_dim * config["expand_v"]) * memories,
-        "tokens": train_rows[-1]["tokens"], "tok_s": train_rows[-1]["tok_s"],
+        "tokens": train_rows[-1]["tokens"], "tok_s": train_rows[-1]["tok_s_cumulative"],
         "final_train_loss": train_rows[-1]["loss"],
         "train_length": position["train_length"],
         "curves": [PositionCurve(**c) for c in position["curves"]],

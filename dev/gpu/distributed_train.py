@@ -135,11 +135,11 @@ class Runner:
 
 
 def steady_tokens_per_second(rows: list[dict], skip: int = 5) -> float:
-    """Tokens/s after the first ``skip`` steps: each row's ``tok_s`` averages from the run's start, so
-    its elapsed time is ``tokens / tok_s``."""
+    """Tokens/s after the first ``skip`` steps: each row's ``tok_s_cumulative`` averages from the run's
+    start, so its elapsed time is ``tokens / tok_s_cumulative``."""
     if len(rows) <= skip:
         return 0.0
-    elapsed = [r["tokens"] / r["tok_s"] for r in rows]
+    elapsed = [r["tokens"] / r["tok_s_cumulative"] for r in rows]
     return (rows[-1]["tokens"] - rows[skip - 1]["tokens"]) / (elapsed[-1] - elapsed[skip - 1])
 
 

@@ -52,6 +52,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from . import BenchError
 from ..models.modeling import output_cache
 from .models import error_text, free_memory, is_out_of_memory
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
@@ -411,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main_with(config: DecodeBenchConfig, out: Path) -> int:
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("linmem bench decode: no CUDA device found (use --device cpu for a smoke run)")
+        raise BenchError("linmem bench decode: no CUDA device found (use --device cpu for a smoke run)")
     env = environment(config.device)
     print(json.dumps(env), flush=True)
     cells: list[DecodeCell] = []

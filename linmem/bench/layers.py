@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import BenchError
 from ..layers import MixerArgs, build_mixer
 from ..layers.moe import MoEArgs, MoEFeedForward
 from ..layers.mom import MoMArgs
@@ -149,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Time the parts asked for and print JSON lines and a table."""
     if not torch.cuda.is_available():
-        raise SystemExit("linmem bench layers needs a CUDA device")
+        raise BenchError("linmem bench layers times CUDA kernels: no CUDA device found")
     parts = set(args.parts.split(","))
     rows: list[dict] = []
     if "mom" in parts:

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import BenchError
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, training_refusal, unavailable_reason)
 from .report import environment, environment_line, length_label, markdown_table, text_table, write_json
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main_with(config: TrainBenchConfig, out: Path) -> int:
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("linmem bench models: no CUDA device found (use --device cpu for a smoke run)")
+        raise BenchError("linmem bench models: no CUDA device found (use --device cpu for a smoke run)")
     env = environment(config.device)
     print(json.dumps(env), flush=True)
     cells: list[TrainCell] = []

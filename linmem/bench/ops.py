@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import BenchError
 from ..ops import linear_recurrence, linear_recurrence_step
 from ..ops.attention import forgetting_attention
 
@@ -647,7 +648,7 @@ def _error_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
 def main(config: BenchConfig, json_path: Optional[str] = None) -> int:
     """Run the benchmark and print the table (and write rows as JSON)."""
     if not torch.cuda.is_available():
-        raise SystemExit("linmem bench ops times CUDA kernels: no CUDA device found")
+        raise BenchError("linmem bench ops times CUDA kernels: no CUDA device found")
     env = environment()
     ceil = ceilings("cuda")
     gates = {"gates": config.gates} if config.gates != 1.0 else {}

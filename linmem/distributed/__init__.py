@@ -14,17 +14,27 @@ Model code is written for one device; this package parallelises it (as torchtita
 * :func:`save_distributed` / :func:`load_distributed` (DCP, reshardable; :func:`write_shards` /
   :func:`read_shards` for the shards alone) and :func:`export_pretrained`.
 
-Launch: ``torchrun --nproc-per-node N ...``; NCCL on GPU, gloo on CPU.
+Launch: ``torchrun --nproc-per-node N ...``; NCCL on GPU, gloo on CPU. Names load on first use, so that
+the ``parallel`` config section (:mod:`linmem.distributed.config`) imports without torch.
 """
 
-from .attention import sp_attention
-from .batch import DataParallelBatches, global_lm_loss, next_token_targets, shard_sequence, split_packing
-from .checkpoint import export_pretrained, load_distributed, read_shards, save_distributed, write_shards
-from .config import ParallelConfig, ParallelConfigError, ParallelMesh, build_mesh, init_distributed
-from .expert import ExpertParallelMoE, expert_parallel, global_router_stats
-from .handler import SequenceParallel, sequence_parallel
-from .parallelize import apply_compile, check_model, checkpoint_blocks, clip_grad_norm_, compile_refusal, parallelize
-from .sequence import PieceLayout, sp_halo, sp_linear_recurrence
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "attention": ("sp_attention",),
+    "batch": ("DataParallelBatches", "global_lm_loss", "next_token_targets", "shard_sequence", "split_packing"),
+    "checkpoint": ("export_pretrained", "load_distributed", "read_shards", "save_distributed", "write_shards"),
+    "config": ("ParallelConfig", "ParallelConfigError", "ParallelMesh", "build_mesh", "init_distributed"),
+    "expert": ("ExpertParallelMoE", "expert_parallel", "global_router_stats"),
+    "handler": ("SequenceParallel", "sequence_parallel"),
+    "parallelize": ("apply_compile", "check_model", "checkpoint_blocks", "clip_grad_norm_", "compile_refusal",
+                    "parallelize"),
+    "sequence": ("PieceLayout", "sp_halo", "sp_linear_recurrence"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "DataParallelBatches",
@@ -58,3 +68,16 @@ __all__ = [
     "split_packing",
     "write_shards",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = import_module(f"{__name__}.{_WHERE[name]}")
+    for exported in _EXPORTS[_WHERE[name]]:  # all of them: the function parallelize replaces its module's name,
+        globals()[exported] = getattr(module, exported)  # which the import just bound here
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -13,14 +13,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from ..settings import setting
+
+if TYPE_CHECKING:  # torch loads when a mesh is built: the config section alone imports without it
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelConfig", "ParallelMesh", "ParallelConfigError", "TORCHRUN_ENVIRONMENT", "build_mesh",
-           "init_distributed"]
+           "init_distributed", "world_size"]
 
 
 class ParallelConfigError(ValueError):
@@ -29,15 +30,17 @@ class ParallelConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    """How a run spreads over ranks (the ``parallel`` config section; ignored on one process)."""
+    """How a run spreads over ranks (the ``parallel`` config section): ``dp * sp`` processes launched by torchrun."""
 
-    dp: int = 1  # data-parallel ranks: each its own share of the global batch
-    sp: int = 1  # sequence-parallel ranks: each a contiguous piece of every sequence
-    ep: int = 1  # expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts
-    fsdp: bool = True  # shard parameters also between forward and backward (off: keep them gathered)
-    blocks_per_unit: int = 4  # consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more gathered
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
-    timeout_minutes: float = 10.0  # a collective waiting longer fails the run (a rank that died or hangs)
+    dp: int = setting(1, "data-parallel ranks: each its own share of the global batch")
+    sp: int = setting(1, "sequence-parallel ranks: each a contiguous piece of every sequence")
+    ep: int = setting(1, "expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts")
+    fsdp: bool = setting(True, "shard parameters also between forward and backward (off: keep them gathered)")
+    blocks_per_unit: int = setting(4, "consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more "
+                                      "gathered")
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in the backward pass "
+                                                    "(also on one process)")
+    timeout_minutes: float = setting(10.0, "a collective waiting longer fails the run (a rank that died or hangs)")
 
     @property
     def world_size(self) -> int:
@@ -68,9 +71,11 @@ class ParallelConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ParallelConfigError(f"parallel.timeout_minutes must be a number > 0, got {timeout!r}")
         if world_size is not None and world_size != self.world_size:
+            launch = (f": launch with torchrun --nproc-per-node {self.world_size} -m linmem.cli train ..., or set "
+                      "parallel.dp=1 parallel.sp=1 to train on one process") if world_size == 1 else ""
             raise ParallelConfigError(
                 f"parallel.dp * parallel.sp = {self.dp} * {self.sp} = {self.world_size} must equal the number of "
-                f"processes launched, {world_size}"
+                f"processes launched, {world_size}{launch}"
             )
         if self.dp % self.ep:
             raise ParallelConfigError(f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp} (expert-parallel "
@@ -112,6 +117,10 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
         >>> mesh.sp.size(), mesh.data.size()  # doctest: +SKIP
         (2, 4)
     """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     if not dist.is_available() or not dist.is_initialized():
         raise ParallelConfigError(
             "build_mesh: no process group; launch with `torchrun --nproc-per-node N ...` and call "
@@ -129,6 +138,19 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
     )
 
 
+def world_size() -> int:
+    """The number of processes launched (torchrun's ``WORLD_SIZE``; 1 without torchrun).
+
+    Example:
+        >>> world_size()  # doctest: +SKIP
+        1
+    """
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ParallelConfigError(f"WORLD_SIZE={text!r} is not a number of processes")
+    return int(text)
+
+
 #: What torchrun sets for every process; without them there is no process group to join.
 TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -140,6 +162,9 @@ def init_distributed(device_type: Optional[str] = None, timeout_minutes: float =
     ``timeout_minutes``: a collective that waits longer raises on its rank (NCCL: the watchdog ends
     the process) instead of hanging after another rank died.
     """
+    import torch
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     missing = [name for name in TORCHRUN_ENVIRONMENT if name not in os.environ]

@@ -26,17 +26,30 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+MAX_DEPTH_COUNT = 101  # niah: evenly spaced depths, at most one a percent
+
+
 def _depths(text: str):
-    """``10`` (that many evenly spaced depths) or ``0,25,50.5`` (percentages)."""
+    """``10`` (that many evenly spaced depths, 1 to 101) or ``0,25,50.5`` / ``75.0`` (percentages in [0, 100])."""
     try:
-        return int(text) if "," not in text and "." not in text else [float(x) for x in text.split(",") if x.strip()]
+        value = int(text) if "," not in text and "." not in text else [float(x) for x in text.split(",") if x.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected a count or comma-separated percentages, got {text!r}") from err
+    if isinstance(value, int) and not 1 <= value <= MAX_DEPTH_COUNT:
+        raise argparse.ArgumentTypeError(
+            f"a count of evenly spaced depths must lie in [1, {MAX_DEPTH_COUNT}], got {value} (percentages are "
+            "written with a comma or a point: 0,50,100 or 75.0)")
+    if isinstance(value, list) and (not value or not all(0 <= d <= 100 for d in value)):
+        raise argparse.ArgumentTypeError(f"depths are percentages in [0, 100], got {text!r}")
+    return value
 
 
 def _limit(text: str) -> float:
-    value = float(text)
-    if value <= 0:
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"--limit must be > 0, got {text!r}")
     return int(value) if value >= 1 and value.is_integer() else value
 
@@ -60,9 +73,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=_int_list, default=None,
                         help="niah / position-loss lengths in tokens, e.g. 1024,2048,4096 "
                              "(default: 1, 2 and 4 times the training length)")
-    parser.add_argument("--depths", type=_depths, default=10,
-                        help="niah: a number of evenly spaced depths, or comma-separated percentages (default 10)")
-    parser.add_argument("--samples", type=int, default=10, help="niah: prompts per (task, length, depth)")
+    parser.add_argument("--depths", type=_depths, default=None,
+                        help="niah: a number of evenly spaced depths (1 to 101), or comma-separated percentages "
+                             "(default: 10 on a GPU, 3 on a CPU)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="niah: prompts per (task, length, depth) (default: 10 on a GPU, 2 on a CPU)")
     parser.add_argument("--niah-tasks", type=_names, default=None,
                         help="niah: RULER tasks, comma-separated (default: all eight)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="niah: tokens generated per prompt")
@@ -77,7 +92,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-path", default=None, help="harness: a folder of local task YAMLs")
     parser.add_argument("--local-tasks-only", action="store_true",
                         help="harness: index only --include-path, not lm-eval's built-in tasks (starts much faster)")
-    parser.add_argument("--limit", type=_limit, default=None, help="harness: examples per task (a fraction when < 1)")
+    parser.add_argument("--limit", type=_limit, default=None,
+                        help="harness: examples per task; niah: prompts per task, spread over its (length, depth) "
+                             "cells (a fraction of them when < 1)")
     parser.add_argument("--num-fewshot", type=int, default=None, help="harness: few-shot examples per prompt")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="niah: seed of the prompts")

@@ -61,6 +61,10 @@ NOUNS = (
     "quarry", "rabbit", "river", "saddle", "shadow", "signal", "spring", "statue", "thunder", "tiger", "tower",
     "trumpet", "valley", "violin", "wagon", "whistle", "window", "winter", "zephyr",
 )
+#: The default grid of ``linmem eval --suite niah`` by device type: (evenly spaced depths, prompts per
+#: (task, length, depth)). RULER's 10 x 10 on a GPU (2,400 prompts over 8 tasks and 3 lengths); on a CPU
+#: 3 x 2 (144 prompts), which a small model answers in minutes.
+NIAH_DEFAULTS = {"cuda": (10, 10), "cpu": (3, 2)}
 KINDS = ("words", "numbers", "uuids")
 HAYSTACKS = ("noise", "text", "needles")
 
@@ -417,8 +421,9 @@ def run_niah(
     return NiahResult(cells=cells, settings=settings, examples=examples)
 
 
-def plot_niah(result: NiahResult, out_dir: Union[str, Path], prefix: str = "niah") -> list[Path]:
-    """One heat map per task (depth down, length across, accuracy as colour and number): ``<prefix>_<task>.png``.
+def plot_niah(result: NiahResult, out_dir: Union[str, Path]) -> list[Path]:
+    """One heat map per task (depth down, length across, accuracy as colour and number): ``<task>.png``
+    (e.g. ``niah_single_1.png``).
 
     Example:
         >>> paths = plot_niah(result, "runs/x/eval")  # doctest: +SKIP
@@ -444,7 +449,7 @@ def plot_niah(result: NiahResult, out_dir: Union[str, Path], prefix: str = "niah
                title=f"{task}: {result.accuracy(task):.2f}")
         fig.colorbar(image, ax=ax, label="accuracy")
         fig.tight_layout()
-        path = out_dir / f"{prefix}_{task}.png"
+        path = out_dir / f"{task}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)

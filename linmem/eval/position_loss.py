@@ -55,6 +55,17 @@ class PositionCurve:
         return sum(w * v for w, v in pairs) / width
 
 
+def window_tokens(documents: Sequence[Document], concat: bool) -> int:
+    """The most tokens one window can span: the longest document's, or with ``concat`` all of them together.
+
+    Example:
+        >>> window_tokens([[1, 2, 3], [4, 5]], concat=False), window_tokens([[1, 2, 3], [4, 5]], concat=True)
+        (3, 5)
+    """
+    lengths = [len(d) for d in documents]
+    return sum(lengths) if concat else max(lengths, default=0)
+
+
 def _windows(documents: Sequence[Document], length: int, max_windows: int, concat: bool) -> torch.Tensor:
     """[W, length + 1] token windows (see the module docstring)."""
     arrays = [np.asarray(d.tolist() if isinstance(d, torch.Tensor) else d, dtype=np.int64) for d in documents]
@@ -67,10 +78,11 @@ def _windows(documents: Sequence[Document], length: int, max_windows: int, conca
     else:
         found = [a[i:i + span] for a in arrays for i in range(0, len(a) - span + 1, span)]
     if not found:
-        longest = max((len(a) for a in arrays), default=0)
         raise PositionLossError(
-            f"no window of {length} + 1 tokens: the longest document has {longest} tokens"
-            + ("" if concat else "; pass concat=True to cut windows across document boundaries"))
+            f"no window of {length} + 1 tokens: " + (f"the documents hold {window_tokens(arrays, True)} tokens"
+                                                     if concat else
+                                                     f"the longest document has {window_tokens(arrays, False)} tokens;"
+                                                     " pass concat=True to cut windows across document boundaries"))
     return torch.from_numpy(np.stack(found[:max_windows]))
 
 

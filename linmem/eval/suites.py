@@ -23,8 +23,9 @@ import torch
 
 from ..models import LinmemForCausalLM
 from ..tokenizer import Codec, load_codec
-from .niah import NIAH_TASKS, plot_niah, run_niah
-from .position_loss import extrapolation_rows, plot_position_loss, position_loss, write_position_loss
+from .niah import NIAH_DEFAULTS, NIAH_TASKS, depth_grid, plot_niah, run_niah
+from .position_loss import (extrapolation_rows, plot_position_loss, position_loss, window_tokens,
+                            write_position_loss)
 from .tables import write_table
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ class EvalOptions:
     """Settings of the suites (each suite reads the fields it needs)."""
 
     lengths: Optional[list[int]] = None  # niah / position-loss lengths; None: 1, 2 and 4 times the training length
-    depths: Union[int, list[float]] = 10  # niah: number of evenly spaced depths, or the percentages
-    samples: int = 10  # niah: prompts per (task, length, depth)
+    depths: Union[int, list[float], None] = None  # niah: evenly spaced depths, or the percentages; None: by device
+    samples: Optional[int] = None  # niah: prompts per (task, length, depth); None: by device (NIAH_DEFAULTS)
     niah_tasks: list[str] = field(default_factory=lambda: list(NIAH_TASKS))  # niah: RULER tasks to run
     max_new_tokens: int = 128  # niah: generation budget per prompt (counted in the length)
     haystack: Optional[list[str]] = None  # niah: files/folders of haystack text; None: the Python stdlib sources
@@ -53,7 +54,7 @@ class EvalOptions:
     harness_tasks: list[str] = field(default_factory=list)  # harness: lm-eval task names
     include_path: Optional[str] = None  # harness: folder of local task YAMLs
     local_tasks_only: bool = False  # harness: index only include_path, not lm-eval's built-in tasks (faster start)
-    limit: Optional[float] = None  # harness: examples per task (fraction when < 1)
+    limit: Optional[float] = None  # harness: examples per task; niah: prompts per task (a fraction when < 1)
     num_fewshot: Optional[int] = None  # harness: few-shot examples (None: each task's default)
     batch_size: int = 8  # sequences per forward pass
     seed: int = 0  # niah prompts
@@ -123,6 +124,21 @@ def _text_run(run: EvalRun, suite: str) -> Codec:
     return run.codec
 
 
+def validation_documents(run: EvalRun, suite: str):
+    """The held-out documents of a text run; an :class:`EvalError` that says so when it has none."""
+    _text_run(run, suite)
+    documents = run.task.val_docs
+    if len(documents) == 0:
+        raise EvalError(f"{run.run_dir} has no validation data (validation: {run.task.split}), and suite {suite} "
+                        "scores held-out text: train with data.text.val_fraction > 0 (or prepare the data with "
+                        "--val-fraction > 0); suites niah and harness, and linmem generate, need none")
+    return documents
+
+
+#: The suites that score a text run's validation documents.
+NEEDS_VALIDATION = ("perplexity", "position-loss")
+
+
 def _lengths(run: EvalRun, options: EvalOptions) -> list[int]:
     return list(options.lengths) if options.lengths else [run.train_length * k for k in (1, 2, 4)]
 
@@ -148,20 +164,38 @@ def mqar_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
 
 def perplexity_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
     """Held-out loss and perplexity of a text run (its validation documents)."""
-    _text_run(run, "perplexity")
+    validation_documents(run, "perplexity")
     return _task_metrics(run, out_dir, "perplexity")
 
 
+def niah_grid(run: EvalRun, options: EvalOptions) -> tuple[Union[int, list[float]], int]:
+    """The depths and the prompts per (task, length, depth) of a NIAH suite: the options', else the
+    device's defaults (:data:`NIAH_DEFAULTS`), with ``options.limit`` capping the prompts of each task."""
+    depths, samples = NIAH_DEFAULTS["cuda" if run.device.type == "cuda" else "cpu"]
+    depths = depths if options.depths is None else options.depths
+    samples = samples if options.samples is None else options.samples
+    if options.limit is None:
+        return depths, samples
+    if options.limit < 1:
+        return depths, max(1, round(samples * options.limit))
+    cells = len(_lengths(run, options)) * len(depth_grid(depths))
+    if options.limit < cells:
+        raise EvalError(f"--limit {options.limit:g} is fewer prompts than the {cells} (length, depth) cells of a niah "
+                        "task: raise it, or lower --depths or --lengths")
+    return depths, min(samples, int(options.limit) // cells)
+
+
 def niah_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
-    """RULER needle-in-a-haystack: ``eval/niah.json`` and one heat map per task ``eval/niah_<task>.png``."""
+    """RULER needle-in-a-haystack: ``eval/niah.json`` and one heat map per task ``eval/<task>.png``."""
     codec = _text_run(run, "niah")
     haystack = None
     if options.haystack:
         from ..train.data import text_files
 
         haystack = text_files(options.haystack)
+    depths, samples = niah_grid(run, options)
     result = run_niah(run.model, codec.encode, codec.decode, tasks=options.niah_tasks, lengths=_lengths(run, options),
-                      depths=options.depths, samples=options.samples, max_new_tokens=options.max_new_tokens,
+                      depths=depths, samples=samples, max_new_tokens=options.max_new_tokens,
                       seed=options.seed, haystack=haystack, batch_size=options.batch_size,
                       eos_token_id=codec.eos_token_id, progress=options.progress)
     result.write(out_dir / "niah.json")
@@ -174,8 +208,16 @@ def niah_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
 
 def position_loss_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
     """Held-out loss by position: ``eval/position_loss.json``, ``position_loss_bins.csv/.md``, ``position_loss.png``."""
-    _text_run(run, "position-loss")
-    curves = position_loss(run.model, run.task.val_docs, lengths=_lengths(run, options), bins=options.bins,
+    documents = validation_documents(run, "position-loss")
+    lengths = _lengths(run, options)
+    available = window_tokens(documents, options.concat)
+    if max(lengths) + 1 > available:
+        within = ("in the validation documents together" if options.concat else
+                  f"in the longest validation document ({window_tokens(documents, True):,} in all: --concat cuts "
+                  "windows across documents)")
+        raise EvalError(f"position-loss: a window of --lengths {max(lengths)} needs {max(lengths) + 1} tokens, there "
+                        f"are {available:,} {within}; give shorter --lengths")
+    curves = position_loss(run.model, documents, lengths=lengths, bins=options.bins,
                            max_windows=options.max_windows, batch_size=options.batch_size, concat=options.concat,
                            progress=options.progress)
     write_position_loss(curves, out_dir / "position_loss.json", train_length=run.train_length)
@@ -247,6 +289,9 @@ def evaluate_run(
     run = open_run(run_dir, overrides, device=options.device)
     if not names:
         names = ["mqar" if run.task_kind == "mqar" else "perplexity"]
+    for name in names:  # before any suite runs: a run without validation data is named at once
+        if name in NEEDS_VALIDATION:
+            validation_documents(run, name)
     out_dir = run.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, files = [], {}

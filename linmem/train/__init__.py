@@ -1,10 +1,38 @@
-"""Training: config dataclasses, data pipeline, trainer, checkpoints, run directories."""
+"""Training: config dataclasses, data pipeline, trainer, checkpoints, run directories.
 
-from .checkpoint import CheckpointError
-from .config import ConfigError, TrainConfig, apply_overrides, load_config
-from .data import DataError
-from .rundir import RunError
-from .trainer import Interrupted, Trainer, TrainResult, build_model
+Names load on first use, so that the config (:mod:`linmem.train.config`) imports without torch and a
+command whose config is wrong answers at once.
+"""
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "Interrupted", "RunError", "TrainConfig", "TrainResult",
-           "Trainer", "apply_overrides", "build_model", "load_config"]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "checkpoint",
+    "ConfigError": "config",
+    "TrainConfig": "config",
+    "apply_overrides": "config",
+    "load_config": "config",
+    "DataError": "data",
+    "RunError": "rundir",
+    "Interrupted": "trainer",
+    "Trainer": "trainer",
+    "TrainResult": "trainer",
+    "build_model": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -18,25 +18,26 @@ import importlib.resources
 import inspect
 import types
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
 
 from ..distributed.config import ParallelConfig
+from ..settings import section, setting
 
 #: The named recipes, shipped inside the package (found in a source checkout and an installed wheel alike).
 RECIPES = importlib.resources.files("linmem") / "recipes"
 
 #: Keys that may differ from a run directory's saved config when the run resumes: how long to train
-#: (the cosine schedule is recomputed for the new total), how often to log / evaluate / save, where and
+#: (the warm-up and cosine schedule are recomputed for the new total), how often to log / evaluate / save, where and
 #: how to run, over how many ranks (checkpoints reshard). ``schedule.grad_accum`` may change only with
 #: the number of data-parallel ranks, so that an optimiser step keeps its micro-batches (the trainer
 #: compares ``dp * grad_accum`` with the checkpoint's). Any other difference is refused, since the
 #: checkpoint would not match the new config.
 RESUMABLE_KEYS = (
-    "schedule.steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
+    "schedule.steps", "schedule.warmup_steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
     "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.compile_cache", "run.resume",
     "run.out_dir",
     "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.blocks_per_unit",
@@ -45,120 +46,154 @@ RESUMABLE_KEYS = (
 )
 
 
+#: The default share of text held out for validation (``data.text.val_fraction``).
+VAL_FRACTION = 0.02
+#: The longest default warm-up (``schedule.warmup_steps`` unset: a tenth of the steps, at most this).
+MAX_DEFAULT_WARMUP = 50
+
+
 class ConfigError(ValueError):
     """A config key, value or combination that cannot run."""
 
 
 @dataclass
 class ModelSection:
-    recipe: Optional[str] = None  # a named model recipe (linmem.models.MODEL_RECIPES); then only `options` apply
-    hidden_size: int = 64  # model width D
-    num_heads: int = 2  # heads of every mixer
-    layer_pattern: str = "LL"  # one letter per layer: L memory, N attention
-    memory: str = "gated_deltanet"  # mixer of L layers
-    attention: str = "softmax"  # mixer of N layers: softmax, swa, fox
-    options: dict[str, Any] = field(default_factory=dict)  # any other LinmemConfig field
-    pretrained: Optional[str] = None  # a saved LinmemForCausalLM folder to start from (then only `options` apply)
+    recipe: Optional[str] = setting(None, "a named model recipe (linmem.models.MODEL_RECIPES); then only `options` "
+                                          "apply")
+    hidden_size: int = setting(64, "model width D")
+    num_heads: int = setting(2, "heads of every mixer")
+    layer_pattern: str = setting("LL", "one letter per layer: L memory, N attention")
+    memory: str = setting("gated_deltanet", "mixer of L layers (gla, mamba2, deltanet, gated_deltanet, mom, bayes, "
+                                            "...)")
+    attention: str = setting("softmax", "mixer of N layers: softmax, swa, fox")
+    options: dict[str, Any] = setting({}, "any other LinmemConfig field, e.g. model.options.window=64")
+    pretrained: Optional[str] = setting(None, "a saved LinmemForCausalLM folder to start from (then only `options` "
+                                              "apply)")
 
 
 @dataclass
 class MQARSection:
-    settings: list[list[int]] = field(default_factory=lambda: [[64, 4]])  # (seq_len, kv pairs) trained on, mixed
-    eval_settings: list[list[int]] = field(default_factory=list)  # evaluated on (default: the trained ones)
-    vocab_size: int = 8192  # tokens (base: keys from [1, V/2), values from [V/2, V); other variants: one pool [1, V))
-    train_examples: int = 20000  # per setting
-    eval_examples: int = 1000  # per setting
-    power_a: float = 0.01  # power-law parameter of query gaps
-    variant: str = "base"  # base (Zoology), shared (keys and values from one pool), update (keys rebound), block
-    update_fraction: float = 0.5  # variant update: fraction of the pairs rebound (at least one)
-    num_blocks: int = 2  # variant block: MQAR examples back to back in one sequence
+    settings: list[list[int]] = setting([[64, 4]], "(seq_len, kv pairs) trained on, mixed")
+    eval_settings: list[list[int]] = setting([], "evaluated on (empty: the trained ones)")
+    vocab_size: int = setting(8192, "tokens (base: keys from [1, V/2), values from [V/2, V); other variants: one "
+                                    "pool [1, V))")
+    train_examples: int = setting(20000, "training examples per setting")
+    eval_examples: int = setting(1000, "evaluation examples per setting")
+    power_a: float = setting(0.01, "power-law parameter of query gaps")
+    variant: str = setting("base", "base (Zoology), shared (keys and values from one pool), update (keys rebound), "
+                                   "block")
+    update_fraction: float = setting(0.5, "variant update: fraction of the pairs rebound (at least one)")
+    num_blocks: int = setting(2, "variant block: MQAR examples back to back in one sequence")
 
 
 @dataclass
 class TextSection:
-    paths: list[str] = field(default_factory=list)  # files/folders; empty: the Python stdlib sources (bytes)
-    dataset: Optional[str] = None  # a local HF dataset folder or json/jsonl/parquet file (needs tokenizer)
-    text_field: str = "text"  # column holding the text
-    tokenizer: Optional[str] = None  # local tokenizer folder; None: bytes (vocab 256)
-    max_files: Optional[int] = None  # cap on stdlib / folder files read
-    val_fraction: float = 0.02  # documents held out for perplexity (unless the dataset has a validation split)
-    errors: str = "replace"  # invalid UTF-8 in text files: replace (with U+FFFD, counted in the log) or strict
-    prepared: Optional[str] = None  # a folder written by `linmem data prepare` (replaces paths/dataset/tokenizer)
+    paths: list[str] = setting([], "text files and folders, as a list: [a.txt, docs/]; empty: the Python stdlib "
+                                   "sources (bytes)")
+    dataset: Optional[str] = setting(None, "a local HF dataset folder or json/jsonl/parquet file (needs tokenizer)")
+    text_field: str = setting("text", "dataset column holding the text")
+    tokenizer: Optional[str] = setting(None, "local tokenizer folder; null: UTF-8 bytes (vocab 256)")
+    max_files: Optional[int] = setting(None, "cap on stdlib / folder files read")
+    val_fraction: float = setting(VAL_FRACTION, "share held out for validation: of the documents, or of each "
+                                                "document's last tokens when documents are too few (0: none)")
+    errors: str = setting("replace", "invalid UTF-8 in text files: replace (with U+FFFD, counted in the log) or "
+                                     "strict")
+    prepared: Optional[str] = setting(None, "a folder written by `linmem data prepare` (replaces paths, dataset, "
+                                            "tokenizer, max_files and val_fraction)")
 
 
 @dataclass
 class InstructSection:
-    path: Optional[str] = None  # a local JSON (list) or JSONL file of Alpaca records: instruction, input, output
-    tokenizer: Optional[str] = None  # local tokenizer folder (a linearized model's folder holds its source's)
-    max_tokens: int = 1024  # an example is cut to this many tokens (prompt first; cut answers lose their end)
-    val_fraction: float = 0.02  # examples held out for the answer-token loss
+    path: Optional[str] = setting(None, "a local JSON (list) or JSONL file of Alpaca records: instruction, input, "
+                                        "output")
+    tokenizer: Optional[str] = setting(None, "local tokenizer folder (a linearized model's folder holds its "
+                                             "source's)")
+    max_tokens: int = setting(1024, "an example is cut to this many tokens (prompt first; cut answers lose their "
+                                    "end)")
+    val_fraction: float = setting(0.02, "examples held out for the answer-token loss")
 
 
 @dataclass
 class DataSection:
-    task: str = "mqar"  # mqar, text or instruct (prompt-masked instruction data, packed)
-    batch_size: int = 64  # examples per micro-batch (mqar)
-    tokens_per_batch: int = 4096  # tokens per packed micro-batch (text)
-    max_document_tokens: Optional[int] = 1024  # longer documents are cut into pieces (text)
-    seed: int = 0  # data order and synthetic examples
-    mqar: MQARSection = field(default_factory=MQARSection)
-    text: TextSection = field(default_factory=TextSection)
-    instruct: InstructSection = field(default_factory=InstructSection)
+    task: str = setting("mqar", "mqar, text or instruct (prompt-masked instruction data, packed)")
+    batch_size: int = setting(64, "examples per micro-batch (mqar)")
+    tokens_per_batch: int = setting(4096, "tokens per packed micro-batch (text, instruct)")
+    max_document_tokens: Optional[int] = setting(1024, "longer documents are cut into pieces of this many tokens "
+                                                       "(text)")
+    seed: int = setting(0, "data order, held-out documents and synthetic examples")
+    mqar: MQARSection = section(MQARSection, "multi-query associative recall (data.task=mqar)")
+    text: TextSection = section(TextSection, "local text, a local dataset or prepared shards (data.task=text)")
+    instruct: InstructSection = section(InstructSection, "instruction data (data.task=instruct)")
 
 
 @dataclass
 class OptimSection:
-    lr: float = 3e-3  # peak learning rate
-    weight_decay: float = 0.1  # AdamW decay of matrices (not of norms, biases, embeddings)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    lr: float = setting(3e-3, "peak learning rate")
+    weight_decay: float = setting(0.1, "AdamW decay of matrices (not of norms, biases, embeddings)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    eps: float = setting(1e-8, "AdamW epsilon")
+    grad_clip: float = setting(1.0, "max global grad norm (0 = off)")
 
 
 @dataclass
 class ScheduleSection:
-    steps: int = 1000  # optimiser steps
-    warmup_steps: int = 50  # linear warm-up
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_accum: int = 1  # micro-batches per optimiser step
+    steps: int = setting(1000, "optimiser steps")
+    warmup_steps: Optional[int] = setting(None, "linear warm-up steps; null: a tenth of schedule.steps, at most "
+                                                f"{MAX_DEFAULT_WARMUP}")
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr * min_lr_ratio")
+    grad_accum: int = setting(1, "micro-batches per optimiser step")
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up steps this schedule uses: ``warmup_steps``, or by default min(steps // 10, 50).
+
+        Example:
+            >>> ScheduleSection(steps=40).warmup, ScheduleSection(steps=5000).warmup
+            (4, 50)
+        """
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(self.steps // 10, MAX_DEFAULT_WARMUP)
 
 
 @dataclass
 class RunSection:
-    out_dir: str = "runs/default"  # checkpoints, metrics, plots
-    seed: int = 0  # model init and every other RNG
-    device: str = "auto"  # auto, cpu, cuda, cuda:1
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp32
-    compile: Optional[bool] = None  # torch.compile each block (regional); null: on CUDA unless the parallel layout needs eager blocks, off on CPU
-    compile_cache: Optional[str] = None  # folder for torch.compile's caches, reused by later runs naming it (null: torch's)
-    log_every: int = 10  # steps between metric lines
-    eval_every: int = 0  # steps between evaluations (0 = only at the end)
-    save_every: int = 500  # steps between checkpoints (0 = only at the end)
-    keep_checkpoints: int = 2  # newest checkpoints kept
-    resume: bool = True  # continue from the newest valid checkpoint in out_dir
-    progress: bool = True  # progress bar
-    tensorboard: bool = True  # also write TensorBoard events (when tensorboard is installed)
+    out_dir: str = setting("runs/default", "checkpoints, metrics, model/ and evaluations")
+    seed: int = setting(0, "model init and every other RNG")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:1")
+    dtype: str = setting("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp32")
+    compile: Optional[bool] = setting(None, "torch.compile each block on its own (regional); null: on CUDA unless the "
+                                      "parallel layout needs eager blocks, off on CPU")
+    compile_cache: Optional[str] = setting(None, "folder for torch.compile's caches (inductor, Triton), reused by "
+                                           "later runs naming it; null: torch's defaults")
+    log_every: int = setting(10, "steps between metric lines (and console lines when the progress bar is off)")
+    eval_every: int = setting(0, "steps between evaluations (0 = only at the end)")
+    save_every: int = setting(500, "steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    resume: bool = setting(True, "continue from the newest valid checkpoint in out_dir")
+    progress: bool = setting(True, "progress bar on a terminal (else a plain line every log_every steps)")
+    tensorboard: bool = setting(True, "also write TensorBoard events (when tensorboard is installed)")
 
 
 @dataclass
 class LoraSection:
-    rank: int = 0  # LoRA rank r; 0: no LoRA, every parameter trains
-    alpha: float = 16.0  # the adapters' update is alpha / r * B A
-    dropout: float = 0.0  # dropout on the adapters' input
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj"])  # modules given adapters
-    train_modules: list[str] = field(default_factory=lambda: ["gate_proj", "feature_map"])  # trained in full, if present
+    rank: int = setting(0, "LoRA rank r; 0: no LoRA, every parameter trains")
+    alpha: float = setting(16.0, "the adapters' update is alpha / r * B A")
+    dropout: float = setting(0.0, "dropout on the adapters' input")
+    targets: list[str] = setting(["q_proj", "k_proj", "v_proj"], "modules given adapters")
+    train_modules: list[str] = setting(["gate_proj", "feature_map"], "modules trained in full, if present")
 
 
 @dataclass
 class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    schedule: ScheduleSection = field(default_factory=ScheduleSection)
-    run: RunSection = field(default_factory=RunSection)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # ranks under torchrun; ignored on one process
-    lora: LoraSection = field(default_factory=LoraSection)
+    model: ModelSection = section(ModelSection, "the model: a recipe, a layer pattern and mixers, or a saved folder")
+    data: DataSection = section(DataSection, "what the model learns: MQAR, text or instruction data")
+    optim: OptimSection = section(OptimSection, "AdamW")
+    schedule: ScheduleSection = section(ScheduleSection, "steps, linear warm-up, cosine decay, accumulation")
+    run: RunSection = section(RunSection, "where and how: output folder, device, logging, checkpoints")
+    parallel: ParallelConfig = section(ParallelConfig, "ranks under torchrun (dp * sp processes; 1 on one process)")
+    lora: LoraSection = section(LoraSection, "LoRA fine-tuning of a saved model (model.pretrained)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,11 +224,11 @@ class TrainConfig:
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (0 <= self.optim.grad_clip, "optim.grad_clip must be >= 0"),
             (self.schedule.steps >= 1, "schedule.steps must be >= 1"),
-            (0 <= self.schedule.warmup_steps, "schedule.warmup_steps must be >= 0"),
+            (0 <= self.schedule.warmup, "schedule.warmup_steps must be >= 0"),
             (0 <= self.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
             (self.schedule.grad_accum >= 1, "schedule.grad_accum must be >= 1"),
-            (self.schedule.warmup_steps <= self.schedule.steps,
-             f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be <= schedule.steps "
+            (self.schedule.warmup <= self.schedule.steps,
+             f"schedule.warmup_steps ({self.schedule.warmup}) must be <= schedule.steps "
              f"({self.schedule.steps}): the learning rate would never reach optim.lr"),
             (self.run.dtype in ("auto", "bf16", "fp32"), f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
             (self.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1"),
@@ -221,14 +256,31 @@ class TrainConfig:
                                                      or self.data.text.tokenizer or self.data.text.max_files),
              "data.text.prepared replaces data.text.paths, dataset, tokenizer and max_files "
              "(the prepared folder records them): unset those"),
+            (self.data.text.prepared is None or self.data.text.val_fraction == VAL_FRACTION,
+             f"data.text.val_fraction={self.data.text.val_fraction:g} does not apply to data.text.prepared: the "
+             "folder was split when it was prepared (linmem data prepare --val-fraction); unset it"),
             (0 <= self.data.text.val_fraction < 1, "data.text.val_fraction must lie in [0, 1)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         _check_model_options(self.model)
-        self.parallel.validate()  # its own values; against the processes launched by linmem.train.launch
+        self.parallel.validate()  # its own values; against the processes launched: linmem.train.trainer.check_launch
         return self
+
+
+def check_processes(config: TrainConfig, world: int) -> None:
+    """What the config alone decides about a launch on ``world`` processes (no torch needed): the
+    ``parallel`` layout must have ``world`` ranks (on one process: 1; anything else says to launch
+    with torchrun), and a saved model is fine-tuned on one process.
+
+    Example:
+        >>> check_processes(load_config(overrides=["parallel.dp=2"]), 2)
+    """
+    if world > 1 and (config.lora.rank or config.model.pretrained is not None):
+        raise ConfigError(f"WORLD_SIZE={world}: fine-tuning a saved model (model.pretrained, lora.rank) runs on one "
+                          "process; launch it without torchrun")
+    config.parallel.validate(world)
 
 
 def _model_fields() -> list[str]:
@@ -241,6 +293,8 @@ def _model_fields() -> list[str]:
 
 def _check_model_options(model: "ModelSection") -> None:
     """Refuse options that LinmemConfig does not know (with a close match) or that the section sets itself."""
+    if not model.options:
+        return  # nothing to check: LinmemConfig (and torch with it) is not loaded
     valid = _model_fields()
     for key in model.options:
         if key == "vocab_size":
@@ -313,6 +367,21 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     return cls(**values)
 
 
+def type_name(hint: Any) -> str:
+    """A field's type as the config reference writes it: ``int``, ``list[str]``, ``str or null``.
+
+    Example:
+        >>> type_name(Optional[int]), type_name(list[list[int]]), type_name(dict[str, Any])
+        ('int or null', 'list[list[int]]', 'dict[str, Any]')
+    """
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in args)
+    if args:
+        return f"{typing.get_origin(hint).__name__}[{', '.join(type_name(a) for a in args)}]"
+    return "Any" if hint is Any else hint.__name__
+
+
 def _check_type(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -327,7 +396,8 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         return float(value)
     expected = origin or hint
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise ConfigError(f"{key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+        brackets = f": write a list in brackets, e.g. {key}=[{value}]" if expected is list else ""
+        raise ConfigError(f"{key} must be {type_name(hint)}, got {value!r}{brackets}")
     return value
 
 
@@ -346,8 +416,10 @@ def _parse_override(text: str, hint: Any, key: str) -> Any:
         if target in (int, float, str):
             return target(text)
         return _check_type(yaml.safe_load(text), hint, key)
-    except ValueError as err:
-        raise ConfigError(f"{key}={text!r}: cannot read a {getattr(hint, '__name__', hint)}") from err
+    except ConfigError:
+        raise
+    except (ValueError, yaml.YAMLError) as err:
+        raise ConfigError(f"{key}={text!r}: cannot read a {type_name(hint)}") from err
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:

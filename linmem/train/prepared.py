@@ -39,7 +39,7 @@ import numpy as np
 
 from .config import TextSection
 from .corpus import (Codec, SplitCounts, byte_codec, check_split, describe_source, section_codec, text_splits,
-                     tokenize_split, tokenizer_codec)
+                     tokenize_splits, tokenizer_codec)
 from .data import DataError, TokenDocuments
 
 logger = logging.getLogger("linmem.train")
@@ -135,8 +135,9 @@ def prepare_corpus(text: TextSection, out: Union[str, Path], *, seed: int = 0,
     """Tokenize ``text``'s source once into the shards of a new folder ``out``; returns the manifest.
 
     ``seed`` picks the validation documents as ``data.seed`` does for an in-memory run
-    (unless the dataset has its own validation split). The folder is written under a
-    temporary name and renamed when complete; ``out`` must not exist or be empty.
+    (unless the dataset has its own validation split); too few documents are split by their
+    token tails, as in-memory runs split them (:mod:`linmem.train.corpus`). The folder is written
+    under a temporary name and renamed when complete; ``out`` must not exist or be empty.
     """
     out = Path(out)
     if text.prepared is not None:
@@ -152,13 +153,14 @@ def prepare_corpus(text: TextSection, out: Union[str, Path], *, seed: int = 0,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        counts = {name: SplitCounts() for name in SPLITS}
+        writers = {name: _ShardWriter(tmp, name, dtype, shard_tokens, codec.vocab_size) for name in SPLITS}
+        for name, ids in tokenize_splits(splits, codec, counts):
+            writers[name].add(ids)
         manifest_splits = {}
-        for name, texts in (("train", splits.train), ("validation", splits.validation)):
-            counts, writer = SplitCounts(), _ShardWriter(tmp, name, dtype, shard_tokens, codec.vocab_size)
-            for ids in tokenize_split(texts, codec, name, counts):
-                writer.add(ids)
-            check_split(name, counts, splits, describe_source(text))
-            manifest_splits[name] = {**asdict(counts), "shards": writer.close()}
+        for name in SPLITS:
+            check_split(name, counts[name], splits, describe_source(text))
+            manifest_splits[name] = {**asdict(counts[name]), "shards": writers[name].close()}
         if codec.tokenizer is not None:
             codec.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         every = hashlib.sha256()
@@ -171,7 +173,7 @@ def prepare_corpus(text: TextSection, out: Union[str, Path], *, seed: int = 0,
             "special_tokens": codec.special_tokens(),
             "source": {"paths": list(text.paths), "dataset": text.dataset, "text_field": text.text_field,
                        "max_files": text.max_files, "errors": text.errors},
-            "validation": splits.validation_source, "val_fraction": text.val_fraction, "seed": seed,
+            "validation": splits.how, "val_fraction": text.val_fraction, "seed": seed,
             "splits": manifest_splits, "sha256": every.hexdigest(),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -195,8 +197,13 @@ class PreparedCorpus:
     validation: TokenDocuments
 
     @property
-    def description(self) -> str:
-        return f"prepared {self.folder}, validation {self.manifest['validation']}"
+    def source(self) -> str:
+        return f"prepared {self.folder}"
+
+    @property
+    def split(self) -> str:
+        """How the validation split was made (when the folder was prepared)."""
+        return self.manifest["validation"]
 
 
 def open_prepared(folder: Union[str, Path]) -> PreparedCorpus:

@@ -16,7 +16,7 @@ import torch
 from ..eval.mqar import mqar_hits, shift_labels_right
 from ..eval.mqar_variants import mqar_generator
 from .config import DataSection
-from .corpus import Codec, load_corpus, section_codec
+from .corpus import Codec, counted, load_corpus, section_codec
 from .data import ExampleBatches, PackedBatches
 
 Batch = dict[str, torch.Tensor]
@@ -115,7 +115,7 @@ class TextTask(Task):
         else:
             corpus = load_corpus(t, data.seed)
         self.codec, self.vocab_size = corpus.codec, corpus.codec.vocab_size
-        self.source, self.val_docs = corpus.description, corpus.validation
+        self.source, self.split, self.val_docs = corpus.source, corpus.split, corpus.validation
         self.tokens_per_batch, self.max_document_tokens = data.tokens_per_batch, data.max_document_tokens
         self.train_tokens, self.train_documents = corpus.train.num_tokens, len(corpus.train)
         self.train_batches = PackedBatches(corpus.train, data.tokens_per_batch, seed=data.seed,
@@ -147,8 +147,12 @@ class TextTask(Task):
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def describe(self) -> str:
-        return (f"text ({self.source}): {self.train_tokens:,} training tokens in {self.train_documents:,} documents, "
-                f"{len(self.val_docs):,} held-out documents, vocab {self.vocab_size}")
+        """The source, how it was split and how many tokens each side, e.g. ``text from corpus.txt; validation:
+        token tail, the last 0.02 of each of 1 document (...); 9,800 training tokens in 1 document, 200
+        validation tokens in 1 document; vocab 256``."""
+        return (f"text from {self.source}; validation: {self.split}; {self.train_tokens:,} training tokens in "
+                f"{counted(self.train_documents, 'document')}, {self.val_docs.num_tokens:,} validation tokens in "
+                f"{counted(len(self.val_docs), 'document')}; vocab {self.vocab_size}")
 
 
 class _EvalProgress:

@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -45,14 +44,15 @@ from ..distributed import (DataParallelBatches, ParallelConfigError, SequencePar
                            checkpoint_blocks, clip_grad_norm_, compile_refusal, export_pretrained, global_lm_loss,
                            next_token_targets, parallelize, sequence_parallel, shard_sequence, write_shards)
 from ..distributed.batch import IGNORE_INDEX
-from ..distributed.config import TORCHRUN_ENVIRONMENT
+from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.modeling import LinmemCausalLMOutput
 from ..ops.routing import load_summary
 from .compilation import CompileProgress, use_compile_cache
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
-from .config import ConfigError, DataSection, ModelSection, TrainConfig
+from .config import ConfigError, DataSection, ModelSection, TrainConfig, check_processes
+from .console import Console, TokenRate, on_terminal
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
@@ -124,33 +124,21 @@ def resolve_device(name: str, option: str = "run.device") -> torch.device:
     return device
 
 
-def world_size() -> int:
-    """The number of processes launched (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"WORLD_SIZE={text!r} is not a number of processes")
-    return int(text)
-
-
 def check_launch(config: TrainConfig) -> int:
     """Refuse, before any work, a launch that ``config`` cannot run on; returns the number of processes.
 
-    One process: ``run.device`` must exist here (the trainer ignores the parallel section's sizes,
-    with a warning). Several (torchrun): no saved model to fine-tune (``model.pretrained``, ``lora``),
-    ``parallel.dp * parallel.sp``
-    must be the number of processes, ``sp`` must divide every training sequence and ``ep`` the
-    experts, the model must suit the layout (checked on the meta device), every rank takes its own
-    device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
+    First what the config alone decides (:func:`~linmem.train.config.check_processes`: ``parallel.dp *
+    parallel.sp`` processes, 1 without torchrun; no saved model to fine-tune under torchrun). One process:
+    ``run.device`` must exist here. Several (torchrun): ``sp`` must divide every training sequence and
+    ``ep`` the experts, the model must suit the layout (checked on the meta device), every rank takes its
+    own device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
     (:class:`~linmem.distributed.ParallelConfigError` or :class:`ConfigError`).
     """
     world, parallel = world_size(), config.parallel
+    check_processes(config, world)
     if world == 1:
         resolve_device(config.run.device)
         return 1
-    if config.lora.rank or config.model.pretrained is not None:
-        raise ConfigError(f"WORLD_SIZE={world}: fine-tuning a saved model (model.pretrained, lora.rank) runs on one "
-                          "process; launch it without torchrun")
-    parallel.validate(world)
     for length in _sequence_lengths(config.data):
         parallel.validate(seq_len=length)
     parallel_device_type(config.run.device)
@@ -278,10 +266,6 @@ class Trainer:
     def __init__(self, config: TrainConfig, task: Optional[Task] = None) -> None:
         self.config = config.validate()
         world = check_launch(config)
-        p = config.parallel
-        if world == 1 and (p.dp, p.sp, p.ep) != (1, 1, 1):
-            logger.warning("parallel.dp=%d, sp=%d, ep=%d are ignored on one process: launch them with torchrun "
-                           "--nproc-per-node %d -m linmem.cli train ...", p.dp, p.sp, p.ep, p.dp * p.sp)
         self.out_dir = Path(config.run.out_dir)
         self.ranks = Ranks(resolve_device(config.run.device)) if world == 1 else \
             join(config.parallel, parallel_device_type(config.run.device))
@@ -320,7 +304,7 @@ class Trainer:
                                            fused=self.device.type == "cuda")
         s = config.schedule
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: cosine_with_warmup(step, s.warmup_steps, s.steps, s.min_lr_ratio))
+            self.optimizer, lambda step: cosine_with_warmup(step, s.warmup, s.steps, s.min_lr_ratio))
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
@@ -483,54 +467,60 @@ class Trainer:
         log = MetricsLog(self.out_dir, run.tensorboard) if main else _NoMetrics()
         log.truncate_after(self.step)
         result = TrainResult(out_dir=self.out_dir, steps=self.step)
-        progress = _progress(self.step, cfg.schedule.steps, run.progress and main)
+        console = Console(self.step, cfg.schedule.steps, main=main, bar=run.progress and on_terminal())
         log.write(self.step, {"mode": self.mode})
-        say = (lambda line: progress.write(f"compile: {line}")) if main else (lambda line: None)
-        try:
-            with _StopSignals() as signals, CompileProgress(say) as compiling:  # Ctrl-C stops the final save at once
+        try:  # the final save and evaluation below stop at once on Ctrl-C
+            with _StopSignals() as signals, CompileProgress(lambda line: console.write(f"compile: {line}")) as compiling:
                 self.compiling = compiling
-                self._steps(result, log, progress, signals, stop_at)
-            progress.close()
+                self._steps(result, log, console, signals, stop_at)
+            console.close()
             if self.step >= cfg.schedule.steps:
                 if self.saved_step != self.step:
                     self.save()  # before the evaluation: a failing evaluation loses no training
-                result.metrics = self.evaluate(progress=run.progress)
+                result.metrics = self.evaluate(progress=console.bar_on)
                 log.write(self.step, result.metrics)
+                console.evaluated(self.step, result.metrics)
                 if main:
                     mark_finished(self.out_dir, self.step, result.metrics)
         finally:
-            progress.close()
+            console.close()
             log.close()
         result.steps, result.skipped_steps = self.step, self.skipped_steps
         return result
 
-    def _steps(self, result: TrainResult, log: MetricsLog, progress: Any, signals: _StopSignals,
+    def _steps(self, result: TrainResult, log: MetricsLog, console: Console, signals: _StopSignals,
                stop_at: Optional[int]) -> None:
         """Optimiser steps until schedule.steps (or ``stop_at``), logging, evaluating and saving as
-        the config says; after a signal (to any rank), save and raise :class:`Interrupted`."""
+        the config says; after a signal (to any rank), save and raise :class:`Interrupted`.
+
+        ``tok_s`` is the rate of the last logging window (time spent evaluating and saving left out),
+        ``tok_s_cumulative`` the rate since this process started training."""
         cfg, run = self.config, self.config.run
         batches = iter(self.batches)
         self.model.train()
-        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+        rate = TokenRate(self.tokens_seen)
         while self.step < cfg.schedule.steps:
             loss, grad_norm, router = self._optimizer_step(batches)
             self.step += 1
             result.losses[self.step] = loss
-            elapsed = time.perf_counter() - started
-            tok_s = (self.tokens_seen - tokens_at_start) / max(elapsed, 1e-9)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            console.step(loss)
             if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
-                log.write(self.step, {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                                      "tokens": self.tokens_seen, "tok_s": tok_s,
-                                      "skipped_steps": self.skipped_steps, **router, **self._compile_metrics()})
+                values = {"loss": loss, "lr": float(self.scheduler.get_last_lr()[0]), "grad_norm": grad_norm,
+                          "tokens": self.tokens_seen, "tok_s": rate.window(self.tokens_seen),
+                          "tok_s_cumulative": rate.cumulative(self.tokens_seen), "skipped_steps": self.skipped_steps,
+                          **router, **self._compile_metrics()}
+                log.write(self.step, values)
+                console.logged(self.step, values)
             if run.eval_every and self.step % run.eval_every == 0 and self.step < cfg.schedule.steps:
-                result.metrics = self.evaluate()
+                with rate.paused():
+                    result.metrics = self.evaluate()
                 log.write(self.step, result.metrics)
+                console.evaluated(self.step, result.metrics)
             if stop_at is not None and self.step >= stop_at:
                 break
             if run.save_every and self.step % run.save_every == 0 and self.step < cfg.schedule.steps:
-                self.save()
+                with rate.paused():
+                    self.save()
             received = self.ranks.any_signal(signals.received)
             if received is not None:
                 if self.saved_step != self.step:
@@ -601,9 +591,3 @@ def _router_metrics(out: LinmemCausalLMOutput) -> dict[str, torch.Tensor]:
     if out.router_stats is None:
         return {}
     return {"aux_loss": out.aux_loss.detach(), **load_summary(out.router_stats)}
-
-
-def _progress(start: int, total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)

@@ -18,8 +18,10 @@ The checks without processes (configuration errors, batch sharding) run here dir
 from __future__ import annotations
 
 import json
-import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -153,7 +155,7 @@ def test_two_ranks(four_ranks: Path, one_process: dict[str, Any], tmp_path: Path
     _assert_curve(_losses(tmp_path / "dense"), one_process["dense"], "1 process, then 2 ranks, then 1 process")
 
 
-def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, caplog, capsys) -> None:
+def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, capsys) -> None:
     out = tmp_path / "never"
 
     def launch(world: int, *overrides: str, env: bool = True) -> None:
@@ -191,11 +193,23 @@ def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, ca
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert cli.main(["train", *DENSE_RUN, "parallel.dp=3", f"run.out_dir={out}"]) == 2
     assert "linmem: error: parallel.dp * parallel.sp = 3 * 1 = 3 must equal" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with caplog.at_level(logging.WARNING, logger="linmem.train"):
-        assert check_launch(load_config(overrides=["parallel.dp=2"])) == 1
-        Trainer(load_config(overrides=[*DENSE_RUN, f"run.out_dir={out}", "parallel.dp=2"]))
-    assert caplog.text.count("parallel.dp=2, sp=1, ep=1 are ignored on one process") == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: a parallel section is refused, with the launch to use
+    with pytest.raises(ParallelConfigError, match="launch with torchrun --nproc-per-node 2 -m linmem.cli train"):
+        check_launch(load_config(overrides=["parallel.dp=2"]))
+    assert cli.main(["train", *DENSE_RUN, "parallel.sp=2", f"run.out_dir={out}"]) == 2
+    assert "processes launched, 1: launch with torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_package_loads_its_names_on_first_use() -> None:
+    """``import linmem.distributed.config`` (the config section) needs no torch, and ``parallelize`` is the
+    function however its names are first asked for, though its module has the same name."""
+    code = ("import sys\nimport linmem.distributed.config\nprint('torch' in sys.modules)\n"
+            "from linmem.distributed import check_model, parallelize\nprint(callable(parallelize), "
+            "type(parallelize).__name__)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split() == ["False", "True", "function"], done.stdout + done.stderr
 
 
 def test_config_errors() -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 
 import pytest
 
 from linmem.eval.command import SUITE_NAMES, add_eval_arguments, run_eval_command
-from linmem.eval.suites import SUITES, EvalError, EvalOptions, evaluate_run, format_summary
+from linmem.eval.suites import SUITES, EvalError, EvalOptions, evaluate_run, format_summary, niah_grid, open_run
 
 from .conftest import write_corpus, write_local_tasks
 
@@ -20,7 +21,7 @@ def test_text_suites_write_their_files_and_one_summary(text_run):
                           max_new_tokens=6, bins=4, max_windows=4, concat=True, progress=False)
     out = evaluate_run(text_run, ["perplexity", "niah", "position-loss"], options)
     eval_dir = text_run / "eval"
-    for name in ("perplexity.json", "niah.json", "niah_niah_single_1.png", "niah_niah_multikey_2.png",
+    for name in ("perplexity.json", "niah.json", "niah_single_1.png", "niah_multikey_2.png",
                  "position_loss.json", "position_loss_bins.csv", "position_loss.png", "summary.md", "summary.json"):
         assert (eval_dir / name).exists(), name
     metrics = {(r["suite"], r["metric"]): r["value"] for r in out["summary"]}
@@ -103,3 +104,45 @@ def test_the_command_line_parts_import_without_torch():
     env = {**os.environ, "PYTHONPATH": str(Path(linmem.__file__).parents[1])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_run_without_validation_data_is_named_by_every_suite_that_needs_it(text_run, tmp_path, capsys):
+    from linmem.cli import main
+
+    run = tmp_path / "no-validation"
+    shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("eval"))
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("val_fraction: 0.25", "val_fraction: 0.0"))
+    for suite in ([], ["--suite", "perplexity"], ["--suite", "niah,position-loss", "--concat"]):
+        assert main(["eval", str(run), *suite]) == 2
+        err = capsys.readouterr().err
+        assert f"linmem: error: {run} has no validation data (validation: none (val_fraction 0))" in err, err
+        assert "no rows" not in err and "concat=True" not in err
+    assert not (run / "eval" / "niah.json").exists()  # refused before any suite ran
+    out = evaluate_run(run, ["niah"], EvalOptions(lengths=[300], depths=1, samples=1, niah_tasks=["niah_single_1"],
+                                                  max_new_tokens=4, progress=False))
+    assert [r["metric"] for r in out["summary"]] == ["niah_single_1/L300", "niah_single_1/mean"]
+
+
+def test_position_loss_names_the_flags_when_windows_do_not_fit(text_run):
+    with pytest.raises(EvalError, match=r"needs 4097 tokens, there are [\d,]+ in the longest validation document "
+                                        r"\([\d,]+ in all: --concat cuts windows across documents\); give shorter "
+                                        "--lengths"):
+        evaluate_run(text_run, ["position-loss"], EvalOptions(lengths=[4096], progress=False))
+    with pytest.raises(EvalError, match=r"there are [\d,]+ in the validation documents together; give shorter"):
+        evaluate_run(text_run, ["position-loss"], EvalOptions(lengths=[40960], concat=True, progress=False))
+
+
+def test_niah_size_follows_the_device_and_limit(text_run):
+    run = open_run(text_run)  # on the CPU: 3 depths x 2 prompts per (task, length, depth)
+    assert niah_grid(run, EvalOptions()) == (3, 2)
+    assert niah_grid(run, EvalOptions(depths=4, samples=10, lengths=[64, 128], limit=24)) == (4, 3)
+    assert niah_grid(run, EvalOptions(samples=10, limit=0.5)) == (3, 5)
+    with pytest.raises(EvalError, match=r"--limit 5 is fewer prompts than the 9 \(length, depth\) cells"):
+        niah_grid(run, EvalOptions(limit=5))
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    assert parser.parse_args(["r", "--depths", "0,50,100"]).depths == [0.0, 50.0, 100.0]
+    for bad in ("150", "0", "0,150", "-5.0", "nan,1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["r", "--depths", bad])

@@ -336,8 +336,25 @@ def test_empty_documents_are_skipped_and_counted_and_an_empty_split_is_refused(t
         load_corpus(TextSection(paths=[str(only_empty)], val_fraction=0.0), seed=0)
     one = _write(tmp_path / "one", {"a.txt": "text"})
     with pytest.raises(DataError, match=r"the validation split .* holds no tokens .*data.text.val_fraction=0"):
-        load_corpus(TextSection(paths=[str(one)], val_fraction=0.5), seed=0)
+        load_corpus(TextSection(paths=[str(one)], val_fraction=0.1), seed=0)  # a tail of 0.4 of 4 tokens
     assert len(load_corpus(TextSection(paths=[str(one)], val_fraction=0.0), seed=0).validation) == 0
+
+
+def test_too_few_documents_are_split_by_their_token_tails(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(40))
+    one = _write(tmp_path / "one", {"book.txt": text})
+    corpus = load_corpus(TextSection(paths=[str(one)], val_fraction=0.1), seed=0)
+    tail = round(len(text) * 0.1)
+    assert corpus.split.startswith("token tail, the last 0.1 of each of 1 document")
+    assert byte_detokenize(corpus.train[0]) == text[:-tail] and byte_detokenize(corpus.validation[0]) == text[-tail:]
+    two = _write(tmp_path / "two", {"a.txt": text, "b.txt": text[:200], "empty.txt": ""})  # 2% of 3 rounds to 0
+    corpus = load_corpus(TextSection(paths=[str(two)]), seed=0)
+    assert corpus.validation.lengths.tolist() == [round(len(text) * 0.02), round(200 * 0.02)]
+    assert corpus.train.num_tokens + corpus.validation.num_tokens == len(text) + 200
+    assert corpus.counts["train"].empty == 1
+    many = _write(tmp_path / "many", {f"d{i}.txt": text for i in range(50)})  # 2% of 50: one document held out
+    corpus = load_corpus(TextSection(paths=[str(many)]), seed=0)
+    assert corpus.split == "documents, 1 of 50 held out" and corpus.validation.lengths.tolist() == [len(text)]
 
 
 def test_invalid_utf8_is_counted_or_refused(tmp_path, caplog):
@@ -370,4 +387,4 @@ def test_a_dataset_dict_with_a_validation_split_uses_it(tmp_path, hf_datasets):
                             ).save_to_disk(str(tmp_path / "splits"))
     splits = text_splits(TextSection(dataset=str(tmp_path / "splits"), tokenizer="unused"), seed=0)
     assert list(splits.train) == TEXTS and list(splits.validation) == held_out
-    assert splits.validation_source == "the dataset's 'validation' split"
+    assert splits.how == "the dataset's 'validation' split"

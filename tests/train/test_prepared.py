@@ -61,6 +61,19 @@ def test_prepared_shards_give_the_batches_of_the_in_memory_run(tmp_path):
         open_prepared(tmp_path / "prepared")
 
 
+def test_one_file_is_prepared_with_the_token_tails_of_the_in_memory_run(tmp_path, capsys):
+    corpus = _corpus(tmp_path / "corpus", documents=2)  # 2 documents and an empty one: too few to hold out
+    section = TextSection(paths=[str(corpus)], val_fraction=0.1)
+    assert main(["data", "prepare", str(tmp_path / "prepared"), str(corpus), "--val-fraction", "0.1"]) == 0
+    assert "validation token tail, the last 0.1 of each of 3 documents" in capsys.readouterr().out
+    prepared, in_memory = open_prepared(tmp_path / "prepared"), load_corpus(section, seed=0)
+    for split in ("train", "validation"):
+        ours, theirs = getattr(prepared, split), getattr(in_memory, split)
+        assert np.array_equal(ours.lengths, theirs.lengths) and len(ours) == 2
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+    assert prepared.split == in_memory.split
+
+
 def _tokenizer(folder):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")

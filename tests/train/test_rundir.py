@@ -74,12 +74,15 @@ def test_a_finished_run_is_left_as_it_is_and_more_steps_continue_it(run_copy, ca
     assert json.loads((run_copy / "finished.json").read_text())["step"] == 6
 
 
-def test_resume_false_starts_over_and_the_final_evaluation_has_its_own_bar(run_copy, capsys):
+def test_resume_false_starts_over_and_the_final_evaluation_has_its_own_bar(run_copy, capsys, monkeypatch):
+    monkeypatch.setattr("linmem.train.trainer.on_terminal", lambda: True)  # as in a terminal: bars, no lines
     overrides = ("optim.lr=1e-3", "run.resume=false", "run.save_every=0", "run.progress=true")
     result = Trainer(tiny(run_copy, *overrides)).train()
     assert sorted(result.losses) == [1, 2, 3, 4]
-    bars = capsys.readouterr().err
+    out = capsys.readouterr()
+    bars = out.err
     assert "eval" in bars and bars.rindex("train") < bars.index("eval")  # the training bar is closed first
+    assert "step 1/4: loss" not in out.out and "step 4/4: mqar_acc/L16_kv2" in out.out  # the results, printed
     assert [p.name for p in list_checkpoints(run_copy / "checkpoints")] == ["step_00000004"]
     assert sorted(_losses(run_copy)) == [1, 2, 3, 4]
 

@@ -3,7 +3,9 @@ configs from YAML / recipes / overrides, recipes shipped inside the package."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,26 @@ def test_resume_after_interruption_reproduces_the_losses(tmp_path):
         assert resumed.losses[step] == whole.losses[step], f"step {step}"
     metric_steps = [line for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert len(metric_steps) == 12  # the lines of the crashed steps 9-10 were replaced, not duplicated
+
+
+def test_off_a_terminal_each_log_step_prints_a_line_and_tok_s_is_the_last_window(tmp_path, capsys, monkeypatch):
+    step = Trainer._optimizer_step
+
+    def slow_first_step(self, batches):
+        if self.step == 0:
+            time.sleep(1.0)  # a slow start (compilation, warm-up) that the cumulative rate keeps
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", slow_first_step)
+    Trainer(tiny_mqar(tmp_path, "schedule.steps=4", "run.log_every=2", "run.eval_every=2")).train()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "\r" not in out
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 2/4", "step 4/4", "step 4/4"]
+    assert lines[0].startswith("step 2/4: loss") and "tok_s" in lines[0]
+    assert lines[1].startswith("step 2/4: mqar_acc/L16_kv2") and lines[3].startswith("step 4/4: mqar_acc/L16_kv2")
+    rows = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "tok_s" in row]
+    assert rows[1]["tok_s"] > 2 * rows[1]["tok_s_cumulative"]  # steps 3-4 alone, against steps 1-4
 
 
 def test_truncated_or_corrupted_checkpoint_is_refused_and_the_previous_survives(tmp_path, caplog):

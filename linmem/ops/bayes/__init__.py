@@ -12,7 +12,9 @@ One entry point, :func:`bayes_filter`, with four backends:
 
 ``"auto"`` takes "delta" for ``reset=True``, else "triton" on CUDA, else "reference". A backend that
 cannot serve the inputs falls back to "delta" (reset) or "reference", with the reason logged at
-debug level. ``docs/bayes.md`` derives the chunked form.
+debug level ("chunk" beyond its conditioning, :mod:`.conditioning`). Inputs beyond every backend's conditioning
+and an initial covariance that is not positive semi-definite are refused by name where values are checked.
+``docs/bayes.md`` derives the chunked form and states the bound.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from .chunk import chunk_filter
+from .conditioning import chunk_refusal
 from .delta import delta_filter
 from .inputs import FilterInputs, State, compute_dtype, validate
 from .reference import filter_step, information_form, reference_filter
@@ -72,7 +75,9 @@ def _triton_refusal(inputs: FilterInputs) -> Optional[str]:
 
 
 def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
-    return "reset=True is the delta rule, served by the 'delta' backend" if inputs.reset else None
+    if inputs.reset:
+        return "reset=True is the delta rule, served by the 'delta' backend"
+    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1])
 
 
 def _delta_refusal(inputs: FilterInputs) -> Optional[str]:
@@ -164,6 +169,12 @@ def bayes_filter(
         o_t = scale * M_t^T q_t,   var_t = q_t^T P_t q_t + r
 
     A sequence starts from ``M = 0``, ``P = prior * I`` unless ``initial_state`` is given.
+
+    Every backend is exact within ``4 eps (K + A kappa T)`` while ``eps kappa <= 0.01``, with ``kappa`` the largest
+    ``|k_t|^2 ||P^-_t|| / obs_noise_t`` and ``eps`` fp32's unit roundoff (fp64's for fp64 inputs); beyond it, and
+    for an initial covariance that is not symmetric positive semi-definite, a ``ValueError`` names the argument
+    (on CPU tensors; on GPU tensors with debug checks on). ``docs/bayes.md``, "Conditioning", has A, the error
+    measure and what was measured.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.

@@ -10,6 +10,7 @@ The Triton kernels run through the interpreter on a machine without CUDA (``test
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 import pytest
 import torch
@@ -319,6 +320,34 @@ def _step(state, **over):
              v=torch.randn(B, H, V, generator=gen), log_decay=torch.full((B, H), -0.1), obs_noise=torch.ones(B, H))
     x.update(over)
     return bayes_filter_step(x.pop("q"), x.pop("k"), x.pop("v"), state, **x)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_step_refuses_an_expanded_state_by_name(which):
+    state = [torch.zeros(2, 2, 4, 4), torch.eye(4).repeat(2, 2, 1, 1)]
+    state[which] = state[which][:1].expand(2, 2, 4, 4)
+    name = ["state[0] (M)", "state[1] (P)"][which]
+    with pytest.raises(ValueError, match=re.escape(f"`{name}` is updated in place, but it is an expanded view")):
+        _step(tuple(state))
+    assert not state[0].any() and torch.equal(state[1], torch.eye(4).expand(2, 2, 4, 4)), "nothing was written"
+
+
+def test_step_with_autograd_takes_an_expanded_state():
+    """Under autograd the step returns new tensors and writes nothing, so an expanded state serves."""
+    state = (torch.zeros(1, 2, 4, 4).expand(2, 2, 4, 4), torch.eye(4).expand(2, 2, 4, 4))
+    q = torch.randn(2, 2, 4, requires_grad=True)
+    o, _, (M, P) = _step(state, q=q)
+    o.sum().backward()
+    assert q.grad is not None and M.stride(0) != 0
+
+
+def test_step_refuses_an_inference_state_outside_inference_mode():
+    with torch.inference_mode():
+        state = (torch.zeros(2, 2, 4, 4), torch.eye(4).repeat(2, 2, 1, 1))
+    with pytest.raises(ValueError, match=r"`state\[0\] \(M\)` is updated in place, but it is an inference tensor"):
+        _step(state)
+    with torch.inference_mode():
+        _step(state)  # inside inference mode it is written
 
 
 def test_step_refuses_ill_conditioning_and_a_non_covariance():

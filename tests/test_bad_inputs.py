@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linmem.ops import bayes_filter, linear_recurrence, linear_recurrence_step
+from linmem.ops import bayes_filter, bayes_filter_step, linear_recurrence, linear_recurrence_step
 from linmem.ops.attention import forgetting_attention
 from linmem.ops.fused import gated_rms_norm, l2_norm, linear_cross_entropy, rms_norm, short_conv, short_conv_step, swiglu
 from tests.helpers import rel_err
@@ -195,6 +195,57 @@ def bayes_infinite_obs_noise() -> list:
     """r = inf: every observation is ignored, so the memory stays at its prior mean 0."""
     o, _, _ = bf(obs_noise=torch.full((B, T, H), INF), backend="reference")
     return [(o, torch.zeros(B, T, H, V))]
+
+
+def bf_step(state: tuple, **over: Any):
+    x = {"q": rnd(B, H, K), "k": F.normalize(rnd(B, H, K), dim=-1), "v": rnd(B, H, V), "log_decay": torch.full((B, H), -0.1),
+         "obs_noise": torch.ones(B, H), **over}
+    return bayes_filter_step(x.pop("q"), x.pop("k"), x.pop("v"), state, **x)
+
+
+def bayes_state(P: Optional[torch.Tensor] = None) -> tuple:
+    return torch.zeros(B, H, K, V), torch.eye(K).repeat(B, H, 1, 1) if P is None else P
+
+
+def not_a_covariance() -> torch.Tensor:
+    P = torch.eye(K).repeat(B, H, 1, 1)
+    P[0, 1, 0, 0] = -0.5
+    return P
+
+
+def inference_state() -> tuple:
+    with torch.inference_mode():
+        return bayes_state()
+
+
+def bayes_singular_covariance() -> list:
+    """P0 of rank K - 1 (a direction known exactly): every backend serves it and agrees with the reference."""
+    u = F.normalize(rnd(K), dim=0)
+    P0 = (torch.eye(K) - u[:, None] * u[None, :]).repeat(B, H, 1, 1)
+    x = {**qkv(), "log_decay": gates(), "obs_noise": torch.full((B, T, H), 0.5), "initial_state": (rnd(B, H, K, V), P0),
+         "output_final_state": True}
+    pairs = []
+    for backend in ("chunk", "triton"):
+        o, _, (M, P) = bayes_filter(**x, backend=backend)
+        ro, _, (rM, rP) = bayes_filter(**x, backend="reference")
+        pairs += [(o, ro), (M, rM), (P, rP)]
+    return pairs
+
+
+def bayes_reset_tiny_obs_noise() -> list:
+    """reset=True is the gated delta rule (beta |k|^2 <= 1): obs_noise 1e-30 stays exact in fp32."""
+    x = {**qkv(), "log_decay": gates(), "obs_noise": torch.full((B, T, H), 1e-30)}
+    o, _, _ = bayes_filter(**x, reset=True)
+    want, _, _ = bayes_filter(**{n: t.double() for n, t in x.items()}, reset=True, backend="reference")
+    return [(o, want.float())]
+
+
+def bayes_float64_small_obs_noise() -> list:
+    """obs_noise 1e-8 is refused in fp32 and served in fp64 (reference and chunk agree)."""
+    x = {n: t.double() for n, t in {**qkv(), "log_decay": gates(), "obs_noise": torch.full((B, T, H), 1e-8)}.items()}
+    o, _, _ = bayes_filter(**x, backend="chunk")
+    want, _, _ = bayes_filter(**x, backend="reference")
+    return [(o, want)]
 
 
 NAN, INF = float("nan"), float("inf")
@@ -761,6 +812,30 @@ CASES: list[Case] = [
           "`initial_state[1] (P)` must have shape"),
     named("bayes cu_seqlens falling", lambda e: bf(cu_seqlens=cu(0, 4, 2, 6)), "`cu_seqlens`"),
     named("bayes k on another device", lambda e: bf(k=meta(rnd(B, T, H, K))), "`k` and `v` must be on the device"),
+    # the Bayesian filter's conditioning: refused by name beyond what the backends compute exactly (docs/bayes.md)
+    named("bayes obs_noise 1e-30 (T > K)", lambda e: bf(obs_noise=torch.full((B, T, H), 1e-30)), "`obs_noise` = 1e-30",
+          fixed=True),
+    named("bayes chunk obs_noise 1e-30", lambda e: bf(obs_noise=torch.full((B, T, H), 1e-30), backend="chunk"),
+          "`obs_noise` = 1e-30", fixed=True),
+    named("bayes triton obs_noise 1e-30", lambda e: bf(obs_noise=torch.full((B, T, H), 1e-30), backend="triton"),
+          "`obs_noise` = 1e-30", fixed=True),
+    named("bayes keys of norm 1e6", lambda e: bf(k=1e6 * F.normalize(rnd(B, T, H, K), dim=-1)), "|`k`|^2 = 1e+12", fixed=True),
+    named("bayes chunk keys of norm 1e6", lambda e: bf(k=1e6 * F.normalize(rnd(B, T, H, K), dim=-1), backend="chunk"),
+          "|`k`|^2 = 1e+12", fixed=True),
+    named("bayes initial_state P not positive semi-definite", lambda e: bf(initial_state=bayes_state(not_a_covariance())),
+          "`initial_state[1] (P)` must be a covariance", fixed=True),
+    named("bayes chunk initial_state P not positive semi-definite",
+          lambda e: bf(initial_state=bayes_state(not_a_covariance()), backend="chunk"),
+          "`initial_state[1] (P)` must be a covariance", fixed=True),
+    correct("bayes initial_state P singular", lambda e: bayes_singular_covariance()),
+    correct("bayes reset with obs_noise 1e-30", lambda e: bayes_reset_tiny_obs_noise()),
+    correct("bayes float64 obs_noise 1e-8", lambda e: bayes_float64_small_obs_noise()),
+    named("bayes_filter_step obs_noise 1e-30", lambda e: bf_step(bayes_state(), obs_noise=torch.full((B, H), 1e-30)),
+          "`obs_noise` = 1e-30", fixed=True),
+    named("bayes_filter_step state P an expanded view",
+          lambda e: bf_step(bayes_state(torch.eye(K).expand(B, H, K, K))), "`state[1] (P)` is updated in place", fixed=True),
+    named("bayes_filter_step state M an inference tensor", lambda e: bf_step(inference_state()),
+          "`state[0] (M)` is updated in place, but it is an inference tensor", fixed=True),
     # fused ops (reference backend on CPU)
     named("short_conv weight of other channels", lambda e: short_conv(rnd(1, 5, 8), rnd(7, 4)), "`weight` must be [C, W]"),
     named("short_conv x 2-D", lambda e: short_conv(rnd(5, 8), rnd(8, 4)), "`x` must be [B, T, C]"),

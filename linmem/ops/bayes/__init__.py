@@ -12,7 +12,9 @@ One entry point, :func:`bayes_filter`, with four backends:
 
 ``"auto"`` takes "delta" for ``reset=True``, else "triton" on CUDA, else "reference". A backend that
 cannot serve the inputs falls back to "delta" (reset) or "reference", with the reason logged at
-debug level. ``docs/bayes.md`` derives the chunked form.
+debug level ("chunk" beyond its conditioning, :mod:`.conditioning`). Inputs beyond every backend's conditioning
+and an initial covariance that is not positive semi-definite are refused by name where values are checked.
+``docs/bayes.md`` derives the chunked form and states the bound.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from .chunk import chunk_filter
+from .conditioning import chunk_refusal
 from .delta import delta_filter
 from .inputs import FilterInputs, State, compute_dtype, validate
 from .reference import filter_step, information_form, reference_filter
@@ -72,7 +75,9 @@ def _triton_refusal(inputs: FilterInputs) -> Optional[str]:
 
 
 def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
-    return "reset=True is the delta rule, served by the 'delta' backend" if inputs.reset else None
+    if inputs.reset:
+        return "reset=True is the delta rule, served by the 'delta' backend"
+    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1])
 
 
 def _delta_refusal(inputs: FilterInputs) -> Optional[str]:
@@ -165,6 +170,12 @@ def bayes_filter(
 
     A sequence starts from ``M = 0``, ``P = prior * I`` unless ``initial_state`` is given.
 
+    Every backend is exact within ``4 eps (K + A kappa T)`` while ``eps kappa <= 0.01``, with ``kappa`` the largest
+    ``|k_t|^2 ||P^-_t|| / obs_noise_t`` and ``eps`` fp32's unit roundoff (fp64's for fp64 inputs); beyond it, and
+    for an initial covariance that is not symmetric positive semi-definite, a ``ValueError`` names the argument
+    (on CPU tensors; on GPU tensors with debug checks on). ``docs/bayes.md``, "Conditioning", has A, the error
+    measure and what was measured.
+
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, all of one floating dtype.
         log_decay: ``[B, T, H]`` natural-log decay, <= 0.
@@ -217,6 +228,24 @@ def _step_kernel_refusal(inputs: FilterInputs, state: State) -> Optional[str]:
     return _triton_refusal(inputs)
 
 
+def _check_writable(state: State) -> None:
+    """Refuse a state the step cannot update in place: an expanded view (elements sharing memory) or an inference
+    tensor outside inference mode (not asked under ``torch.compile``, which cannot trace ``is_inference``)."""
+    for name, t in (("state[0] (M)", state[0]), ("state[1] (P)", state[1])):
+        shared = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
+        if shared:
+            raise ValueError(
+                f"bayes_filter_step: `{name}` is updated in place, but it is an expanded view (stride 0 along dim "
+                f"{shared[0]} of shape {list(t.shape)}): its elements share memory; pass a tensor that owns them, "
+                "e.g. `.clone()`"
+            )
+        if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"bayes_filter_step: `{name}` is updated in place, but it is an inference tensor (made under "
+                "torch.inference_mode) and this step runs outside inference mode; pass `.clone()` of it"
+            )
+
+
 def bayes_filter_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -237,8 +266,11 @@ def bayes_filter_step(
     Shapes are those of ``bayes_filter`` without the time axis: q, k ``[B, H, K]``, v ``[B, H, V]``,
     log_decay, obs_noise, process_noise ``[B, H]``; ``state = (M [B, H, K, V], P [B, H, K, K])`` in fp32
     (fp64 for fp64 inputs). Returns ``(o [B, H, V], var [B, H] or None, state)``. When no gradient is being
-    recorded the state is updated in place and the same tensors are returned (on CUDA by the forward kernel);
-    otherwise new tensors are returned and ``state`` is left untouched. ``backend``: ``"auto"`` (the forward
+    recorded the state is updated in place and the same tensors are returned (on CUDA by the forward kernel), so
+    a state that cannot be written (an expanded view, an inference tensor outside inference mode) is refused by
+    name; otherwise new tensors are returned and ``state`` is left untouched. ``P`` must be a covariance
+    (symmetric positive semi-definite) and the step within the conditioning of ``bayes_filter`` (both checked
+    where its value checks run). ``backend``: ``"auto"`` (the forward
     kernel on CUDA, else the PyTorch step), ``"triton"`` (the kernel, on the CPU through the interpreter) or
     ``"reference"`` (the PyTorch step); a kernel that cannot serve the step falls back to PyTorch (logged).
 
@@ -270,6 +302,8 @@ def bayes_filter_step(
         raise TypeError(f"bayes_filter_step: `state` must be {acc} for {q.dtype} inputs, got {M.dtype}, {P.dtype}")
     if backend not in STEP_BACKENDS:
         raise ValueError(f"bayes_filter_step: unknown `backend` {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
+    if not inputs.records_grad:
+        _check_writable((M, P))
     kernel = backend == "triton" or (backend == "auto" and q.device.type == "cuda")
     reason = _step_kernel_refusal(inputs, (M, P)) if kernel else None
     if kernel and reason is None:

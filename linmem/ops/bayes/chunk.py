@@ -20,7 +20,9 @@ Gaussian with ``Cov(M_i, M_j) = alpha_i alpha_j P + alpha_{i:j} beta_i I`` (i <=
 (L is lower triangular, so the first t rows of W only read y_1..t: the read-out at t is the filter's.)
 Chunks run one after another; every sequence of ``cu_seqlens`` runs alone from its own initial belief.
 Everything runs in fp32 (fp64 for fp64 inputs); the gradients come from autograd through
-``torch.linalg.cholesky`` and ``solve_triangular``. Keep this file short and literal.
+``torch.linalg.cholesky`` and ``solve_triangular``. S meets up to C times the token loop's condition
+(:mod:`.conditioning`): beyond it ``bayes_filter`` hands the inputs to the token loop, and where values are not
+checked a factorisation that rounding made fail is a named ``ValueError``. Keep this file short and literal.
 """
 
 from __future__ import annotations
@@ -32,9 +34,26 @@ import torch
 from .inputs import FilterInputs, State, compute_dtype
 from .reference import initial_belief
 
+#: tokens per chunk of the backend
+CHUNK_SIZE = 64
+
 
 def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
+
+
+def _innovation_factor(S: torch.Tensor) -> torch.Tensor:
+    """L with S = L L^T; a named error where rounding has left S [N, H, C, C] not positive definite."""
+    try:
+        return torch.linalg.cholesky(S)
+    except torch.linalg.LinAlgError as error:
+        raise ValueError(
+            f"bayes_filter: backend 'chunk' cannot factor a chunk's innovation matrix in {S.dtype} ({error}): "
+            "`obs_noise` is too small for the norms of `k` and of the covariance (`initial_state`'s P or `prior`), "
+            "or `initial_state`'s P is not positive semi-definite. The token-loop backends ('reference', 'triton') "
+            "serve inputs up to the chunk length times worse conditioned; debug checks (LINMEM_DEBUG=1) name the "
+            "token (docs/bayes.md, \"Conditioning\")"
+        ) from error
 
 
 def chunk_step(m, P, q, k, v, g, r, w, scale: float, variance: bool):
@@ -54,7 +73,7 @@ def chunk_step(m, P, q, k, v, g, r, w, scale: float, variance: bool):
     kP = k @ P  # [N, H, C, K]
     B_sym = B + _t(B) - torch.diag_embed(torch.diagonal(B, dim1=-2, dim2=-1))
     S = AA * (kP @ _t(k)) + B_sym * (k @ _t(k)) + torch.diag_embed(r)  # [N, H, C, C]
-    L = torch.linalg.cholesky(S)
+    L = _innovation_factor(S)
     Hm = (AA * (kP @ _t(q))).masked_fill(~upper, 0.0) + B * (k @ _t(q))  # [N, H, C(i), C(t)]
     R = (AA[..., -1:] * kP) + B[..., -1:] * k  # [N, H, C, K]
     Yhat = alpha[..., None] * (k @ m)  # [N, H, C, V]
@@ -90,7 +109,7 @@ def _scan(xs, m, P, scale: float, variance: bool, chunk_size: int):
 
 
 def chunk_filter(
-    inputs: FilterInputs, chunk_size: int = 64
+    inputs: FilterInputs, chunk_size: int = CHUNK_SIZE
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[State]]:
     """Chunked backend of :func:`linmem.ops.bayes_filter` (inputs already validated, ``reset=False``).
 

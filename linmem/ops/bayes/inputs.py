@@ -2,8 +2,9 @@
 
 Every backend receives a :class:`FilterInputs` that has passed these checks. Shape and dtype
 checks always run; checks of values (``log_decay <= 0``, ``obs_noise > 0``,
-``process_noise`` finite and >= 0, ``cu_seqlens`` monotone) run on CPU tensors, and on GPU tensors only with
-debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), as for
+``process_noise`` finite and >= 0, ``cu_seqlens`` monotone, the initial covariance positive semi-definite and the
+innovation's conditioning within what the backends serve: :mod:`.conditioning`) run on CPU tensors, and on GPU
+tensors only with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), as for
 ``linear_recurrence``.
 """
 
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..recurrence.inputs import _values_checkable
+from .conditioning import check_conditioning, check_covariance
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -37,6 +39,7 @@ class FilterInputs:
     output_final_state: bool
     cu_seqlens: Optional[torch.Tensor]  # [N + 1]
     return_variance: bool
+    condition: Optional[float]  # max_t kappa_t (conditioning.py); None where values are not checked or with reset
 
     @property
     def num_sequences(self) -> int:
@@ -172,11 +175,16 @@ def validate(
     N = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = _check_state(initial_state, N, H, K, V, q.device)
+        check_covariance("initial_state[1] (P)", initial_state[1])
+    condition = None
+    if not reset:
+        condition = check_conditioning(k, log_decay, obs_noise, process_noise, cu_seqlens, prior=float(prior),
+                                       covariance=None if initial_state is None else initial_state[1])
 
     return FilterInputs(
         q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=float(prior),
         reset=reset, scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
-        cu_seqlens=cu_seqlens, return_variance=bool(return_variance),
+        cu_seqlens=cu_seqlens, return_variance=bool(return_variance), condition=condition,
     )
 
 

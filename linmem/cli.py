@@ -209,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "data.text.paths=[my.txt] schedule.steps=200")
     train.set_defaults(func=_train)
 
-    evaluate = sub.add_parser("eval", parents=[common],
-                              help="evaluate a saved run directory (its own metric, NIAH, per-position loss, lm-eval)")
+    evaluate = sub.add_parser("eval", parents=[common], help="evaluate a run directory or a model folder (its own "
+                                                             "metric, NIAH, per-position loss, lm-eval)")
     add_eval_arguments(evaluate)
     evaluate.set_defaults(func=_eval)
 
@@ -218,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_arguments(tokenizer)
     tokenizer.set_defaults(func=_tokenizer)
 
-    generate = sub.add_parser("generate", parents=[common], help="sample text from a saved run directory (streamed)")
-    generate.add_argument("run_dir")
+    generate = sub.add_parser("generate", parents=[common],
+                              help="sample text from a run directory or a model folder (streamed)")
+    generate.add_argument("run_dir", help="a run directory (linmem train) or a model folder (linmem linearize --out, "
+                                          "save_pretrained): its tokenizer, else UTF-8 bytes")
     generate.add_argument("--prompt", default="")
     generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

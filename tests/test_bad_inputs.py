@@ -489,6 +489,17 @@ def cli(*argv: str) -> int:
         return exit_.code
 
 
+def llama_folder(env) -> Path:
+    """A tiny Llama saved by transformers (another model type than linmem's), written on first use."""
+    folder = env.root / "llama"
+    if not folder.exists():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    return folder
+
+
 def train_cli(env, *overrides: str) -> tuple:
     return cli("train", *overrides, f"run.out_dir={env.root / 'cli-run'}", "run.progress=false",
                "run.tensorboard=false")
@@ -1013,6 +1024,32 @@ CASES: list[Case] = [
     named("cli generate --stop ''", lambda e: gen_cli(e, "--stop", "", "--max-new-tokens", "1"), "stop must be a non-empty"),
     correct("cli generate empty prompt", cli_generate_empty_prompt),
     named("cli eval missing run", lambda e: cli("eval", str(e.root / "no-run")), "no-run not found"),
+    # model folders: eval, generate and model.pretrained on folders that are not run directories
+    named("model folders: from_pretrained a Llama folder", lambda e: from_pretrained(llama_folder(e)),
+          "is a llama checkpoint, not a linmem model; run `linmem linearize --from", fixed=True),
+    named("model folders: cli train model.pretrained=a Llama folder",
+          lambda e: train_cli(e, f"model.pretrained={llama_folder(e)}"), "run `linmem linearize --from", fixed=True),
+    named("model folders: cli train model.pretrained=a run directory",
+          lambda e: train_cli(e, f"model.pretrained={e.run_dir}"), "a run directory keeps its model in", fixed=True),
+    named("model folders: cli train model.pretrained=a missing folder",
+          lambda e: train_cli(e, f"model.pretrained={e.root / 'no-model'}"), "no-model is not a saved model folder",
+          fixed=True),
+    named("model folders: cli eval a Llama folder", lambda e: cli("eval", str(llama_folder(e))),
+          "run `linmem linearize --from"),
+    named("model folders: cli generate a Llama folder", lambda e: cli("generate", str(llama_folder(e))),
+          "run `linmem linearize --from"),
+    named("model folders: cli eval a folder without config.yaml or config.json",
+          lambda e: cli("eval", str(e.root / "corpus")),
+          "neither a linmem run directory (no config.yaml) nor a model folder (no config.json)"),
+    named("model folders: cli eval --suite mqar on a model folder",
+          lambda e: cli("eval", str(e.run_dir / "model"), "--suite", "mqar"), "model folder without a training config"),
+    named("model folders: cli eval data.task=mqar on a model folder",
+          lambda e: cli("eval", str(e.run_dir / "model"), "data.task=mqar"), "is a model folder"),
+    named("model folders: cli generate, no tokenizer and 64 tokens (bytes need 256)",
+          lambda e: cli("generate", str(e.folder)), "data.text.tokenizer"),
+    correct("model folders: cli generate from a saved model without a tokenizer (bytes)",
+            lambda e: cli("generate", str(e.run_dir / "model"), "--prompt", "ab", "--max-new-tokens", "2",
+                          "--temperature", "0")),
     named("cli data prepare missing path", lambda e: cli("data", "prepare", str(e.root / "prep"), str(e.root / "nothing")),
           "nothing"),
     named("cli tokenizer --vocab-size 10", lambda e: cli("tokenizer", "train", "--out", str(e.root / "t"), "--vocab-size", "10"),

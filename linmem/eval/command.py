@@ -64,12 +64,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.suite, args.lengths
         (['niah', 'position-loss'], [512, 1024])
     """
-    parser.add_argument("run_dir", help="a run directory written by `linmem train`")
+    parser.add_argument("run_dir", help="a run directory written by `linmem train`, or a model folder (linmem "
+                                        "linearize --out, save_pretrained): a text model on the default corpus, "
+                                        "data.text.* overrides choose other text")
     parser.add_argument("overrides", nargs="*",
                         help="section.key=value config overrides (e.g. data.mqar.eval_settings=...)")
     parser.add_argument("--suite", type=_names, action="extend", default=[],
                         help=f"suites to run, comma-separated or repeated: {', '.join(SUITE_NAMES)} "
-                             "(default: the run's own metric, mqar or perplexity)")
+                             "(default: the run's own metric, mqar or perplexity; a model folder's: perplexity)")
     parser.add_argument("--lengths", type=_int_list, default=None,
                         help="niah / position-loss lengths in tokens, e.g. 1024,2048,4096 "
                              "(default: 1, 2 and 4 times the training length)")

@@ -1,11 +1,15 @@
-"""Evaluation suites of a run directory: each writes ``<run_dir>/eval/<suite>.json`` (and plots).
+"""Evaluation suites of a run directory or a model folder: each writes ``<run_dir>/eval/<suite>.json`` (and plots).
 
-    suite           runs on       measures
-    mqar            MQAR runs     recall accuracy per (seq_len, kv pairs) setting
-    perplexity      text runs     held-out loss and perplexity
-    niah            text runs     RULER needle-in-a-haystack accuracy per (task, length, depth)
-    position-loss   text runs     held-out loss by token position, up to and past the training length
-    harness         text runs     lm-evaluation-harness tasks (needs the [eval] extra)
+    suite           runs on                      measures
+    mqar            MQAR runs                    recall accuracy per (seq_len, kv pairs) setting
+    perplexity      text, instruct, folders      held-out loss and perplexity (instruction runs: of the answers)
+    niah            text, instruct, folders      RULER needle-in-a-haystack accuracy per (task, length, depth)
+    position-loss   text runs, folders           held-out loss by token position, up to and past the training length
+    harness         text, instruct, folders      lm-evaluation-harness tasks (needs the [eval] extra)
+
+A model folder (``save_pretrained`` output, such as ``linmem linearize`` writes) has no training config:
+it is evaluated as a text run on the default corpus (the Python standard library; ``data.text.*``
+overrides choose other text) through its own tokenizer, or bytes; MQAR needs a run's task and is refused.
 
 :func:`evaluate_run` runs the asked suites one after another and returns (and writes to
 ``eval/summary.csv`` / ``.md``) one summary table: rows of ``suite, metric, value``. A suite is a
@@ -15,6 +19,7 @@ function ``(run, out_dir, options) -> rows`` in :data:`SUITES`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 import torch
 
 from ..models import LinmemForCausalLM
-from ..tokenizer import Codec, load_codec
+from ..tokenizer import Codec, byte_codec, hf_codec
 from .niah import NIAH_DEFAULTS, NIAH_TASKS, depth_grid, plot_niah, run_niah
 from .position_loss import (extrapolation_rows, plot_position_loss, position_loss, window_tokens,
                             write_position_loss)
@@ -32,6 +37,9 @@ if TYPE_CHECKING:
     from ..train.runs import Run
 
 PathLike = Union[str, Path]
+logger = logging.getLogger("linmem.eval")
+#: the suites that score held-out text of the run's data (a model folder's: the default corpus or data.text.*)
+NEEDS_VALIDATION = ("perplexity", "position-loss")
 
 
 class EvalError(ValueError):
@@ -87,10 +95,13 @@ class EvalRun:
 
 
 def open_run(run_dir: PathLike, overrides: Sequence[str] = (), device: Optional[str] = None) -> EvalRun:
-    """Load a run directory (``config.yaml``, ``model/``) for evaluation, on ``device`` if given.
+    """Load a run directory (``config.yaml``, ``model/``) or a model folder (``config.json``, weights: see
+    :func:`~linmem.train.runs.load_run`) for evaluation, on ``device`` if given.
 
-    The tokenizer is the one saved beside the weights (``model/tokenizer_config.json``) when
-    there is one, else ``data.text.tokenizer`` of the config, else bytes.
+    Text goes through the run's tokenizer (the one saved beside its weights, else its config's, else
+    bytes), a model folder's through its own (else bytes). The training length of a text run is its
+    document length (``data.max_document_tokens``), of an instruction run its example length, and of a
+    model folder the default document length (1024 tokens).
 
     Example:
         >>> run = open_run("runs/text-hybrid-tiny")  # doctest: +SKIP
@@ -107,13 +118,14 @@ def open_run(run_dir: PathLike, overrides: Sequence[str] = (), device: Optional[
     loaded = load_run(run_dir, overrides=overrides)
     model, run_device = loaded.model, loaded.device
     data = loaded.config.data
-    if data.task == "text":
-        saved = run_dir / "model"
-        codec = load_codec(saved if (saved / "tokenizer_config.json").exists() else data.text.tokenizer)
-        train_length = data.max_document_tokens or data.tokens_per_batch
-    else:
+    if data.task == "mqar":
         codec = None
         train_length = max(seq_len for seq_len, _ in data.mqar.settings)
+    else:
+        text = loaded.codec
+        codec = byte_codec() if text.tokenizer is None else hf_codec(text.tokenizer, name=text.source)
+        train_length = min(data.instruct.max_tokens, data.tokens_per_batch) if data.task == "instruct" else \
+            data.max_document_tokens or data.tokens_per_batch
     return EvalRun(run_dir=run_dir, loaded=loaded, model=model, device=run_device, codec=codec,
                    train_length=int(train_length))
 
@@ -125,18 +137,21 @@ def _text_run(run: EvalRun, suite: str) -> Codec:
 
 
 def validation_documents(run: EvalRun, suite: str):
-    """The held-out documents of a text run; an :class:`EvalError` that says so when it has none."""
+    """The held-out documents of a text run (None for an instruction run's perplexity, which scores its held-out
+    answers); an :class:`EvalError` that says so when it has none."""
     _text_run(run, suite)
+    if run.task_kind == "instruct":
+        if suite == "perplexity":
+            return None
+        raise EvalError(f"suite {suite} needs held-out text documents; {run.run_dir} was trained on instruction "
+                        f"examples (suite perplexity scores its held-out answers). For the loss by position on text, "
+                        f"evaluate its model folder: linmem eval {run.loaded.model_dir} --suite {suite}")
     documents = run.task.val_docs
     if len(documents) == 0:
         raise EvalError(f"{run.run_dir} has no validation data (validation: {run.task.split}), and suite {suite} "
                         "scores held-out text: train with data.text.val_fraction > 0 (or prepare the data with "
                         "--val-fraction > 0); suites niah and harness, and linmem generate, need none")
     return documents
-
-
-#: The suites that score a text run's validation documents.
-NEEDS_VALIDATION = ("perplexity", "position-loss")
 
 
 def _lengths(run: EvalRun, options: EvalOptions) -> list[int]:
@@ -157,13 +172,17 @@ def _task_metrics(run: EvalRun, out_dir: Path, name: str) -> list[dict]:
 
 def mqar_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
     """MQAR recall accuracy of an MQAR run on its evaluation settings (``data.mqar.eval_settings``)."""
+    if run.loaded.model_folder:
+        raise EvalError(f"suite mqar needs a run trained on MQAR (its vocabulary and settings); {run.run_dir} is a "
+                        "model folder without a training config")
     if run.task_kind != "mqar":
         raise EvalError(f"suite mqar needs a run trained on MQAR; {run.run_dir} was trained on {run.task_kind}")
     return _task_metrics(run, out_dir, "mqar")
 
 
 def perplexity_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
-    """Held-out loss and perplexity of a text run (its validation documents)."""
+    """Held-out loss and perplexity: of a text run's validation documents (a model folder's: those of the
+    default corpus, or of ``data.text.*``), of an instruction run's held-out answers."""
     validation_documents(run, "perplexity")
     return _task_metrics(run, out_dir, "perplexity")
 
@@ -292,6 +311,12 @@ def evaluate_run(
     for name in names:  # before any suite runs: a run without validation data is named at once
         if name in NEEDS_VALIDATION:
             validation_documents(run, name)
+    if run.loaded.model_folder and set(names) & set(NEEDS_VALIDATION):
+        from ..train.corpus import describe_source
+
+        logger.info("%s has no data of its own: %s read the held-out documents of %s (data.text.* chooses other "
+                    "text)", run.run_dir, " and ".join(n for n in names if n in NEEDS_VALIDATION),
+                    describe_source(run.config.data.text))
     out_dir = run.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, files = [], {}

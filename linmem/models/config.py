@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
 import logging
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Optional
 
 from transformers import GenerationConfig, PretrainedConfig
@@ -205,6 +207,13 @@ class LinmemConfig(PretrainedConfig):
         register_auto_models()
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> "LinmemConfig":
+        """As PretrainedConfig's (and so ``LinmemForCausalLM.from_pretrained``); a local folder or file whose
+        ``config.json`` is another model type's is refused first (:func:`refuse_foreign_config`)."""
+        refuse_foreign_config(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinmemConfig":
         """As PretrainedConfig's; a ``window`` saved before it reached softmax and fox (configs without
         ``forget_gate``) stored the sliding-window default for swa only, so it is dropped for them."""
@@ -299,6 +308,34 @@ class LinmemConfig(PretrainedConfig):
             num_shared_experts=self.num_shared_experts, router=self.moe_router,
             capacity_factor=self.moe_capacity_factor, init_std=self.initializer_range,
         )
+
+
+def refuse_foreign_config(path: Any) -> None:
+    """Refuse a local checkpoint of another model type (a Llama's ``config.json``, say), naming its type and
+    the conversion, before its fields reach LinmemConfig (which would refuse the first one it does not know).
+
+    ``path``: a folder holding ``config.json``, or the file itself; anything else (a hub name, a missing file)
+    is left to transformers.
+
+    Example:
+        >>> refuse_foreign_config("checkpoints/llama")  # doctest: +SKIP
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpoints/llama is a llama checkpoint, not a linmem model; run `linmem linearize ...
+    """
+    if not isinstance(path, (str, Path)):
+        return
+    path = Path(path)
+    folder, file = (path, path / "config.json") if path.is_dir() else (path.parent, path)
+    if not file.is_file():
+        return
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (ValueError, AttributeError):  # not JSON, or not an object: transformers names the file
+        return
+    if model_type is not None and model_type != LinmemConfig.model_type:
+        raise ValueError(f"{folder} is a {model_type} checkpoint, not a linmem model; run `linmem linearize --from "
+                         f"{folder} --out OUT` first (it converts Llama, Mistral, Qwen2 and Qwen3 checkpoints)")
 
 
 def refuse_unknown_keywords(kwargs: dict[str, Any]) -> None:

@@ -176,7 +176,8 @@ class LinmemPreTrainedModel(PreTrainedModel):
         FileNotFoundError naming it before a model is built, and weights that cannot be read (a damaged or
         cut safetensors file, a pickle that the weights-only load refuses) raise an OSError that names the
         folder and its weight files."""
-        _check_config_file(Path(pretrained_model_name_or_path, kwargs.get("subfolder") or ""), kwargs.get("config"))
+        if pretrained_model_name_or_path is not None:  # None: weights from ``state_dict=``, a config from ``config=``
+            _check_config_file(Path(pretrained_model_name_or_path, kwargs.get("subfolder") or ""), kwargs.get("config"))
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except (SafetensorError, pickle.UnpicklingError) as err:

@@ -1,7 +1,20 @@
-"""A finished (or checkpointed) run directory, loaded back for evaluation and generation."""
+"""A finished (or checkpointed) run directory, or a saved model folder, loaded back for evaluation and generation.
+
+Two kinds of folder load:
+
+* a run directory of ``linmem train`` (``config.yaml`` and the weights in ``model/``), text, instruction or
+  MQAR runs alike: its config says how text becomes tokens and which data it holds out;
+* a model folder: the ``save_pretrained`` output of a LinmemForCausalLM (``config.json`` and weights), such as
+  ``linmem linearize --out`` writes or a run's ``model/``. It has no training config, so it is given the
+  config of a text run on the default corpus (``data.text.*`` overrides choose other text), with the
+  folder's tokenizer, or UTF-8 bytes when it has none.
+
+A folder holding another model type's checkpoint (a Llama's) is refused, pointing at ``linmem linearize``.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -10,10 +23,12 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..models import LinmemForCausalLM
-from .config import TrainConfig, apply_overrides, load_config
-from .corpus import Codec
+from .config import ConfigError, TrainConfig, apply_overrides, load_config
+from .corpus import Codec, section_codec
 from .tasks import Task, build_task, text_codec, verify_text_shards
 from .trainer import resolve_device
+
+logger = logging.getLogger("linmem.train")
 
 
 class _TextStream:
@@ -85,11 +100,17 @@ def check_generation_args(*, max_new_tokens: int, temperature: float, top_k: Opt
 
 @dataclass
 class Run:
-    config: TrainConfig
+    config: TrainConfig  # a model folder's: a text run on the default corpus with the folder's tokenizer
     model: LinmemForCausalLM
     device: torch.device
-    run_dir: Path
+    run_dir: Path  # the run directory or the model folder (evaluations write to its eval/)
+    model_folder: bool = False  # a model folder, without a training config of its own
     _task: Optional[Task] = field(default=None, repr=False)
+
+    @property
+    def model_dir(self) -> Path:
+        """The folder of the weights (and of a run's saved tokenizer)."""
+        return self.run_dir if self.model_folder else self.run_dir / "model"
 
     @property
     def task(self) -> Task:
@@ -104,7 +125,9 @@ class Run:
         """How text becomes tokens (text and instruction runs), without reading the corpus."""
         if self.config.data.task not in ("text", "instruct"):
             raise ValueError(f"{self.run_dir} was trained on {self.config.data.task}, which has no text to generate")
-        return text_codec(self.config.data, self.run_dir / "model")
+        if self.model_folder:
+            return section_codec(self.config.data.text)
+        return text_codec(self.config.data, self.model_dir)
 
     @torch.no_grad()
     def generate(self, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -140,14 +163,61 @@ class Run:
 
 
 def load_run(run_dir: Path, overrides: Sequence[str] = ()) -> Run:
-    """Config (run_dir/config.yaml) and the latest weights (run_dir/model) of a run; its data is
-    read only when :attr:`Run.task` is first used."""
+    """A run directory (``config.yaml`` and the latest weights in ``model/``) or a model folder (``config.json``
+    and weights, see the module), with ``overrides`` applied to its config; its data is read only when
+    :attr:`Run.task` is first used.
+
+    Example:
+        >>> run = load_run(Path("checkpoints/liger"))  # doctest: +SKIP
+        >>> run.model_folder, run.codec.source  # doctest: +SKIP
+        (True, 'checkpoints/liger')
+    """
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir} is not a linmem run directory (no config.yaml)")
+    if (run_dir / "config.yaml").exists():
+        return _load_run_directory(run_dir, overrides)
+    if (run_dir / "config.json").exists():
+        return _load_model_folder(run_dir, overrides)
+    raise FileNotFoundError(f"{run_dir} is neither a linmem run directory (no config.yaml) nor a model folder "
+                            "(no config.json)")
+
+
+def _load_run_directory(run_dir: Path, overrides: Sequence[str]) -> Run:
     if not (run_dir / "model").exists():
         raise FileNotFoundError(f"{run_dir} has no model/ yet: its run has not saved a checkpoint")
     config = apply_overrides(load_config(str(run_dir / "config.yaml")), overrides).validate()
     device = resolve_device(config.run.device)
     model = LinmemForCausalLM.from_pretrained(run_dir / "model").to(device).eval()
     return Run(config=config, model=model, device=device, run_dir=run_dir)
+
+
+def model_folder_config(folder: Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config a model folder is evaluated and sampled with: a text run on the default corpus, its
+    tokenizer the folder's (when it holds ``tokenizer_config.json``) or bytes, then ``overrides``.
+
+    Example:
+        >>> model_folder_config(Path("checkpoints/liger")).data.text.tokenizer  # doctest: +SKIP
+        'checkpoints/liger'
+    """
+    config = TrainConfig()
+    config.data.task = "text"
+    config.data.text.tokenizer = str(folder) if (folder / "tokenizer_config.json").exists() else None
+    config = apply_overrides(config, overrides).validate()
+    if config.data.task != "text":
+        raise ConfigError(f"data.task={config.data.task}: {folder} is a model folder, evaluated and sampled as a "
+                          "text model (data.text.* choose its text and tokenizer)")
+    return config
+
+
+def _load_model_folder(folder: Path, overrides: Sequence[str]) -> Run:
+    config = model_folder_config(folder, overrides)
+    device = resolve_device(config.run.device)
+    model = LinmemForCausalLM.from_pretrained(folder).to(device).eval()
+    run = Run(config=config, model=model, device=device, run_dir=folder, model_folder=True)
+    codec = run.codec
+    if codec.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{folder}: the model has {model.config.vocab_size} tokens, fewer than its text codec's "
+                         f"{codec.vocab_size} ({codec.source}): give it its own tokenizer with data.text.tokenizer=DIR")
+    logger.info("%s is a model folder (no config.yaml): text goes through %s", folder,
+                f"the tokenizer in {codec.source}" if codec.tokenizer is not None else
+                "UTF-8 bytes (the folder holds no tokenizer; data.text.tokenizer=DIR gives it one)")
+    return run

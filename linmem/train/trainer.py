@@ -46,6 +46,7 @@ from ..distributed import (DataParallelBatches, ParallelConfigError, SequencePar
 from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
+from ..models.config import refuse_foreign_config
 from ..models.modeling import LinmemCausalLMOutput
 from ..ops.routing import load_summary
 from .compilation import CompileProgress, use_compile_cache
@@ -129,7 +130,8 @@ def check_launch(config: TrainConfig) -> int:
 
     First what the config alone decides (:func:`~linmem.train.config.check_processes`: ``parallel.dp *
     parallel.sp`` processes, 1 without torchrun; no saved model to fine-tune under torchrun). One process:
-    ``run.device`` must exist here. Several (torchrun): ``sp`` must divide every training sequence and
+    ``run.device`` must exist here and ``model.pretrained`` be a saved linmem model folder
+    (:func:`check_pretrained`). Several (torchrun): ``sp`` must divide every training sequence and
     ``ep`` the experts, the model must suit the layout (checked on the meta device), every rank takes its
     own device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
     (:class:`~linmem.distributed.ParallelConfigError` or :class:`ConfigError`).
@@ -138,6 +140,7 @@ def check_launch(config: TrainConfig) -> int:
     check_processes(config, world)
     if world == 1:
         resolve_device(config.run.device)
+        check_pretrained(config.model)
         return 1
     for length in _sequence_lengths(config.data):
         parallel.validate(seq_len=length)
@@ -150,6 +153,22 @@ def check_launch(config: TrainConfig) -> int:
         model = build_model(config.model, _STRUCTURE_VOCAB)
     check_model(model, parallel, compile_blocks=config.run.compile is True)
     return world
+
+
+def check_pretrained(section: ModelSection) -> None:
+    """``model.pretrained`` must be a local folder holding a saved linmem model (``config.json``): a missing
+    folder, a run directory (its model is in ``model/``) or another model type's checkpoint (a Llama's, to
+    convert with ``linmem linearize``) is a ConfigError naming it."""
+    if section.pretrained is None:
+        return
+    folder = Path(section.pretrained)
+    if not (folder / "config.json").is_file():
+        hint = f": a run directory keeps its model in {folder / 'model'}" if (folder / CONFIG).is_file() else ""
+        raise ConfigError(f"model.pretrained {folder} is not a saved model folder (no config.json){hint}")
+    try:
+        refuse_foreign_config(folder)
+    except ValueError as err:
+        raise ConfigError(f"model.pretrained: {err}") from err
 
 
 _STRUCTURE_VOCAB = 1 << 20  # the vocabulary of the meta-device model that check_launch inspects

@@ -78,13 +78,18 @@ def test_custom_scale():
     assert rel_err(forgetting_attention(**x, scale=0.3), naive(**x, scale=0.3)) < 1e-12
 
 
+@pytest.mark.parametrize("forget", [True, False], ids=["forget", "plain"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_varlen_equals_separate_sequences(window):
+def test_varlen_equals_separate_sequences(window, forget, caplog):
+    """Packed sequences attend within themselves; without a forget gate SDPA serves them (one sequence at a
+    time: no [T, T] mask), windowed or not, an empty sequence included."""
     lengths = [5, 0, 1, 9, 4]
-    x = inputs(sum(lengths), Hkv=2, batch=1)
+    x = inputs(sum(lengths), Hkv=2, batch=1, forget=forget)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     do = torch.randn(1, sum(lengths), H, DV, dtype=torch.float64)
-    o, grads = with_grads(forgetting_attention, x, do, window=window, cu_seqlens=cu)
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        o, grads = with_grads(forgetting_attention, x, do, window=window, cu_seqlens=cu)
+    assert forget or "cannot serve" not in caplog.text, caplog.text
     for s in range(len(lengths)):
         piece = {n: t[:, cu[s] : cu[s + 1]] for n, t in x.items()}
         if not lengths[s]:

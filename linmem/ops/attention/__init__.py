@@ -150,7 +150,7 @@ def forgetting_attention(
             reason = sdpa_refusal(forget=c is not None, key_mask=False, cu_seqlens=cu_seqlens is not None,
                                   Tq=q.shape[1], Tk=k.shape[1])
             if reason is None:
-                return sdpa_attention(q, k, v, scale=scale, window=window)
+                return sdpa_attention(q, k, v, scale=scale, window=window, cu_seqlens=cu_seqlens)
         if not torch.compiler.is_compiling():  # a logger call would break the compiled graph
             logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
     return reference_attention(q, k, v, scale=scale, cum_forget=c, window=window, cu_seqlens=cu_seqlens,
@@ -237,7 +237,7 @@ def cached_attention(
             reason = sdpa_refusal(forget=cum_forget is not None, key_mask=key_mask is not None,
                                   cu_seqlens=cu_seqlens is not None, Tq=Tq, Tk=Tk)
             if reason is None:
-                return sdpa_attention(q, k, v, scale=scale, window=window)
+                return sdpa_attention(q, k, v, scale=scale, window=window, cu_seqlens=cu_seqlens)
         if not torch.compiler.is_compiling():  # a logger call would break the compiled graph
             logger.debug("%s: backend %r cannot serve this call (%s); trying the next", op, name, reason)
     return reference_attention(q, k, v, scale=scale, cum_forget=cum_forget, window=window, key_mask=key_mask,

@@ -4,7 +4,10 @@ Full causal attention is one ``is_causal`` call (the flash kernel where PyTorch 
 A window ``W < T`` is one batched call over blocks of W queries: block b (queries
 ``[bW, bW + W)``) reads the keys ``[bW - W, bW + W)`` under one shared ``[W, 2W]`` band
 mask, so the work and memory are O(T W), not O(T^2); the first block, which has no keys
-before it, is plain causal.
+before it, is plain causal. Packed sequences (``cu_seqlens``) are served one sequence at a time
+(eagerly: under ``torch.compile`` the host-side split would break the graph), so no call builds
+the [T, T] block-diagonal mask that the reference would (O(T^2) memory, which made packed training
+rows on a CPU several times slower than unpacked ones).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ def refusal(*, forget: bool, key_mask: bool, cu_seqlens: bool, Tq: int, Tk: int)
     """None if :func:`sdpa_attention` serves the call, else why not."""
     if forget:
         return "a forget gate needs its bias inside the kernel (SDPA would keep a [B, H, T, T] mask)"
-    if cu_seqlens:
-        return "packed sequences would need a [T, T] block-diagonal mask"
+    if cu_seqlens and torch.compiler.is_compiling():
+        return "packed sequences are split on the host, which would break the compiled graph"
     if key_mask or Tq != Tk:
         return "a KV cache (key mask, fewer queries than keys) needs a materialised mask"
     return None
@@ -52,9 +55,15 @@ def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     return torch.cat([first, rest], dim=2)[:, :, :T]
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: Optional[int]
-                   ) -> torch.Tensor:
-    """q: [B, T, H, D], k: [B, T, Hkv, D], v: [B, T, Hkv, Dv] -> o: [B, T, H, Dv], causal, optional window."""
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: Optional[int],
+                   cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q: [B, T, H, D], k: [B, T, Hkv, D], v: [B, T, Hkv, Dv] -> o: [B, T, H, Dv], causal, optional window;
+    ``cu_seqlens`` [N + 1] (B == 1): N packed sequences, each attending within itself (read on the host)."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        pieces = [sdpa_attention(q[:, a:b], k[:, a:b], v[:, a:b], scale=scale, window=window)
+                  for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(pieces, dim=1) if pieces else sdpa_attention(q, k, v, scale=scale, window=window)
     qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
     T = q.shape[1]
     if window is None or window >= T:

@@ -3,7 +3,6 @@ streamed generation with top-k / top-p / stop, and Ctrl-C that saves and resumes
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from linmem import __version__
 from linmem.cli import main
 from linmem.train import RunError, Trainer, load_config
 from linmem.train.data import byte_detokenize
+from linmem.train.metrics import read_metrics
 from linmem.train.runs import _TextStream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,8 +165,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+    """The losses logged so far (a line the run is writing is left out)."""
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir / "metrics.jsonl") if "loss" in row}
 
 
 def test_ctrl_c_saves_a_checkpoint_refuses_a_second_run_and_resumes_exactly(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Packed variable-length batches: which sequence every token belongs to, and where inside it.
 
 A packed batch is ``cu_seqlens: [N + 1]`` (0 first, non-decreasing, T last) over ``T`` tokens. These index maps
-are written as a scatter and a cumulative sum rather than ``torch.searchsorted``: the same function, but one that
+are written as a scatter and a running maximum rather than ``torch.searchsorted``: the same function, but one that
 every ``torch.compile`` backend lowers (inductor's GPU lowering of a search over a sliced boundary tensor fails in
 torch 2.11), with no host synchronisation and no data-dependent shape.
 """
@@ -24,9 +24,17 @@ def count_at_or_below(boundaries: torch.Tensor, n: int) -> torch.Tensor:
         >>> count_at_or_below(torch.tensor([2, 2, 5]), 6).tolist()
         [0, 0, 2, 2, 2, 3]
     """
-    hits = torch.zeros(n + 1, dtype=torch.int64, device=boundaries.device)
-    hits = hits.index_add(0, boundaries.to(torch.int64).clamp(max=n), torch.ones_like(boundaries, dtype=torch.int64))
-    return hits.cumsum(0)[:n]
+    M = boundaries.numel()
+    b = boundaries.to(torch.int64)
+    rank = torch.arange(1, M + 1, device=b.device)
+    # Only the last of equal boundaries writes, and only inside [0, n): the writes land on distinct slots (slot n
+    # takes the rest, all zeros), so the map needs no accumulating scatter.
+    last = torch.ones_like(b, dtype=torch.bool)
+    last[:-1] = b[:-1] != b[1:]
+    writes = last & (b < n)
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=b.device)
+    counts = counts.index_put((torch.where(writes, b, n),), torch.where(writes, rank, 0))
+    return counts[:n].cummax(0).values
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:

@@ -55,8 +55,10 @@ def _train(args: argparse.Namespace) -> int:
     say(config.to_yaml())
     _quiet_transformers()
     trainer = Trainer(config)
+    no_graph = f" (no CUDA graph: {trainer.no_graph_reason})" if trainer.device.type == "cuda" and \
+        trainer.no_graph_reason else ""
     say(f"model: {trainer.parameter_count() / 1e6:.2f}M parameters; task: {trainer.task.describe()}; step: "
-        f"{trainer.mode}", flush=True)
+        f"{trainer.mode}{no_graph}", flush=True)
     result = trainer.train()
     if result.already_finished:  # another process finished it in the meantime
         say(f"{config.run.out_dir} holds a finished run ({result.steps} steps); nothing to do.")

@@ -1,5 +1,5 @@
-"""How the training step runs (eager, compiled blocks, or one CUDA graph), where ``torch.compile`` keeps its
-caches, and what the console says while it compiles.
+"""Compiled training steps: where ``torch.compile`` keeps its caches, and what the console says while it compiles
+(CUDA-graph steps: :mod:`linmem.train.graphs`).
 
 Compilation is regional: each block of the stack is compiled on its own (:func:`~linmem.distributed.apply_compile`),
 so blocks of one kind share their compiled code and compile time does not grow with depth. It happens during the
@@ -14,8 +14,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import torch
 
 logger = logging.getLogger("linmem.train")
 

@@ -38,7 +38,8 @@ RECIPES = importlib.resources.files("linmem") / "recipes"
 #: checkpoint would not match the new config.
 RESUMABLE_KEYS = (
     "schedule.steps", "schedule.warmup_steps", "run.log_every", "run.eval_every", "run.save_every", "run.progress",
-    "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.compile_cache", "run.resume",
+    "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.compile_cache", "run.cuda_graph",
+    "run.resume",
     "run.out_dir",
     "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.blocks_per_unit",
     "parallel.activation_checkpointing",
@@ -163,10 +164,12 @@ class RunSection:
     seed: int = setting(0, "model init and every other RNG")
     device: str = setting("auto", "auto, cpu, cuda, cuda:1")
     dtype: str = setting("auto", "auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp32")
-    compile: Optional[bool] = setting(None, "torch.compile each block on its own (regional); null: on CUDA unless the "
-                                      "parallel layout needs eager blocks, off on CPU")
+    compile: bool = setting(False, "torch.compile each block on its own (regional compilation)")
     compile_cache: Optional[str] = setting(None, "folder for torch.compile's caches (inductor, Triton), reused by "
                                            "later runs naming it; null: torch's defaults")
+    cuda_graph: Optional[bool] = setting(None, "replay each micro-step's forward and backward from a CUDA graph, one "
+                                               "per batch shape; null: on CUDA on one process unless the model "
+                                               "routes tokens (MoE, MoM)")
     log_every: int = setting(10, "steps between metric lines (and console lines when the progress bar is off)")
     eval_every: int = setting(0, "steps between evaluations (0 = only at the end)")
     save_every: int = setting(500, "steps between checkpoints (0 = only at the end)")

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, apply_compile, check_model,
-                           checkpoint_blocks, clip_grad_norm_, compile_refusal, export_pretrained, global_lm_loss,
+                           checkpoint_blocks, clip_grad_norm_, export_pretrained, global_lm_loss,
                            next_token_targets, parallelize, sequence_parallel, shard_sequence, write_shards)
 from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
@@ -54,6 +54,7 @@ from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, l
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
 from .config import ConfigError, DataSection, ModelSection, TrainConfig, check_processes
 from .console import Console, TokenRate, on_terminal
+from .graphs import GraphCaptureError, GraphedMicroSteps, graph_refusal
 from .metrics import MetricsLog
 from .ranks import Ranks, join
 from .rundir import CONFIG, RunError, RunLock, check_run_directory, mark_finished, start_over, write_atomically
@@ -151,7 +152,7 @@ def check_launch(config: TrainConfig) -> int:
                                   "launch with torchrun --nproc-per-node N -m linmem.cli train ...")
     with torch.device("meta"):  # the structure only: any vocabulary will do
         model = build_model(config.model, _STRUCTURE_VOCAB)
-    check_model(model, parallel, compile_blocks=config.run.compile is True)
+    check_model(model, parallel, compile_blocks=config.run.compile)
     return world
 
 
@@ -179,16 +180,6 @@ def _sequence_lengths(data: DataSection) -> list[int]:
     if data.task == "mqar":
         return sorted({seq_len for seq_len, _ in data.mqar.settings})
     return [data.tokens_per_batch]
-
-
-def compiles_blocks(config: TrainConfig, device: torch.device, model: torch.nn.Module) -> bool:
-    """Whether the training step runs compiled blocks: ``run.compile``, or where it is null, on CUDA unless the
-    parallel layout needs eager blocks (:func:`~linmem.distributed.compile_refusal`)."""
-    if config.run.compile is not None:
-        return config.run.compile
-    if device.type != "cuda":
-        return False
-    return world_size() == 1 or compile_refusal(model, config.parallel) is None
 
 
 def parallel_device_type(name: str) -> str:
@@ -299,7 +290,7 @@ class Trainer:
         special = self.task.codec.special_tokens() if self.task.codec is not None else {}
         bf16 = config.run.dtype == "bf16" or (config.run.dtype == "auto" and self.device.type == "cuda")
         model = build_model(config.model, self.task.vocab_size, special).to(self.device)
-        self.compiled = compiles_blocks(config, self.device, model)
+        self.compiled = config.run.compile
         if self.compiled:
             use_compile_cache(config.run.compile_cache)
         if self.ranks.mesh is None:
@@ -317,6 +308,7 @@ class Trainer:
             self.model = parallelize(model, self.ranks.mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      compile_blocks=self.compiled)  # each block inside its FSDP unit
             self.autocast_dtype = None
+        self.graphs = self._graphed_steps(world)
         o = config.optim
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps,
@@ -328,6 +320,16 @@ class Trainer:
         self.skipped_steps = 0
         self.tokens_seen = 0
         self.saved_step: Optional[int] = None  # step of the newest checkpoint on disk
+
+    def _graphed_steps(self, world: int) -> Optional[GraphedMicroSteps]:
+        """CUDA-graph micro-steps where ``run.cuda_graph`` asks for them (null: wherever they can run)."""
+        self.no_graph_reason = None if self.config.run.cuda_graph is False else graph_refusal(self.model, self.device,
+                                                                                              world)
+        if self.config.run.cuda_graph is False or self.no_graph_reason is not None:
+            if self.config.run.cuda_graph:
+                raise ConfigError(f"run.cuda_graph=true: {self.no_graph_reason}; set run.cuda_graph=false")
+            return None
+        return GraphedMicroSteps(self.model, self.autocast_dtype)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -418,6 +420,16 @@ class Trainer:
         data-parallel ranks); ``step_targets``: the step's, so that the step's loss is its mean over targets."""
         if self.ranks.mesh is not None:
             return self._parallel_micro_step(batch, num_targets, step_targets)
+        if self.graphs is not None:
+            try:
+                loss = self.graphs(batch, num_targets / step_targets)
+                self.tokens_seen += batch["input_ids"].numel()
+                return loss, {}
+            except GraphCaptureError as err:
+                if self.config.run.cuda_graph:
+                    raise
+                logger.warning("%s; the run goes on with eager steps (run.cuda_graph=false skips the capture)", err)
+                self.graphs = None
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.model(**batch, use_cache=False)
@@ -518,9 +530,13 @@ class Trainer:
         batches = iter(self.batches)
         self.model.train()
         rate = TokenRate(self.tokens_seen)
+        mode = self.mode
         while self.step < cfg.schedule.steps:
             loss, grad_norm, router = self._optimizer_step(batches)
             self.step += 1
+            if self.mode != mode:  # a CUDA graph that could not be captured: eager from this step on
+                mode = self.mode
+                log.write(self.step, {"mode": mode})
             result.losses[self.step] = loss
             console.step(loss)
             if self.step % run.log_every == 0 or self.step == cfg.schedule.steps:
@@ -548,8 +564,12 @@ class Trainer:
 
     @property
     def mode(self) -> str:
-        """How the training step runs: "eager" or "compiled" (regional torch.compile of the blocks)."""
-        return "compiled" if self.compiled else "eager"
+        """How the training step runs: "eager", "compiled" (regional torch.compile of the blocks), "graph"
+        (CUDA-graph micro-steps) or "compiled+graph"."""
+        graph = "graph" if self.graphs is not None else ""
+        if self.compiled:
+            return "compiled+graph" if graph else "compiled"
+        return graph or "eager"
 
     def _compile_metrics(self) -> dict[str, float]:
         """Seconds spent compiling so far and the graphs compiled (compiled steps only)."""
@@ -565,7 +585,7 @@ class Trainer:
         router metrics (aux loss, load), averaged over all ranks (every rank decides alike to skip).
         """
         cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # the graphs add into their gradients
         micro = [next(batches) for _ in range(cfg.schedule.grad_accum)]
         counts = self.ranks.data_parallel_sum([_target_count(batch) for batch in micro])
         step_targets = max(sum(counts), 1.0)

@@ -6,8 +6,9 @@ with SDPA) and flash-linear-attention, all of one shape (``linmem.bench.peers``:
 width 1024, vocabulary 32000; the mapping of every config is in that module's docstring), timed in one
 run on one GPU.
 
-Protocol, for every model, mode (eager; with ``--compile`` also ``torch.compile`` of the whole model)
-and sequence length T (2K, 4K, 8K, 16K, 32K by default):
+Protocol, for every model, mode (``--modes``: eager; compiled, ``torch.compile`` of each block on its own as
+``run.compile`` does, for peers too; graph, the forward and backward captured as a CUDA graph as
+``run.cuda_graph`` does, :mod:`linmem.train.graphs`) and sequence length T (2K, 4K, 8K, 16K, 32K by default):
 
 1. free what the previous cell held (``gc.collect()``, ``torch.cuda.empty_cache()``) and seed 0;
 2. build the model on the device with bf16 weights (no autocast: weights, gradients and AdamW's states
@@ -15,14 +16,16 @@ and sequence length T (2K, 4K, 8K, 16K, 32K by default):
    of random token ids (16K tokens a step: 8 x 2K, 4 x 4K, 2 x 8K, 1 x 16K; 32K is one sequence);
 3. one step is ``model(input_ids=x, labels=x, use_cache=False).loss.backward()``, ``optimizer.step()``,
    ``optimizer.zero_grad(set_to_none=True)``: each model's own loss (HF's, fla's fused cross-entropy,
-   linmem's);
+   linmem's); in graph mode the forward and backward replay their graph (captured in the second warm-up
+   step) and the gradients are zeroed in place;
 4. ``warmup`` steps (default 2), timed by the wall clock after a synchronisation: they take Triton's
-   compilation and autotuning, ``torch.compile`` and the allocation of the optimizer's states. For a
-   compiled row, ``compile_s`` is the first step's wall time less the median step;
+   compilation and autotuning, ``torch.compile``, the graph's capture and the allocation of the optimizer's
+   states. For a compiled row, ``compile_s`` is the first step's wall time less the median step;
 5. the peak-memory statistic is reset, then ``steps`` steps (default 5) are timed each between two CUDA
    events, synchronised after each; tokens/s is ``B * T`` over the median step; peak GB is
    ``torch.cuda.max_memory_allocated()`` over the timed steps (weights, gradients, optimizer states and
-   the step's activations), in 1e9 bytes.
+   the step's activations), in 1e9 bytes; in graph mode over the warm-up steps too (the capture allocates
+   the activations that the replays reuse, and a replay allocates nothing).
 
 A cell that runs out of memory reads "out of memory"; any other error is its message. A peer that is not
 installed, or that refuses to train on this stack (fla's gated backward on Hopper with Triton < 3.7.1),
@@ -33,7 +36,7 @@ after every cell; ``--budget-s`` starts no cell past that many seconds. On CPU (
 steps are timed by the wall clock and no memory is reported.
 
     linmem bench models --peers                                  # the table of record, ~370M, one GPU
-    linmem bench models --models gla,deltanet --peers --compile  # eager and compiled, with compile times
+    linmem bench models --models gla,deltanet --peers --modes eager,compiled,graph  # with compile times
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..distributed import apply_compile
+from ..train.graphs import GraphedMicroSteps, graph_refusal
 from . import BenchError
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, training_refusal, unavailable_reason)
@@ -56,6 +61,8 @@ from .report import environment, environment_line, length_label, markdown_table,
 
 DEFAULT_MODELS = ("transformer", "gla", "deltanet", "gated_deltanet", "hybrid", "fox")
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768)
+#: how a step runs: eagerly, with compiled blocks, or replayed from a CUDA graph
+MODES = ("eager", "compiled", "graph")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class TrainBenchConfig:
     dtype: str = "bfloat16"  # weights, gradients and optimizer states
     warmup: int = 2  # untimed steps first (compilation, autotuning, optimizer states)
     steps: int = 5  # timed steps; the median is reported
-    compile: bool = False  # also time every model under torch.compile of the whole model
+    modes: tuple[str, ...] = ("eager",)  # of MODES: every model in each
     activation_checkpointing: bool = False  # set on linmem configs that have the option
     budget_s: Optional[float] = None  # start no cell after this many seconds
     device: str = "cuda"
@@ -80,13 +87,18 @@ class TrainBenchConfig:
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"warmup >= 1 and steps >= 1 expected (the first step compiles), "
                              f"got warmup={self.warmup}, steps={self.steps}")
+        if "graph" in self.modes and self.warmup < 2:
+            raise ValueError(f"graph mode needs warmup >= 2 (an eager step, then the capture), got {self.warmup}")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {', '.join(self.modes) or 'none'}")
         if not self.seq_lens or min(self.seq_lens) < 2 or self.tokens_per_step < 2:
             raise ValueError(f"seq_lens >= 2 and tokens_per_step >= 2 expected, got {self.seq_lens}, "
                              f"{self.tokens_per_step}")
 
     def rows(self) -> list[tuple[str, str]]:
-        """(model key, mode) in table order (peers.row_keys), eager then compiled."""
-        modes = ("eager", "compiled") if self.compile else ("eager",)
+        """(model key, mode) in table order (peers.row_keys), each model's modes in MODES' order."""
+        modes = [m for m in MODES if m in self.modes]
         return [(key, mode) for key in row_keys(self.models, self.peers) for mode in modes]
 
 
@@ -112,22 +124,25 @@ class TrainCell:
     note: str = ""
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str
+def time_steps(step: Callable[[], None], warmup: int, steps: int, device: str, peak_of_warmup: bool = False
                ) -> tuple[list[float], list[float], Optional[float]]:
     """``(warm-up wall seconds, timed step ms, peak GB)`` of ``warmup`` then ``steps`` calls of ``step``.
 
     On CUDA each timed step lies between two events and is synchronised; the peak is
-    ``max_memory_allocated`` over the timed steps. On CPU the wall clock times them and the peak is None.
+    ``max_memory_allocated`` over the timed steps (``peak_of_warmup``: over the warm-up steps too, where a
+    CUDA graph's capture allocates what its replays reuse). On CPU the wall clock times them and the peak is None.
     """
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     warm = []
     for _ in range(warmup):
         start = time.perf_counter()
         step()
         sync()
         warm.append(time.perf_counter() - start)
-    if cuda:
+    if cuda and not peak_of_warmup:
         torch.cuda.reset_peak_memory_stats()
     timed = []
     for _ in range(steps):
@@ -162,6 +177,10 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+class _Refused(Exception):
+    """A model that cannot run in the cell's mode (a CUDA graph on a CPU, of routed layers)."""
+
+
 def _train(cell: TrainCell, config: TrainBenchConfig) -> None:
     """Build the cell's model and time its training steps (the module docstring's protocol)."""
     torch.manual_seed(0)
@@ -169,16 +188,26 @@ def _train(cell: TrainCell, config: TrainBenchConfig) -> None:
                                    activation_checkpointing=config.activation_checkpointing)
     model.train()
     cell.params_M = sum(p.numel() for p in model.parameters()) / 1e6
-    forward = torch.compile(model) if cell.mode == "compiled" else model
+    if cell.mode == "graph":
+        refusal = graph_refusal(model, torch.device(config.device), world=1)
+        if refusal is not None:
+            raise _Refused(refusal)
+    if cell.mode == "compiled":
+        apply_compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, config.shape.vocab_size, (cell.B, cell.T), device=config.device)
+    graphed = GraphedMicroSteps(model, autocast_dtype=None) if cell.mode == "graph" else None
 
     def step() -> None:
-        forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        if graphed is not None:
+            graphed({"input_ids": ids, "labels": ids}, 1.0)
+        else:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=graphed is None)
 
-    warm, cell.steps_ms, cell.peak_GB = time_steps(step, config.warmup, config.steps, config.device)
+    warm, cell.steps_ms, cell.peak_GB = time_steps(step, config.warmup, config.steps, config.device,
+                                                   peak_of_warmup=cell.mode == "graph")
     cell.step_ms = statistics.median(cell.steps_ms)
     cell.ktok_s = cell.B * cell.T / cell.step_ms
     cell.first_step_s = warm[0]
@@ -199,6 +228,8 @@ def train_cell(key: str, mode: str, T: int, config: TrainBenchConfig) -> TrainCe
         _train(cell, config)
     except ImportError as error:
         cell.status, cell.reason = "skipped", unavailable_reason(error)
+    except _Refused as error:
+        cell.status, cell.reason = "skipped", str(error)
     except Exception as error:  # a model that fails at this shape says so in its cell
         cell.status, cell.reason = ("out of memory", "") if is_out_of_memory(error) else ("error", error_text(error))
     cell.wall_s = time.perf_counter() - start
@@ -229,7 +260,7 @@ def run_models(config: TrainBenchConfig, report: Callable[[TrainCell], None] = l
 
 
 def row_label(cell: TrainCell, config: TrainBenchConfig) -> str:
-    label = cell.label + (" (compiled)" if cell.mode == "compiled" else "")
+    label = cell.label + (f" ({cell.mode})" if cell.mode != "eager" else "")
     if config.activation_checkpointing and model_spec(cell.model).family == "linmem" and not cell.note:
         label += " (activation checkpointing)"
     return label
@@ -284,7 +315,7 @@ def write_outputs(out: Path, config: TrainBenchConfig, env: dict, cells: list[Tr
              f"{unit}; median of {config.steps} steps after {config.warmup}")
     parts_md = [title, environment_line(env), markdown_table(header, rows)] + (["\n".join(notes)] if notes else [])
     parts_txt = [title, environment_line(env), "", text_table(header, rows)] + notes
-    if config.compile:
+    if "compiled" in config.modes:
         compile_header, compile_rows = compile_table(cells, config)
         parts_md.append(markdown_table(compile_header, compile_rows))
         parts_txt += ["", text_table(compile_header, compile_rows)]
@@ -300,8 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (B = tokens / T, at least 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time every model under torch.compile of the whole model (compile times too)")
+    parser.add_argument("--modes", default="eager", help=f"comma-separated, of {', '.join(MODES)}: compiled blocks "
+                                                          "(with compile times) and CUDA-graph steps beside eager ones")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="set activation_checkpointing on linmem configs that have it (peers run without)")
 
@@ -311,7 +342,7 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
     return TrainBenchConfig(models=models, peers=parse_peers(args.peers, models) if args.peers else (),
                             seq_lens=tuple(int(t) for t in args.seq_lens.split(",")), tokens_per_step=args.tokens,
                             shape=shape_from_args(args), dtype=args.dtype, warmup=args.warmup, steps=args.steps,
-                            compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+                            modes=tuple(args.modes.split(",")), activation_checkpointing=args.activation_checkpointing,
                             budget_s=args.budget_s, device=args.device)
 
 

@@ -33,6 +33,22 @@ def test_models_bench_times_linmem_and_llama_and_writes_its_tables(tmp_path):
     assert "| linmem gla |" in table and "| HF Llama (SDPA) |" in table and "2 x 16" in table
 
 
+def test_models_bench_modes_compile_blocks_and_name_what_cannot_graph(tmp_path):
+    """Compiled rows compile each block (and report compile seconds); a CUDA graph on a CPU is a skipped cell
+    with its reason; an unknown mode is refused by name."""
+    assert models.main(TINY + ["--models", "transformer", "--modes", "eager,compiled,graph", "--seq-lens", "16",
+                               "--tokens", "16", "--warmup", "2", "--out", str(tmp_path)]) == 0
+    torch._dynamo.reset()
+    by = {c["mode"]: c for c in json.loads((tmp_path / "models.json").read_text())["cells"]}
+    assert by["eager"]["status"] == by["compiled"]["status"] == "ok" and by["compiled"]["compile_s"] is not None
+    assert by["graph"]["status"] == "skipped" and "CUDA device" in by["graph"]["reason"]
+    assert "(compiled)" in (tmp_path / "models.md").read_text()
+    with pytest.raises(ValueError, match="modes: expected some of eager, compiled, graph, got fast"):
+        models.TrainBenchConfig(modes=("fast",), device="cpu")
+    with pytest.raises(ValueError, match="graph mode needs warmup >= 2"):
+        models.TrainBenchConfig(modes=("graph",), warmup=1, device="cpu")
+
+
 def test_decode_bench_times_each_cache_and_writes_tables_and_plots(tmp_path):
     assert decode.main(TINY + ["--models", "gla", "--peers", "llama", "--contexts", "8,16", "--batch", "2",
                                "--generate-contexts", "16", "--out", str(tmp_path)]) == 0

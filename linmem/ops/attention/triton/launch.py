@@ -32,8 +32,8 @@ class Tiles:
 #: per kernel and head dim on CUDA. forward and dq: a program owns block_m queries and walks key tiles of
 #: block_n (block_m a multiple of block_n); dkdv: a program owns block_n keys and walks query tiles of block_m
 #: (block_n a multiple of block_m); decode: block_n keys per tile (block_m unused: the rows are the queries).
-#: Chosen from the sm_90 code (Triton 3.6, ``dev/gpu/fox_compile.py``), to be confirmed by the timings of
-#: ``dev/gpu/fox_bench.py --only variants``: at least 3 stages where shared memory allows (with 2, the loop waits
+#: Chosen from the sm_90 code (Triton 3.6, ``dev/gpu/tools/fox_compile.py``), to be confirmed by the timings of
+#: ``dev/gpu/tools/fox_bench.py --only variants``: at least 3 stages where shared memory allows (with 2, the loop waits
 #: for each tile's loads as it starts), no wgmma narrower than 64 on the shared-memory operand (dkdv's 64 keys x 32
 #: queries at 8 warps split into 64 x 16 products and moved P through shared memory each tile), and the fewest
 #: instructions per score element without spills in the loops. D = 128: dkdv 64 x 128 at 8 warps issues 25% fewer

@@ -12,7 +12,7 @@ One run, one GPU; everything goes to ``$OUT/bayes_bench.json`` (and a summary to
    rule (scalar log decay and beta) at the same width, H = 16, K = V = 64 and 128, B x T = 16K tokens, bf16,
    with the peak memory of each forward+backward.
 
-    OUT=/tmp/out python dev/gpu/bayes_bench.py
+    OUT=/tmp/out python dev/gpu/tools/bayes_bench.py
 """
 
 from __future__ import annotations

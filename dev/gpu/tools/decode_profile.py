@@ -8,7 +8,7 @@ For each model and context: prefill ``context`` tokens at batch 8 into a :class:
 When the replay's ms/token is close to the step's GPU time, the step is bound by its kernels, and the table says
 which. Prints the tables; writes ``$OUT/decode_profile.json``.
 
-    OUT=/tmp/out python dev/gpu/decode_profile.py --models hybrid,transformer --contexts 2048,32768
+    OUT=/tmp/out python dev/gpu/tools/decode_profile.py --models hybrid,transformer --contexts 2048,32768
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from linmem.bench.peers import ModelShape, build_model  # noqa: E402
 from linmem.generation.step import GraphDecoder, decode_step  # noqa: E402

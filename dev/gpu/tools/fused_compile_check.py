@@ -1,7 +1,7 @@
 """Compile every fused kernel for a GPU target ahead of time (Triton's bundled ptxas; no GPU needed) and report
 its registers and stack (spills) per thread, as the launchers configure it.
 
-    python dev/gpu/fused_compile_check.py [--arch 90]        # exits 1 if a kernel fails to compile or spills
+    python dev/gpu/tools/fused_compile_check.py [--arch 90]        # exits 1 if a kernel fails to compile or spills
 
 Run it after changing a kernel or a tile size: it needs no device, and a spill shows as STACK > 0. Pointers are
 compiled as 16-byte aligned and the convolution's sizes and strides as multiples of 16, as the JIT specialises

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
+# Record: run 2026-11-27 on one H100 80 GB as `OUT=/tmp/out bash dev/gpu/records/bayes_mqar.sh`;
+# result: docs/bayes.md, "Update-MQAR: the Bayesian layer against Gated DeltaNet".
 # The Bayesian memory layer on one GPU, in under 10 minutes on an H100:
 #  1. its checks on CUDA: the layer's and the compiled path's tests (tests/layers/test_bayes.py,
 #     tests/ops/test_bayes_compile.py: kernels against the token loop, decoding, torch.compile, the custom ops'
-#     fake implementations), then `dev/gpu/bayes_models.py --checks` (the bf16 layer against the token loop on
+#     fake implementations), then `dev/gpu/tools/bayes_models.py --checks` (the bf16 layer against the token loop on
 #     packed sequences, every gradient; a model decoding through its cached mean and covariance; inductor);
 #  2. Update-MQAR: the recipes update-mqar-bayes and update-mqar-gated_deltanet as shipped (two layers of width
 #     128, 2 heads, short convolutions, bf16 autocast, the same data, seed and steps; keys and values from one
 #     pool of 128 tokens, half of the keys rebound to fresh values, every key must recall its latest value;
 #     trained on (L, kv) = (16, 1) ... (64, 8) mixed, evaluated at (64, 8) and (128, 16) every 250 steps).
 #     At width 256 with pools of 8192 and 1024 tokens both stayed at the loss ln(V) and chance accuracy in
-#     this budget (docs/bayes.md); dev/gpu/update_mqar_scan.sh measures what the pool and other changes do.
+#     this budget (docs/bayes.md); dev/gpu/records/update_mqar_scan.sh measures what the pool and other changes do.
 #     Each model gets half of the time left before $DEADLINE_S; a run past it stops after its step (SIGINT)
 #     and keeps its last evaluation.
 # Prints a table (also $OUT/summary.md): per model the steps run, the median tokens/s, the accuracy at the
@@ -30,7 +32,7 @@ echo "== 1. checks on CUDA"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_bayes.py tests/ops/test_bayes_compile.py \
   2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 150 python3 dev/gpu/bayes_models.py --checks 2>&1 | tee "$OUT/checks.log"
+timeout 150 python3 dev/gpu/tools/bayes_models.py --checks 2>&1 | tee "$OUT/checks.log"
 checks_rc=${PIPESTATUS[0]}
 echo "# checks: $SECONDS s" | tee -a "$OUT/checks.log"
 

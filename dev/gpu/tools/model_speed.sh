@@ -16,7 +16,7 @@
 # fla is installed from .whl/*.whl when the working tree carries its wheels (no network on the device).
 # Outputs under $OUT: env.txt, glue_tests.log, graph_breaks.log, profile.log, and models{,_ckpt,_compile}/ with
 # {models.json,models.md} (rewritten after every cell) and models{,_ckpt,_compile}.log.
-# Run from the repository root: OUT=/tmp/out bash dev/gpu/model_speed.sh [STAGE...], STAGE one of glue_tests,
+# Run from the repository root: OUT=/tmp/out bash dev/gpu/tools/model_speed.sh [STAGE...], STAGE one of glue_tests,
 # graph_breaks, profile, models, models_ckpt, models_compile (default: all of them, in that order).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -3,8 +3,8 @@ where compiling the kernels of each test, not running them, takes the time, and 
 CPU cores idle (``tests/ops/test_recurrence_triton.py`` on an H200 host: 10 shards take about 5 minutes, their
 own times summing to about 40)::
 
-    python dev/gpu/test_shards.py tests/ops/test_recurrence_triton.py --shards 10 --log-dir $OUT
-    python dev/gpu/test_shards.py tests/ops/test_recurrence_triton.py -k "vector and delta"
+    python dev/gpu/tools/test_shards.py tests/ops/test_recurrence_triton.py --shards 10 --log-dir $OUT
+    python dev/gpu/tools/test_shards.py tests/ops/test_recurrence_triton.py -k "vector and delta"
 
 Run it from the repository root (the node ids are relative to it). The tests are collected once and dealt
 round-robin, so tests of one parametrisation spread over the shards. Exits 1 if any shard failed; each shard's

@@ -5,10 +5,10 @@ Shapes of a ~370M model at 16K tokens a step: B x T = 8 x 2048 (and one packed 1
 varlen convolution), width D = 1024, H = 8 and 16 heads of K = V = 128, MLP width 2752, vocab 32000, bf16; the
 rotary embedding of q and k at the softmax transformer's 16 heads of 64, and at one decoding step of 8 rows.
 
-    OUT=/tmp/fused python dev/gpu/fused_bench.py            # prints one table, writes $OUT/fused_bench.json
+    OUT=/tmp/fused python dev/gpu/tools/fused_bench.py            # prints one table, writes $OUT/fused_bench.json
 
     git show main:linmem/ops/fused/triton/conv.py > dev/gpu/conv_base.py      # another revision's conv kernels
-    OUT=/tmp/fused python dev/gpu/fused_bench.py --conv-base dev/gpu/conv_base.py
+    OUT=/tmp/fused python dev/gpu/tools/fused_bench.py --conv-base dev/gpu/conv_base.py
 
 With ``--conv-base``, the short convolution's launchers (forward + backward, silu, a bias, W = 4, bf16, at every
 head count's shape) run beside that file's, with each conv kernel's GPU time per call (torch.profiler) and the

@@ -19,7 +19,7 @@ One table is printed; everything is written as JSON to ``$OUT/fox_bench.json`` (
 always run; ``--only`` picks among the other sections, ``--shapes`` the (B, T) of 3 and 5, so that each call stays
 within a time limit (the Triton and FlexAttention compilations of a fresh machine take minutes).
 
-    python dev/gpu/fox_bench.py [--quick] [--only accuracy,train,decode,variants] [--shapes 8x2048,1x32768]
+    python dev/gpu/tools/fox_bench.py [--quick] [--only accuracy,train,decode,variants] [--shapes 8x2048,1x32768]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from linmem.bench.layers import cuda_time_ms  # noqa: E402
 from linmem.bench.ops import fla_forgetting_fn, flex_attention_fn  # noqa: E402

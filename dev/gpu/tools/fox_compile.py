@@ -9,7 +9,7 @@ how many groups of copies may still be in flight when an iteration starts; 0 = e
 issued at the end of the previous one), block barriers, and stores to shared memory (layout changes inside the
 loop).
 
-    python dev/gpu/fox_compile.py [--arch 90] [--candidates] [--out results.json]
+    python dev/gpu/tools/fox_compile.py [--arch 90] [--candidates] [--out results.json]
 
 Needs only triton, of the GPU image's version (``python -m venv /tmp/t36 && /tmp/t36/bin/pip install
 triton==3.6.0``): the kernel modules import nothing else, and the tiles are read from ``launch.py`` and
@@ -35,7 +35,7 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KERNELS = ROOT / "linmem" / "ops" / "attention" / "triton"
 
 import triton  # noqa: E402

@@ -10,7 +10,7 @@ One run, one GPU; everything goes to ``$OUT/bayes_chunk_bench.json`` (and a summ
    kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
    B x T = 16K tokens, bf16, with the peak memory of each forward+backward.
 
-    OUT=/tmp/out python dev/gpu/bayes_chunk_bench.py
+    OUT=/tmp/out python dev/gpu/tools/bayes_chunk_bench.py
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ CUDA-graph micro-steps), one step as ``linmem bench models`` times it (bf16 weig
 * with ``--ops``: the eager step's 25 costliest ops by host time per call (self and total), to
   ``ops_<model>.txt``.
 
-    python dev/gpu/step_profile.py --models gated_deltanet,hybrid --modes eager,compiled,graph --out $OUT
+    python dev/gpu/tools/step_profile.py --models gated_deltanet,hybrid --modes eager,compiled,graph --out $OUT
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
 """A/B of revisions of the recurrence's Triton kernel package on one GPU, in one process: the same bits, and the
+
+Record: run by ``dev/gpu/records/triton_ab.sh`` (its header has the date, command and result).
 forward+backward time of each revision beside the others.
 
 Each revision is a copy of ``linmem/ops/recurrence/triton`` (``git archive`` of a commit), loaded as a package of
@@ -8,9 +10,9 @@ ops`` on the bench's inputs (seed 0). Printed per op and shape: each revision's 
 (CUDA events around the launchers alone, no autograd), its ratio to the first revision, and the largest
 difference of its outputs and gradients from the first revision's (0 where the bits agree)::
 
-    python dev/gpu/triton_ab.py --rev base=/tmp/ab/base --rev head=/tmp/ab/head --shapes 8x2048,1x16384
+    python dev/gpu/records/triton_ab.py --rev base=/tmp/ab/base --rev head=/tmp/ab/head --shapes 8x2048,1x16384
 
-``dev/gpu/triton_ab.sh`` extracts the revisions and runs this with the GPU suite.
+``dev/gpu/records/triton_ab.sh`` extracts the revisions and runs this with the GPU suite.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the Pro options on softmax / swa included) in bf16 autocast against its fp32 for
 against the forward; then a 340M-class model's training step with and without activation checkpointing
 (loss, gradients, peak memory, time) and its generate() cache reuse. Writes ``$OUT/check_layers.log``.
 
-Run from the repository root on a CUDA machine: ``python dev/gpu/check_layers.py``.
+Run from the repository root on a CUDA machine: ``python dev/gpu/tools/check_layers.py``.
 """
 
 from __future__ import annotations

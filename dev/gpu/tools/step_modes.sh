@@ -4,7 +4,7 @@
 #      kind, packed batches) and of static-cache decoding;
 #   2. the 340M hybrid recipe on the default corpus: run.compile=true twice with one run.compile_cache (cold, then
 #      warm), then eager and run.cuda_graph=true: the console's lines, compile_s and tokens/s from metrics.jsonl;
-#   3. dev/gpu/step_profile.py: wall, host and GPU time of a step, host time per launch, eager / compiled /
+#   3. dev/gpu/tools/step_profile.py: wall, host and GPU time of a step, host time per launch, eager / compiled /
 #      graph, and the eager step's costliest ops.
 # Outputs under $OUT: env.txt, tests.log, recipe.log, step_profile.log, profile/.
 set -uo pipefail
@@ -40,7 +40,7 @@ echo "# recipe: $((SECONDS - start)) s"
 fi
 
 if [[ $PARTS == *profile* ]]; then
-timeout ${PROFILE_S:-200} python3 dev/gpu/step_profile.py --models ${PROFILE_MODELS:-gated_deltanet,hybrid} \
+timeout ${PROFILE_S:-200} python3 dev/gpu/tools/step_profile.py --models ${PROFILE_MODELS:-gated_deltanet,hybrid} \
   --shapes ${PROFILE_SHAPES:-8x2048} --ops --out "$OUT/profile" 2>&1 | grep -v Warning | tee "$OUT/step_profile.log"
 fi
 echo "# total: $((SECONDS - start)) s"

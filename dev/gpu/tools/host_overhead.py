@@ -27,9 +27,9 @@ gloo's transfers and of waiting for the other rank.
 
 Usage::
 
-    torchrun --standalone --nproc-per-node 2 dev/gpu/host_overhead.py
-    python dev/gpu/host_overhead.py            # one process: the plain model only
-    python dev/gpu/host_overhead.py --fake 2 --variants plain fsdp gathered
+    torchrun --standalone --nproc-per-node 2 dev/gpu/tools/host_overhead.py
+    python dev/gpu/tools/host_overhead.py            # one process: the plain model only
+    python dev/gpu/tools/host_overhead.py --fake 2 --variants plain fsdp gathered
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The seed papers' claims at a scale one GPU affords: train, evaluate, tabulate, plot.
 
-    OUT=out bash dev/gpu/claims.sh --jobs 8                # all three claims: about one 600 s call on an H100
-    python dev/gpu/claims.py --out out --smoke             # the whole pipeline, tiny settings (CPU, minutes)
+Record: run by ``dev/gpu/records/claims.sh`` (its header has the date, command and result).
+
+    OUT=out bash dev/gpu/records/claims.sh --jobs 8                # all three claims: about one 600 s call on an H100
+    python dev/gpu/records/claims.py --out out --smoke             # the whole pipeline, tiny settings (CPU, minutes)
 
 (a) hybrid vs pure vs Transformer on the same token budget (Linear-MoE, Table 5's question);
 (b) FoX vs Transformer, with and without the Pro block: per-position loss, extrapolation to 2x and
@@ -33,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 from linmem.eval.plots import plot_loss_curves, plt, read_metrics  # noqa: E402

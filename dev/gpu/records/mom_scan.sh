@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Record: run 2026-11-21 on one H200 as `OUT=/tmp/out bash dev/gpu/records/mom_scan.sh`;
+# result: benchmarks/results/mqar-mom.json (BENCHMARKS.md, MQAR: mixture of memories against one memory).
 # The MoM vs one-memory MQAR scan of BENCHMARKS.md in one device call: every run is a
 # `linmem train` with overrides, all started at once on the one GPU; each prints its final
 # metrics (the line starting "done:"), collected in $OUT/mom_scan.log.

@@ -1,9 +1,9 @@
 """``linmem train`` under torchrun on the GPUs of one host, against one GPU: the trainer's checks of the
 CPU tests (gloo) on NCCL and the GPU kernels, then the trainer's tokens/s.
 
-    OUT=out python dev/gpu/distributed_train.py            # 1, 2 and (with 4 GPUs) 4 GPUs, ~5 minutes
-    OUT=out python dev/gpu/distributed_train.py --smoke    # tiny, on CPU with gloo: try it without GPUs
-    OUT=out python dev/gpu/distributed_train.py --stages reshard,throughput   # some of the stages below
+    OUT=out python dev/gpu/tools/distributed_train.py            # 1, 2 and (with 4 GPUs) 4 GPUs, ~5 minutes
+    OUT=out python dev/gpu/tools/distributed_train.py --smoke    # tiny, on CPU with gloo: try it without GPUs
+    OUT=out python dev/gpu/tools/distributed_train.py --stages reshard,throughput   # some of the stages below
 
 1. curve: a small MoE hybrid on MQAR in fp32: one GPU on the global batch; 2 GPUs dp=2 with the experts
    over ep=2 and activation checkpointing; 4 GPUs dp=2 x sp=2, ep=2 (sequence parallelism only when the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MOE = ["model.hidden_size=128", "model.num_heads=4", "model.layer_pattern=LLLN", "model.options.mlp=moe",
        "model.options.num_experts=8", "model.options.num_experts_per_tok=2", "model.options.moe_intermediate_size=128",
        "model.options.num_shared_experts=1", "model.options.use_short_conv=false"]

@@ -1,5 +1,7 @@
 """Liger on one GPU, at small scale, in under 10 minutes on an H100 (``--budget-s``, 470 s by default).
 
+Record: run by ``dev/gpu/records/liger_experiment.sh`` (its header has the date, command and result).
+
 1. a BPE tokenizer and a ~30M-parameter Llama (GQA, transformers' LlamaForCausalLM) trained on the
    Python standard library's sources for a fixed time;
 2. its perplexity on held-out sources and NIAH (single needle) at a short length;
@@ -30,7 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from linmem.linearize import LinearizeOptions, linearize  # noqa: E402

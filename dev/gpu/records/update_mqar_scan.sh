@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Record: run 2026-11-26/27 on one H100 80 GB as `OUT=/tmp/out bash dev/gpu/records/update_mqar_scan.sh`;
+# result: docs/bayes.md, "Update-MQAR: the Bayesian layer against Gated DeltaNet".
 # What the Update-MQAR recipes need to leave the ln(V) plateau on one GPU, in one device call (under 10
 # minutes): the recipes' first model (two layers of width 256, 4 heads, bf16 autocast, lr 2e-3) with either
 # memory, trained and scored at (L, kv) = (256, 32) and (512, 64), one change per row:

@@ -14,6 +14,7 @@
     linmem bench layers              # MoM, MoE and a Linear-MoE recipe's training tokens/s (CUDA)
     linmem bench models --peers      # whole models' training tokens/s and memory beside HF Llama and fla (CUDA)
     linmem bench decode --peers      # ms per generated token and memory versus context beside HF Llama and fla
+    linmem bench report --check      # whether BENCHMARKS.md is what the result files of benchmarks/ render
     linmem demo                      # the built-in default job (CPU, ~10 minutes; --quick: 1 minute)
 
 Errors in what was asked (a config key, a path, a device, a missing optional package) print
@@ -184,6 +185,12 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return main(args.passed_on)
 
 
+def _bench_report(args: argparse.Namespace) -> int:
+    from .bench.reference import main
+
+    return main(args.passed_on)
+
+
 def _config_sections() -> str:
     """The epilog of ``linmem train --help``: the config's sections, and where every key is described."""
     from .train.config_reference import section_lines
@@ -298,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode = bench_sub.add_parser("decode", add_help=False,  # its options and --help: linmem.bench.decode
                                   help="ms per generated token and memory versus context beside HF Llama and fla")
     decode.set_defaults(func=_bench_decode, passes_on=True)
+    report = bench_sub.add_parser("report", add_help=False,  # its options and --help: linmem.bench.reference
+                                  help="BENCHMARKS.md rendered from the result files of benchmarks/ (--check: in sync)")
+    report.set_defaults(func=_bench_report, passes_on=True)
 
     demo = sub.add_parser("demo", parents=[common],
                           help="the built-in default job: MQAR study + a small hybrid on text (CPU)")

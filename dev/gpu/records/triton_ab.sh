@@ -12,8 +12,8 @@
 #   OUT=/tmp/out dev/gpu/records/triton_ab.sh            # on the GPU machine, from the repository root
 #
 # The revisions come from git (BASE, MOVED: commits). Where the GPU machine's copy has no git history, run
-# `dev/gpu/records/triton_ab.sh --prepare` in the checkout first: it writes them to dev/gpu/ab_revisions/ (untracked, not
-# ignored), which travels with the working tree and which the run then takes.
+# `dev/gpu/records/triton_ab.sh --prepare` in the checkout first: it writes them to dev/gpu/ab_revisions/
+# (untracked, not ignored), which travels with the working tree and which the run then takes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BASE=${BASE:-95e1dd7}

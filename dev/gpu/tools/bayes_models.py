@@ -17,7 +17,7 @@ One run, one GPU; everything goes to ``$OUT/bayes_models.json`` (and a table to 
    it; 2 warm-up steps, the median of 3 timed ones (``linmem.bench.models.time_steps``).
 
     OUT=/tmp/out python dev/gpu/tools/bayes_models.py            # checks and timings
-    OUT=/tmp/out python dev/gpu/tools/bayes_models.py --checks   # the checks only (dev/gpu/records/bayes_mqar.sh runs these)
+    OUT=/tmp/out python dev/gpu/tools/bayes_models.py --checks   # the checks only (records/bayes_mqar.sh runs these)
     OUT=/tmp/out python dev/gpu/tools/bayes_models.py --timings --seq-lens 2048   # one column of timings only
 
 Exits with status 1 when a check fails (an error ratio above 2e-2 in bf16, 1e-3 for decoding and compile in fp32,

@@ -74,10 +74,10 @@ def render_result(result: dict, name: str) -> str:
             raise ValueError(f"result {name!r} has no {key!r}")
     if ("header" in result) != ("rows" in result):
         raise ValueError(f"result {name!r} needs both 'header' and 'rows', or neither")
-    command = f"Command: `{result['command']}`"
+    where = environment_text(result["env"])
     if result.get("transcribed"):
-        command += f" (numbers transcribed from {result['transcribed']})"
-    blocks = [environment_text(result["env"]), command]
+        where = f"{where[:-1]} · transcribed from {result['transcribed']}*"
+    blocks = [where, f"Command: `{result['command']}`"]
     if result.get("intro"):
         blocks.append(result["intro"].strip())
     if "header" in result:

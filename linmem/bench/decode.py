@@ -57,7 +57,7 @@ from ..models.modeling import output_cache
 from .models import error_text, free_memory, is_out_of_memory
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, unavailable_reason)
-from .report import environment, environment_line, length_label, markdown_table, text_table, write_json
+from .report import command_line, environment, environment_line, length_label, markdown_table, text_table, write_json
 
 DEFAULT_MODELS = ("transformer", "gla", "gated_deltanet", "hybrid", "fox")
 DEFAULT_PEERS = "llama,fla-gla"
@@ -365,13 +365,17 @@ def plot(cells: list[DecodeCell], config: DecodeBenchConfig, env: dict, out: Pat
     return paths
 
 
-def write_outputs(out: Path, config: DecodeBenchConfig, env: dict, cells: list[DecodeCell]) -> str:
-    """Write decode.json and decode.md to ``out``; return the text of the tables."""
+def write_outputs(out: Path, config: DecodeBenchConfig, env: dict, cells: list[DecodeCell], command: str) -> str:
+    """Write decode.json (a result file of ``linmem bench report``: env, command, tables, and every cell) and
+    decode.md to ``out``; return the text of the tables."""
     title = (f"Decoding, batch {config.batch}, {config.dtype} weights, D = {config.shape.hidden_size}, "
              f"{config.shape.num_layers} layers, vocab {config.shape.vocab_size}; {config.steps} timed steps "
              f"after {config.warmup}")
     parts, notes = tables(cells, config)
-    write_json(out / "decode.json", {"env": env, "config": asdict(config), "cells": [asdict(c) for c in cells]})
+    write_json(out / "decode.json", {"env": env, "command": command, "intro": title,
+                                     "tables": [{"title": t, "header": h, "rows": r} for t, h, r in parts],
+                                     "notes": "\n".join(notes), "config": asdict(config),
+                                     "cells": [asdict(c) for c in cells]})
     md = [title, environment_line(env)] + [f"{t}\n\n{markdown_table(h, r)}" for t, h, r in parts]
     (out / "decode.md").write_text("\n\n".join(md + (["\n".join(notes)] if notes else [])) + "\n")
     return "\n".join([title, environment_line(env)] + [f"\n{t}\n{text_table(h, r)}" for t, h, r in parts] + notes)
@@ -401,16 +405,16 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
                              device=args.device)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
     """Time every cell, print one JSON line per cell and each row's elapsed time, then the tables."""
     try:
         config = config_from_args(args)
     except ValueError as error:
         raise SystemExit(f"linmem bench decode: {error}")
-    return main_with(config, Path(args.out))
+    return main_with(config, Path(args.out), command)
 
 
-def main_with(config: DecodeBenchConfig, out: Path) -> int:
+def main_with(config: DecodeBenchConfig, out: Path, command: str) -> int:
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise BenchError("linmem bench decode: no CUDA device found (use --device cpu for a smoke run)")
     env = environment(config.device)
@@ -420,10 +424,10 @@ def main_with(config: DecodeBenchConfig, out: Path) -> int:
     def report(cell: DecodeCell) -> None:
         cells.append(cell)
         print(json.dumps(asdict(cell)), flush=True)
-        write_outputs(out, config, env, cells)
+        write_outputs(out, config, env, cells, command)
 
     run_decode(config, report, row_done=lambda label, s: print(f"# {label}: {s:.0f} s", flush=True))
-    print("\n" + write_outputs(out, config, env, cells), flush=True)
+    print("\n" + write_outputs(out, config, env, cells, command), flush=True)
     for path in plot(cells, config, env, out):
         print(f"wrote {path}", flush=True)
     return 0
@@ -433,7 +437,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="linmem bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), command_line("linmem bench decode", argv))
 
 
 if __name__ == "__main__":

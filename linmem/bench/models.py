@@ -57,7 +57,7 @@ from ..train.graphs import GraphedMicroSteps, graph_refusal
 from . import BenchError
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, training_refusal, unavailable_reason)
-from .report import environment, environment_line, length_label, markdown_table, text_table, write_json
+from .report import command_line, environment, environment_line, length_label, markdown_table, text_table, write_json
 
 DEFAULT_MODELS = ("transformer", "gla", "deltanet", "gated_deltanet", "hybrid", "fox")
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768)
@@ -306,8 +306,9 @@ def compile_table(cells: list[TrainCell], config: TrainBenchConfig) -> tuple[lis
     return header, rows
 
 
-def write_outputs(out: Path, config: TrainBenchConfig, env: dict, cells: list[TrainCell]) -> str:
-    """Write models.json and models.md to ``out``; return the text of the tables."""
+def write_outputs(out: Path, config: TrainBenchConfig, env: dict, cells: list[TrainCell], command: str) -> str:
+    """Write models.json (a result file of ``linmem bench report``: env, command, tables, and every cell) and
+    models.md to ``out``; return the text of the tables."""
     header, rows, notes = tables(cells, config)
     unit = "thousand tokens/s (peak GB)" if torch.device(config.device).type == "cuda" else "thousand tokens/s"
     title = (f"Training, {config.tokens_per_step} tokens a step, {config.dtype} weights, fused AdamW, "
@@ -315,11 +316,15 @@ def write_outputs(out: Path, config: TrainBenchConfig, env: dict, cells: list[Tr
              f"{unit}; median of {config.steps} steps after {config.warmup}")
     parts_md = [title, environment_line(env), markdown_table(header, rows)] + (["\n".join(notes)] if notes else [])
     parts_txt = [title, environment_line(env), "", text_table(header, rows)] + notes
+    tables_json = [{"header": header, "rows": rows}]
     if "compiled" in config.modes:
         compile_header, compile_rows = compile_table(cells, config)
         parts_md.append(markdown_table(compile_header, compile_rows))
         parts_txt += ["", text_table(compile_header, compile_rows)]
-    write_json(out / "models.json", {"env": env, "config": asdict(config), "cells": [asdict(c) for c in cells]})
+        tables_json.append({"header": compile_header, "rows": compile_rows})
+    write_json(out / "models.json", {"env": env, "command": command, "intro": title, "tables": tables_json,
+                                     "notes": "\n".join(notes), "config": asdict(config),
+                                     "cells": [asdict(c) for c in cells]})
     (out / "models.md").write_text("\n\n".join(parts_md) + "\n")
     return "\n".join(parts_txt)
 
@@ -346,16 +351,16 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             budget_s=args.budget_s, device=args.device)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
     """Time every cell, print one JSON line per cell and each row's elapsed time, then the table."""
     try:
         config = config_from_args(args)
     except ValueError as error:
         raise SystemExit(f"linmem bench models: {error}")
-    return main_with(config, Path(args.out))
+    return main_with(config, Path(args.out), command)
 
 
-def main_with(config: TrainBenchConfig, out: Path) -> int:
+def main_with(config: TrainBenchConfig, out: Path, command: str) -> int:
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise BenchError("linmem bench models: no CUDA device found (use --device cpu for a smoke run)")
     env = environment(config.device)
@@ -365,10 +370,10 @@ def main_with(config: TrainBenchConfig, out: Path) -> int:
     def report(cell: TrainCell) -> None:
         cells.append(cell)
         print(json.dumps({k: v for k, v in asdict(cell).items() if k != "steps_ms"}), flush=True)
-        write_outputs(out, config, env, cells)
+        write_outputs(out, config, env, cells, command)
 
     run_models(config, report, row_done=lambda label, s: print(f"# {label}: {s:.0f} s", flush=True))
-    print("\n" + write_outputs(out, config, env, cells), flush=True)
+    print("\n" + write_outputs(out, config, env, cells, command), flush=True)
     return 0
 
 
@@ -376,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="linmem bench models", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), command_line("linmem bench models", argv))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ The inputs live in one folder (``benchmarks/`` in the repository):
     absent keys are left out of the rendered line;
   - ``command`` (required): the command that made the table;
   - ``transcribed`` (optional): where hand-entered numbers were copied from (a file a bench wrote has none);
-  - ``intro``, ``notes`` (optional): Markdown before and after the table;
-  - ``header`` and ``rows`` (optional, together): the table's cells, as strings.
+  - ``intro``, ``notes`` (optional): Markdown before and after the tables;
+  - ``tables`` (optional): the call's tables, each ``{"header": [...], "rows": [[...], ...]}`` of strings, with
+    an optional ``title`` (a line above it).
+
+  ``linmem bench models`` and ``linmem bench decode`` write such a file (``models.json``, ``decode.json``, with
+  their cells and config beside); copied into ``results/`` and named in the template, it is a table of record.
 
 Example:
     >>> result = {"env": {"date": "2026-12-02", "device": "one NVIDIA H200", "torch": "2.11.0+cu130"},
-    ...           "command": "linmem bench models --modes eager,graph", "header": ["model", "8 x 2K"],
-    ...           "rows": [["DeltaNet, eager", "82.1"]]}
+    ...           "command": "linmem bench models --modes eager,graph",
+    ...           "tables": [{"header": ["model", "8 x 2K"], "rows": [["DeltaNet, eager", "82.1"]]}]}
     >>> print(render_result(result, "step-modes"))
     *one NVIDIA H200 · 2026-12-02 · torch 2.11.0+cu130*
     <BLANKLINE>
@@ -67,25 +71,27 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def render_result(result: dict, name: str) -> str:
-    """The Markdown of one result file (``name`` only names it in errors): the environment line, the command
-    (and where transcribed numbers came from), the intro, the table and the notes."""
+    """The Markdown of one result file (``name`` only names it in errors): the environment line (and where
+    transcribed numbers came from), the command, the intro, the tables and the notes."""
     for key in ("env", "command"):
         if key not in result:
             raise ValueError(f"result {name!r} has no {key!r}")
-    if ("header" in result) != ("rows" in result):
-        raise ValueError(f"result {name!r} needs both 'header' and 'rows', or neither")
     where = environment_text(result["env"])
     if result.get("transcribed"):
         where = f"{where[:-1]} · transcribed from {result['transcribed']}*"
     blocks = [where, f"Command: `{result['command']}`"]
     if result.get("intro"):
         blocks.append(result["intro"].strip())
-    if "header" in result:
-        width = len(result["header"])
-        for i, row in enumerate(result["rows"]):
+    for k, table in enumerate(result.get("tables", [])):
+        if "header" not in table or "rows" not in table:
+            raise ValueError(f"result {name!r}: table {k} needs a 'header' and 'rows'")
+        width = len(table["header"])
+        for i, row in enumerate(table["rows"]):
             if len(row) != width:
-                raise ValueError(f"result {name!r}: row {i} has {len(row)} cells, the header {width}")
-        blocks.append(_table(result["header"], result["rows"]))
+                raise ValueError(f"result {name!r}: table {k}, row {i} has {len(row)} cells, the header {width}")
+        if table.get("title"):
+            blocks.append(table["title"])
+        blocks.append(_table(table["header"], table["rows"]))
     if result.get("notes"):
         blocks.append(result["notes"].strip())
     return "\n\n".join(blocks)
@@ -124,7 +130,8 @@ def render(folder: Path) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``linmem bench report [--benchmarks DIR] [--out FILE] [--check]``: write BENCHMARKS.md, or with ``--check``
     exit 1 (printing the first differences) when it differs from what the result files render."""
-    parser = argparse.ArgumentParser(prog="linmem bench report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="linmem bench report", description=__doc__.split("Example:")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--benchmarks", default="benchmarks", type=Path,
                         help="folder of template.md, parts/ and results/")
     parser.add_argument("--out", default="BENCHMARKS.md", type=Path, help="the page to write or check")

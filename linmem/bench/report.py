@@ -15,9 +15,11 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import shlex
 import subprocess
+import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,6 +45,16 @@ def environment(device: str) -> dict:
     except (OSError, subprocess.SubprocessError):
         env["linmem"] = "unknown"
     return env
+
+
+def command_line(prog: str, argv: Optional[Sequence[str]]) -> str:
+    """The command a bench was run with, as a result file records it (``argv`` None: this process's arguments).
+
+    Example:
+        >>> command_line("linmem bench models", ["--seq-lens", "2048,32768", "--peers"])
+        'linmem bench models --seq-lens 2048,32768 --peers'
+    """
+    return " ".join([prog, shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
 
 
 def environment_line(env: dict) -> str:

@@ -41,7 +41,7 @@ from ..layers.modules import Linear, RMSNorm, normal_init
 from ..layers.moe import MoEFeedForward, SwiGLU
 from ..layers.recurrent import activation_dtype
 from ..ops.fused import linear_cross_entropy
-from ..ops.recurrence.inputs import _values_checkable
+from ..ops.checks import values_checkable as _values_checkable
 from ..ops.routing import RouterStats
 from ..ops.varlen import positions_in_sequence
 from .cache import LinmemCache, StaticLinmemCache

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import parallel
+from ..checks import set_debug_checks
 from .backends import (
     Backend,
     StepKernel,
@@ -18,7 +19,7 @@ from .backends import (
     register_backend,
     register_step_kernel,
 )
-from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
+from .inputs import RecurrenceInputs, compute_dtype, validate
 from .reference import per_step_decay, recurrence_step
 
 __all__ = [

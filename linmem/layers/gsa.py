@@ -38,7 +38,9 @@ from einops import rearrange, repeat
 
 from ..ops import linear_recurrence, linear_recurrence_step
 from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, check_int, register_mixer
-from .modules import Linear, RMSNorm, ShortConvs, xavier_init
+from .conv import ShortConvs
+from .init import Linear, xavier_init
+from .norms import RMSNorm
 from .recurrent import activation_dtype
 
 #: GSA divides its log-sigmoid slot gate by this (decays start close to 1)

@@ -76,7 +76,8 @@ from .base import (
     register_mixer,
 )
 from .gsa import slot_attention_with_cache
-from .modules import Linear, RMSNorm
+from .init import Linear
+from .norms import RMSNorm
 from .recurrent import RecurrenceArgs, activation_dtype, memory_with_cache, run_recurrence, step_recurrence
 
 #: the gated recurrences Liger Attention can build from a pretrained key (``liger_memory``)

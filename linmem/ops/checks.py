@@ -78,6 +78,17 @@ def check_device(op: str, name: str, t: torch.Tensor, device: torch.device, like
         raise ValueError(f"{op}: `{name}` is on {t.device}, but `{like}` is on {device}")
 
 
+def check_4d(op: str, name: str, t: object, layout: str) -> None:
+    """A TypeError unless t is a floating-point tensor, a ValueError unless it is 4-D (``layout`` names the axes).
+
+    Example:
+        >>> check_4d("my_op", "q", torch.zeros(2, 5, 4, 8), "[B, T, H, K]")
+    """
+    check_float(op, name, t)
+    if t.dim() != 4:
+        raise ValueError(f"{op}: `{name}` must be 4-D {layout}, got {t.dim()}-D shape {list(t.shape)}")
+
+
 def check_same_dtype(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """A TypeError unless q, k and v share one dtype.
 
@@ -96,12 +107,7 @@ def check_qkv_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
         (2, 5, 4, 8, 6)
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(op, name, t)
-        if t.dim() != 4:
-            raise ValueError(
-                f"{op}: `{name}` must be 4-D [B, T, H, {'V' if name == 'v' else 'K'}], got {t.dim()}-D shape "
-                f"{list(t.shape)}"
-            )
+        check_4d(op, name, t, f"[B, T, H, {'V' if name == 'v' else 'K'}]")
     check_same_dtype(op, q, k, v)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -112,6 +118,22 @@ def check_qkv_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return B, T, H, K, V
 
 
+def check_positive(op: str, name: str, value: object, meaning: str = "", *, optional: bool = False) -> float:
+    """``value`` as a float: a TypeError unless it is a Python number (not a bool), a ValueError unless it is finite
+    and > 0. ``meaning`` follows the name in the message; ``optional`` says None is accepted too.
+
+    Example:
+        >>> check_positive("my_op", "eps", 1e-6)
+        1e-06
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: `{name}` must be a Python float{' or None' if optional else ''}, got "
+                        f"{type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{op}: `{name}`{meaning} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def resolve_scale(op: str, scale: Optional[float], head_dim: int) -> float:
     """The read-out scale: ``scale`` (a Python number, finite and > 0) or ``head_dim ** -0.5`` for None.
 
@@ -119,13 +141,7 @@ def resolve_scale(op: str, scale: Optional[float], head_dim: int) -> float:
         >>> resolve_scale("my_op", None, 16)
         0.25
     """
-    if scale is None:
-        return head_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{op}: `scale` must be a Python float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{op}: `scale` must be a finite number > 0, got {scale!r}")
-    return float(scale)
+    return head_dim ** -0.5 if scale is None else check_positive(op, "scale", scale, optional=True)
 
 
 def check_backend(op: str, backend: str, valid: tuple[str, ...]) -> None:

@@ -12,17 +12,14 @@ from typing import Optional
 import torch
 
 from .. import checks
-from ..checks import check_device, check_float, check_same_dtype, check_shape, check_tensor, values_checkable
+from ..checks import check_4d, check_device, check_float, check_same_dtype, check_shape, check_tensor
+from ..checks import values_checkable
 
 
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool) -> None:
     """q: [B, Tq, H, D], k: [B, Tk, Hkv, D], v: [B, Tk, Hkv, Dv], H a multiple of Hkv, Tq == Tk or Tq <= Tk."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(op, name, t)
-        if t.dim() != 4:
-            raise ValueError(
-                f"{op}: `{name}` must be 4-D [B, T, heads, head dim], got {t.dim()}-D shape {list(t.shape)}"
-            )
+        check_4d(op, name, t, "[B, T, heads, head dim]")
         check_device(op, name, t, q.device)
     check_same_dtype(op, q, k, v)
     B, Tq, H, D = q.shape

@@ -10,14 +10,13 @@ tensors only with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..checks import check_cu_seqlens, check_device, check_float, check_qkv_heads, check_shape, resolve_scale
-from ..checks import values_checkable
+from ..checks import check_cu_seqlens, check_device, check_float, check_positive, check_qkv_heads, check_shape
+from ..checks import resolve_scale, values_checkable
 from .conditioning import check_conditioning, check_covariance
 
 State = tuple[torch.Tensor, torch.Tensor]
@@ -117,10 +116,7 @@ def validate(
         _check_values("process_noise", process_noise, lambda t: ~((t >= 0) & t.isfinite()),
                       ">= 0 and finite (a process-noise variance)")
 
-    if isinstance(prior, bool) or not isinstance(prior, (int, float)):
-        raise TypeError(f"bayes_filter: `prior` must be a Python float, got {type(prior).__name__}")
-    if not (prior > 0 and math.isfinite(prior)):
-        raise _fail(f"`prior` (the prior variance p of P = p I) must be a finite number > 0, got {prior}")
+    prior = check_positive(OP, "prior", prior, " (the prior variance p of P = p I)")
     if not isinstance(reset, bool):
         raise TypeError(f"bayes_filter: `reset` must be a bool, got {type(reset).__name__}")
     scale = resolve_scale(OP, scale, K)
@@ -131,11 +127,11 @@ def validate(
         check_covariance("initial_state[1] (P)", initial_state[1])
     condition = None
     if not reset:
-        condition = check_conditioning(k, log_decay, obs_noise, process_noise, cu_seqlens, prior=float(prior),
+        condition = check_conditioning(k, log_decay, obs_noise, process_noise, cu_seqlens, prior=prior,
                                        covariance=None if initial_state is None else initial_state[1])
 
     return FilterInputs(
-        q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=float(prior),
+        q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=prior,
         reset=reset, scale=scale, initial_state=initial_state, output_final_state=bool(output_final_state),
         cu_seqlens=cu_seqlens, return_variance=bool(return_variance), condition=condition,
     )

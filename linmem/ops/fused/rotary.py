@@ -8,13 +8,13 @@ op ``linmem::rotary``, which serves both directions.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import reference
+from ..checks import check_positive
 from .backend import use_triton
 
 
@@ -112,8 +112,7 @@ def _check(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float) -
         raise ValueError(f"rotary: `position_ids` must be [B, T] = [{B}, {T}], got {list(position_ids.shape)}")
     if position_ids.device != q.device:
         raise ValueError(f"rotary: `position_ids` must be on q's device {q.device}, got {position_ids.device}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise ValueError(f"rotary: `theta` must be a finite number > 0, got {theta!r}")
+    check_positive("rotary", "theta", theta)
 
 
 def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, *, theta: float = 10000.0,

@@ -12,8 +12,7 @@ from typing import Optional
 import torch
 
 from .. import checks
-from ..checks import check_4d, check_device, check_float, check_same_dtype, check_shape, check_tensor
-from ..checks import values_checkable
+from ..checks import check_4d, check_device, check_float, check_same_dtype, check_shape, check_tensor, values_checkable
 
 
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool) -> None:

@@ -15,8 +15,16 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_cu_seqlens, check_device, check_float, check_positive, check_qkv_heads, check_shape
-from ..checks import resolve_scale, values_checkable
+from ..checks import (
+    check_cu_seqlens,
+    check_device,
+    check_float,
+    check_positive,
+    check_qkv_heads,
+    check_shape,
+    resolve_scale,
+    values_checkable,
+)
 from .conditioning import check_conditioning, check_covariance
 
 State = tuple[torch.Tensor, torch.Tensor]

@@ -4,7 +4,7 @@ Every backend receives a :class:`RecurrenceInputs` that has passed these checks,
 backends never re-validate. Shape and dtype checks always run; checks of values
 (``log_decay`` in [-inf, 0] and not NaN, ``beta`` in [0, 2], ``cu_seqlens`` monotone) run on
 CPU tensors, and on GPU tensors only when debug checks are on (``LINMEM_DEBUG=1`` or
-:func:`set_debug_checks`), so the hot path never waits for the device.
+:func:`linmem.ops.set_debug_checks`), so the hot path never waits for the device.
 """
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_cu_seqlens, check_device, check_float, check_qkv_heads, check_shape, resolve_scale
-from ..checks import values_checkable
+from ..checks import (
+    check_cu_seqlens,
+    check_device,
+    check_float,
+    check_qkv_heads,
+    check_shape,
+    resolve_scale,
+    values_checkable,
+)
 
 OP = "linear_recurrence"
 

@@ -822,7 +822,7 @@ CASES: list[Case] = [
     named("bayes initial_state P of another shape", lambda e: bf(initial_state=(torch.zeros(B, H, K, V), torch.zeros(B, H, K, V + 1))),
           "`initial_state[1] (P)` must have shape"),
     named("bayes cu_seqlens falling", lambda e: bf(cu_seqlens=cu(0, 4, 2, 6)), "`cu_seqlens`"),
-    named("bayes k on another device", lambda e: bf(k=meta(rnd(B, T, H, K))), "`k` and `v` must be on the device"),
+    named("bayes k on another device", lambda e: bf(k=meta(rnd(B, T, H, K))), "`k` is on meta"),
     # the Bayesian filter's conditioning: refused by name beyond what the backends compute exactly (docs/bayes.md)
     named("bayes obs_noise 1e-30 (T > K)", lambda e: bf(obs_noise=torch.full((B, T, H), 1e-30)), "`obs_noise` = 1e-30",
           fixed=True),

@@ -4,8 +4,9 @@ Model code is written for one device; this package parallelises it (as torchtita
 
 * :func:`build_mesh` / :class:`ParallelConfig`: the ``parallel`` section (``dp``, ``sp``, ``ep``,
   ``fsdp``, ``activation_checkpointing``) and its device mesh;
-* :func:`parallelize`: FSDP2 per block, expert-parallel MoE layers, activation checkpointing, regional
-  compilation (:func:`apply_compile`, also what one process uses);
+* :func:`parallelize`: expert-parallel MoE layers, activation checkpointing, regional compilation and FSDP2 per
+  block, one step each (:func:`apply_expert_parallel`, :func:`apply_activation_checkpointing`,
+  :func:`apply_compile`, :func:`apply_fsdp`; one process uses the middle two);
 * :class:`SequenceParallel` + :func:`sequence_parallel`: the handler the ops consult so that
   memory layers, attention layers and short convolutions run over sequences split between ranks;
   :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
@@ -30,8 +31,8 @@ _EXPORTS = {
     "config": ("ParallelConfig", "ParallelConfigError", "ParallelMesh", "build_mesh", "init_distributed"),
     "expert": ("ExpertParallelMoE", "expert_parallel", "global_router_stats"),
     "handler": ("SequenceParallel", "sequence_parallel"),
-    "parallelize": ("apply_compile", "check_model", "checkpoint_blocks", "clip_grad_norm_", "compile_refusal",
-                    "parallelize"),
+    "parallelize": ("apply_activation_checkpointing", "apply_compile", "apply_expert_parallel", "apply_fsdp",
+                    "check_model", "clip_grad_norm_", "compile_refusal", "parallelize"),
     "sequence": ("PieceLayout", "sp_halo", "sp_linear_recurrence"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -44,10 +45,12 @@ __all__ = [
     "ParallelMesh",
     "PieceLayout",
     "SequenceParallel",
+    "apply_activation_checkpointing",
     "apply_compile",
+    "apply_expert_parallel",
+    "apply_fsdp",
     "build_mesh",
     "check_model",
-    "checkpoint_blocks",
     "clip_grad_norm_",
     "compile_refusal",
     "expert_parallel",

@@ -38,7 +38,16 @@ from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import expert_parallel
 
-__all__ = ["parallelize", "apply_compile", "checkpoint_blocks", "clip_grad_norm_", "check_model", "compile_refusal"]
+__all__ = [
+    "parallelize",
+    "apply_expert_parallel",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_fsdp",
+    "clip_grad_norm_",
+    "check_model",
+    "compile_refusal",
+]
 
 
 def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: bool = False) -> None:
@@ -76,13 +85,28 @@ def compile_refusal(model: nn.Module, config: ParallelConfig) -> Optional[str]:
     return None
 
 
-def checkpoint_blocks(model: nn.Module) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
+    """Expert parallelism, in place, on several ranks (one rank: nothing): every MoE feed-forward becomes an
+    :class:`~linmem.distributed.expert.ExpertParallelMoE`, its experts split over the ``ep`` ranks when
+    ``config.ep > 1`` (else each rank keeps all), its balancing statistics over the global batch. Returns the model.
+    """
+    if mesh.data.size() == 1:
+        return model
+    stats_group = mesh.data.get_group()
+    for block in _blocks(model):
+        if isinstance(block.mlp, MoEFeedForward):
+            expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Activation checkpointing per block, in place: every block of ``model.layers`` recomputes its
     activations in the backward pass (parameter names do not change). Returns the model.
 
     Example:
         >>> from linmem.models import LinmemConfig, LinmemForCausalLM
-        >>> model = checkpoint_blocks(LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2)))
+        >>> config = LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2)
+        >>> model = apply_activation_checkpointing(LinmemForCausalLM(config))
     """
     for block in _blocks(model):
         checkpoint(block)
@@ -103,9 +127,53 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
+               param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """FSDP2 (``fully_shard``), in place, on several ranks (one rank: nothing); returns the model.
+
+    The units, innermost first: each MoE router in fp32; under expert parallelism the shared experts, and the
+    experts sharded over the ranks holding the same experts, their gradients divided by the whole world like the
+    others; then every ``config.blocks_per_unit`` consecutive blocks; last the root (embeddings, final norm, head),
+    gathered from forward to backward. Parameters are gathered in ``param_dtype`` (default bf16 on GPU, fp32 on CPU)
+    and gradients reduced in fp32; ``config.fsdp`` says whether the units reshard after their forward.
+    """
+    world = mesh.data.size()
+    if world == 1:
+        return model
+    on_gpu = mesh.device_type == "cuda"
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if on_gpu else torch.float32
+    compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    reshard = config.fsdp
+    blocks = _blocks(model)
+    for block in blocks:
+        mlp = block.mlp
+        if isinstance(mlp, MoEFeedForward):
+            fully_shard(mlp.router, mesh=mesh.data, mp_policy=fp32, reshard_after_forward=reshard)
+            if config.ep > 1:
+                if mlp.shared is not None:
+                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+                fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
+                mlp.set_gradient_divide_factor(float(world))
+                # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1
+                if not on_gpu and mesh.expert_data.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide
+                    mlp.set_force_sum_reduction_for_comms(True)
+    for start in range(0, len(blocks), config.blocks_per_unit):  # one FSDP unit: its blocks' hooks run once
+        unit = blocks[start:start + config.blocks_per_unit]
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh.data, mp_policy=compute,
+                    reshard_after_forward=reshard)
+    # the root (embeddings, final norm, head) stays gathered from forward to backward, which starts with it
+    fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=False)
+    return model
+
+
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None, *,
                 param_dtype: Optional[torch.dtype] = None, compile_blocks: bool = False) -> nn.Module:
     """Apply ``config`` to ``model`` in place (every rank, same initial weights); returns the model.
+
+    Validates, then applies in order :func:`apply_expert_parallel`, :func:`apply_activation_checkpointing`
+    (``config.activation_checkpointing``), :func:`apply_compile` (``compile_blocks``) and :func:`apply_fsdp`.
 
     Args:
         model: a :class:`~linmem.models.LinmemForCausalLM` (or anything with ``model.layers`` of
@@ -130,45 +198,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
         raise ParallelConfigError(f"parallelize: config (dp, sp, ep) = {sizes(config)} differs from the mesh's "
                                   f"{sizes(mesh.config)}")
     check_model(model, config, compile_blocks=compile_blocks)
-    blocks = _blocks(model)
-    world = mesh.data.size()
-    if world > 1:
-        stats_group = mesh.data.get_group()
-        for block in blocks:
-            if isinstance(block.mlp, MoEFeedForward):
-                expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
+    apply_expert_parallel(model, mesh, config)
     if config.activation_checkpointing:
-        checkpoint_blocks(model)
+        apply_activation_checkpointing(model)
     if compile_blocks:
         apply_compile(model)
-    if world == 1:
-        return model
-
-    on_gpu = mesh.device_type == "cuda"
-    if param_dtype is None:
-        param_dtype = torch.bfloat16 if on_gpu else torch.float32
-    compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    reshard = config.fsdp
-    for block in blocks:
-        mlp = block.mlp
-        if isinstance(mlp, MoEFeedForward):
-            fully_shard(mlp.router, mesh=mesh.data, mp_policy=fp32, reshard_after_forward=reshard)
-            if config.ep > 1:
-                if mlp.shared is not None:
-                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
-                fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
-                mlp.set_gradient_divide_factor(float(world))
-                # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1
-                if not on_gpu and mesh.expert_data.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide
-                    mlp.set_force_sum_reduction_for_comms(True)
-    for start in range(0, len(blocks), config.blocks_per_unit):  # one FSDP unit: its blocks' hooks run once
-        unit = blocks[start:start + config.blocks_per_unit]
-        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh.data, mp_policy=compute,
-                    reshard_after_forward=reshard)
-    # the root (embeddings, final norm, head) stays gathered from forward to backward, which starts with it
-    fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=False)
-    return model
+    return apply_fsdp(model, mesh, config, param_dtype=param_dtype)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -47,9 +47,10 @@ from torch import nn
 from ..ops import parallel
 from ..ops.attention import cached_attention, cumulative_forget, forgetting_attention
 from ..ops.fused import gated_rms_norm
-from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
 from ..ops.varlen import positions_in_sequence
-from .modules import RMSNorm, RotaryEmbedding
+from .base import LayerState, Mixer, MixerArgs, check_cache_and_varlen, register_mixer
+from .norms import RMSNorm
+from .rotary import RotaryEmbedding
 
 #: FoX's data-independent and fixed gates: decay times (tokens) of the first and the last head at init
 DECAY_TIME_RANGE = (2.0, 128.0)

@@ -47,7 +47,9 @@ from torch import nn
 from ..ops import bayes_filter, bayes_filter_step
 from ..ops.bayes import BACKENDS
 from .base import LayerState, MixerArgs, check_choice, register_mixer
-from .modules import GatedRMSNorm, ShortConvs, init_mamba2_gate_
+from .conv import ShortConvs
+from .init import init_mamba2_gate_
+from .norms import GatedRMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: |b_t| is clamped to this before r_t = r_h exp(-b_t)

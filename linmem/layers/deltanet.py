@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.fused import l2_norm
+from ..ops.gates import mamba2_log_decay
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, init_mamba2_gate_, mamba2_log_decay
+from .conv import ShortConvolution
+from .init import init_mamba2_gate_
+from .norms import GatedRMSNorm, RMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 

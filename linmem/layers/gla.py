@@ -18,8 +18,11 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..ops.gates import pointwise
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, Linear, ShortConvs, low_rank, pointwise, xavier_init
+from .conv import ShortConvs
+from .init import Linear, low_rank, xavier_init
+from .norms import GatedRMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: GLA divides the log-sigmoid gate by this, so log alpha lies in (-inf, 0] / 16 and starts near 0

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops.gates import pointwise
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvs, pointwise
+from .conv import ShortConvs
+from .norms import RMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 

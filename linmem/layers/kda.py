@@ -24,8 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.fused import l2_norm
+from ..ops.gates import mamba2_log_decay
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import GatedRMSNorm, ShortConvs, init_mamba2_gate_, low_rank, mamba2_log_decay
+from .conv import ShortConvs
+from .init import init_mamba2_gate_, low_rank
+from .norms import GatedRMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 

@@ -76,8 +76,10 @@ from .base import (
     register_mixer,
 )
 from .gsa import slot_attention_with_cache
-from .modules import Linear, RMSNorm
+from .init import Linear
+from .norms import RMSNorm
 from .recurrent import RecurrenceArgs, activation_dtype, memory_with_cache, run_recurrence, step_recurrence
+from .rotary import RotaryEmbedding
 
 #: the gated recurrences Liger Attention can build from a pretrained key (``liger_memory``)
 LIGER_MEMORIES = ("gla", "mamba2", "hgrn2", "rwkv6", "gated_retention", "gsa")
@@ -99,7 +101,7 @@ ROPE_SCALINGS = {
 _PRO_OPTIONS = ("output_gate", "output_norm", "kv_shift")
 
 
-# ---------------------------------------------------------------- RoPE with a pretrained model's scaling
+# ---------------------------------------------------------------- the RoPE scaling of a pretrained model
 
 
 def check_rope_scaling(owner: str, params: Optional[dict]) -> None:
@@ -115,59 +117,6 @@ def check_rope_scaling(owner: str, params: Optional[dict]) -> None:
     if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
         raise ValueError(f"{owner}: llama3 RoPE scaling needs low_freq_factor < high_freq_factor, got "
                          f"{params['low_freq_factor']} and {params['high_freq_factor']}")
-
-
-def rope_frequencies(dim: int, theta: float, scaling: Optional[dict] = None,
-                     device: Optional[torch.device] = None) -> torch.Tensor:
-    """[dim / 2] rotation frequencies theta^(-2i / dim), rescaled as ``scaling`` says.
-
-    ``linear`` divides every frequency by ``factor`` (position interpolation). ``llama3`` (Llama 3.1)
-    keeps the short wavelengths (below L / high_freq_factor, L the original context), divides the
-    long ones (above L / low_freq_factor) by ``factor`` and blends linearly in L / wavelength between.
-
-    Example:
-        >>> rope_frequencies(4, 10000.0, {"rope_type": "linear", "factor": 2.0}).tolist()
-        [0.5, 0.004999999888241291]
-    """
-    steps = torch.arange(0, dim, 2, dtype=torch.float32, device=device)
-    freq = 1.0 / (theta ** (steps / dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "linear":
-        return freq / scaling["factor"]
-    if kind == "llama3":
-        factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        periods_in_context = context * freq / (2 * math.pi)  # L / wavelength
-        blend = ((periods_in_context - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelength, 1: short
-        return (1 - blend) * freq / factor + blend * freq
-    return freq
-
-
-class ScaledRotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half form, as Llama) with a frequency scaling, applied to q and k
-    ``[B, T, H, D]`` (their head counts may differ) at ``position_ids [B, T]``.
-
-    The frequencies are computed in ``forward`` (no buffer), so a model built on the meta device has
-    nothing to restore.
-    """
-
-    def __init__(self, dim: int, theta: float, scaling: Optional[dict] = None) -> None:
-        super().__init__()
-        self.dim, self.theta, self.scaling = dim, theta, scaling
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [B, T, H, D], position_ids: [B, T] -> rotated q, k."""
-        freq = rope_frequencies(self.dim, self.theta, self.scaling, q.device)
-        angles = position_ids.float()[..., None] * freq  # [B, T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-        return rotate(q), rotate(k)
 
 
 # ---------------------------------------------------------------- arguments
@@ -263,7 +212,7 @@ class _PretrainedProjections(Mixer):
         if args.qk_norm:
             self.q_norm = RMSNorm(K, eps=args.norm_eps)
             self.k_norm = RMSNorm(K, eps=args.norm_eps)
-        self.rope = ScaledRotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
+        self.rope = RotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] (before RoPE)."""
@@ -279,7 +228,7 @@ class _PretrainedProjections(Mixer):
         """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it)."""
         if position_ids is None:
             position_ids = default_positions(hidden, cache, cu_seqlens)
-        return self.rope(q, k, position_ids)
+        return self.rope.pair(q, k, position_ids)
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: Optional[int],

@@ -29,7 +29,8 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvs
+from .conv import ShortConvs
+from .norms import RMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: Based / ReBased: per-head dimension of the q, k projections the quadratic features expand

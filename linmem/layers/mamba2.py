@@ -33,7 +33,9 @@ from torch import nn
 
 from ..ops.fused import swiglu
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import RMSNorm, ShortConvolution, init_mamba2_gate_
+from .conv import ShortConvolution
+from .init import init_mamba2_gate_
+from .norms import RMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 

@@ -39,7 +39,7 @@ from ..ops.routing import (
     router_stats,
     top_k_routing,
 )
-from .modules import Linear, normal_init
+from .init import Linear, normal_init
 
 
 class _SwiGLUDown(torch.autograd.Function):

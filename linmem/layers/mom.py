@@ -64,7 +64,7 @@ from .base import (
     check_int,
     register_mixer,
 )
-from .modules import ShortConvolution
+from .conv import ShortConvolution
 from .recurrent import MemoryMixer, RecurrenceArgs, activation_dtype
 
 
@@ -109,7 +109,7 @@ class MemoryLinear(nn.Module):
     """One linear map per memory, applied to rows sorted by memory with one grouped GEMM.
 
     ``weight: [M, out, in]`` (and ``bias: [M, out]``) stack the given ``nn.Linear`` layers, and start
-    as they do: ``init`` (a :class:`~linmem.layers.modules.Linear`'s) for every memory, else torch's
+    as they do: ``init`` (a :class:`~linmem.layers.init.Linear`'s) for every memory, else torch's
     default. x ``[A, in]`` (rows sorted by memory, ``group_sizes: [M]`` rows each) -> ``[A, out]``.
     """
 

@@ -21,10 +21,13 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .base import LayerState, MixerArgs, register_mixer
 from ..ops.varlen import positions_in_sequence
-from .modules import GatedRMSNorm, Linear, RMSNorm, RotaryEmbedding, ShortConvs, xavier_init
+from .base import LayerState, MixerArgs, register_mixer
+from .conv import ShortConvs
+from .init import Linear, xavier_init
+from .norms import GatedRMSNorm, RMSNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
+from .rotary import RotaryEmbedding
 
 #: TransNormerLLM keeps this much of the slope in the last layer, so its decay stays below 1
 LIGHTNING_SLOPE_FLOOR = 1e-5

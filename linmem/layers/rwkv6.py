@@ -16,7 +16,7 @@ All projections read token-shifted inputs mixed by data-dependent interpolation
 :class:`MixerArgs` mapping: H = ``num_heads``, K = ``key_dim`` (r, k, decay, bonus),
 V = ``value_dim`` (v, gate, output); the decay LoRA rank is ``gate_low_rank`` (the
 paper uses 64); the ddlerp rank :data:`MIX_LORA_RANK` and the group-norm epsilon
-:data:`~linmem.layers.modules.GROUP_NORM_EPS` are the paper's constants. Initialisation follows the
+:data:`~linmem.layers.norms.GROUP_NORM_EPS` are the paper's constants. Initialisation follows the
 reference code (RWKV-LM, x060), depending on ``layer_idx`` / ``num_layers``.
 
 """
@@ -31,16 +31,10 @@ from einops import rearrange
 from torch import nn
 
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import (
-    HeadGroupNorm,
-    Linear,
-    LoRA,
-    channel_fraction,
-    layer_ratios,
-    orthogonal_init,
-    token_shift,
-    zeros_init,
-)
+from .conv import token_shift
+from .init import Linear, orthogonal_init, zeros_init
+from .lora import LoRA, channel_fraction, layer_ratios
+from .norms import HeadGroupNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: rank of the five ddlerp LoRAs (RWKV-6's D_MIX_LORA)

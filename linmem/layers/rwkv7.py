@@ -42,16 +42,10 @@ from torch import nn
 
 from ..ops.fused import l2_norm
 from .base import LayerState, MixerArgs, register_mixer
-from .modules import (
-    HeadGroupNorm,
-    Linear,
-    LoRA,
-    channel_fraction,
-    layer_ratios,
-    orthogonal_init,
-    token_shift,
-    zeros_init,
-)
+from .conv import token_shift
+from .init import Linear, orthogonal_init, zeros_init
+from .lora import LoRA, channel_fraction, layer_ratios
+from .norms import HeadGroupNorm
 from .recurrent import MemoryMixer, RecurrenceArgs
 
 #: the decay's bound: log w = -DECAY_SCALE * sigmoid(.) (e^{-1/2}, so w > 0.545)

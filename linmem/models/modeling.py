@@ -37,11 +37,12 @@ from transformers.utils import ModelOutput
 
 from ..generation import generation_forward, prepare_generation_cache
 from ..layers import LayerState, build_mixer
-from ..layers.modules import Linear, RMSNorm, normal_init
+from ..layers.init import Linear, normal_init
 from ..layers.moe import MoEFeedForward, SwiGLU
+from ..layers.norms import RMSNorm
 from ..layers.recurrent import activation_dtype
+from ..ops.checks import values_checkable as _values_checkable
 from ..ops.fused import linear_cross_entropy
-from ..ops.recurrence.inputs import _values_checkable
 from ..ops.routing import RouterStats
 from ..ops.varlen import positions_in_sequence
 from .cache import LinmemCache, StaticLinmemCache

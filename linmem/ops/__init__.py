@@ -1,6 +1,7 @@
 """Math on tensors: no nn.Module, no parameters."""
 
 from .bayes import bayes_filter, bayes_filter_step
+from .checks import set_debug_checks
 from .recurrence import (
     Backend,
     RecurrenceInputs,
@@ -10,7 +11,6 @@ from .recurrence import (
     linear_recurrence_step,
     register_backend,
     register_step_kernel,
-    set_debug_checks,
 )
 
 __all__ = [

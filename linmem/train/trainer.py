@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, apply_compile, check_model,
-                           checkpoint_blocks, clip_grad_norm_, export_pretrained, global_lm_loss,
+from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, apply_activation_checkpointing,
+                           apply_compile, check_model, clip_grad_norm_, export_pretrained, global_lm_loss,
                            next_token_targets, parallelize, sequence_parallel, shard_sequence, write_shards)
 from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
@@ -294,7 +294,7 @@ class Trainer:
         if self.compiled:
             use_compile_cache(config.run.compile_cache)
         if self.ranks.mesh is None:
-            self.model = checkpoint_blocks(model) if config.parallel.activation_checkpointing else model
+            self.model = apply_activation_checkpointing(model) if config.parallel.activation_checkpointing else model
             if config.lora.rank:  # adapters on the targets, everything else frozen
                 from ..linearize.lora import apply_lora
 

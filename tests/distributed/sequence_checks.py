@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from linmem.distributed import shard_sequence, sp_attention, sp_halo, sp_linear_recurrence, split_packing
+from linmem.layers.conv import causal_window
 from linmem.ops import linear_recurrence
 from linmem.ops.attention import forgetting_attention
-from linmem.layers.modules import causal_window
 from tests.helpers import make_inputs, max_float, rel_err
 
 TOL = 1e-9  # fp64: the split run must agree to rounding

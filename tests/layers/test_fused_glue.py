@@ -13,14 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linmem.layers import LayerState, MixerArgs, build_mixer, mixer_names, modules
+from linmem.layers import LayerState, MixerArgs, build_mixer, mixer_names
+from linmem.layers import conv as conv_module
+from linmem.layers.conv import ShortConvolution, token_shift
 from linmem.layers.gla import gla_log_decay, gla_log_decay_derivative
 from linmem.layers.hgrn2 import HGRN2
-from linmem.layers.modules import ShortConvolution, mamba2_log_decay, pointwise, token_shift
 from linmem.layers.moe import swiglu_down
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models.modeling import causal_lm_loss
 from linmem.ops import parallel
+from linmem.ops.gates import mamba2_log_decay, pointwise
 from tests.helpers import rel_err, triton_kernels_device
 
 C, W = 6, 4
@@ -36,7 +38,7 @@ def conv1d_reference(x: torch.Tensor, conv: ShortConvolution, history: torch.Ten
 @pytest.fixture(params=["taps", "fused op"])
 def conv_form(request, monkeypatch) -> str:
     """Run ShortConvolution in one of its two forms (the fused op runs its PyTorch reference on a CPU)."""
-    monkeypatch.setattr(modules, "fused_conv", lambda x: request.param == "fused op")
+    monkeypatch.setattr(conv_module, "fused_conv", lambda x: request.param == "fused op")
     return request.param
 
 

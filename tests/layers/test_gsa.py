@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from linmem.layers import build_mixer
-from linmem.layers.gsa import GSAArgs, gated_slot_attention, gated_slot_attention_step, slot_attention_with_cache
+from linmem.layers.gsa import GSAArgs, slot_attention_with_cache
 from linmem.layers.mom import mom_rules
+from linmem.ops.gsa import gated_slot_attention, gated_slot_attention_step, reference_gated_slot_attention
 from tests.helpers import rel_err
 
 B, T, H, K, V, M = 2, 11, 2, 8, 6, 4
@@ -25,21 +26,6 @@ def one_cpu_thread():
 
 
 
-def loop_gsa(q, k, v, log_decay, scale):
-    """K~_t = K~_{t-1} diag(a_t) + k_t^T (1 - a_t); V~_t = diag(a_t) V~_{t-1} + (1 - a_t)^T v_t;
-    o_t = softmax(scale q_t K~_t) V~_t."""
-    keys = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], log_decay.shape[-1])
-    values = q.new_zeros(q.shape[0], q.shape[2], log_decay.shape[-1], v.shape[-1])
-    out = []
-    for t in range(q.shape[1]):
-        a = log_decay[:, t].exp()
-        keys = keys * a[:, :, None, :] + k[:, t, :, :, None] * (1 - a)[:, :, None, :]
-        values = values * a[:, :, :, None] + (1 - a)[:, :, :, None] * v[:, t, :, None, :]
-        p = torch.softmax(scale * torch.einsum("bhk,bhkm->bhm", q[:, t], keys), -1)
-        out.append(torch.einsum("bhm,bhmv->bhv", p, values))
-    return torch.stack(out, 1), (keys, values)
-
-
 def inputs(dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(B, T, H, K, generator=g, dtype=dtype), torch.randn(B, T, H, K, generator=g, dtype=dtype)
@@ -51,7 +37,7 @@ def inputs(dtype=torch.float64, seed=0):
 def test_gsa_equals_the_loop_in_outputs_states_and_gradients():
     q, k, v, g = (x.requires_grad_() for x in inputs())
     o, (keys, values) = gated_slot_attention(q, k, v, g, output_final_state=True)
-    ref, (ref_keys, ref_values) = loop_gsa(q, k, v, g, K ** -0.5)
+    ref, (ref_keys, ref_values) = reference_gated_slot_attention(q, k, v, g, scale=K ** -0.5)
     for got, want in ((o, ref), (keys, ref_keys), (values, ref_values)):
         assert rel_err(got.detach(), want.detach()) < 1e-10
     w = torch.randn_like(o)

@@ -18,8 +18,8 @@ from linmem.layers.liger import (
     LigerArgs,
     PretrainedAttentionArgs,
     pool_channels,
-    rope_frequencies,
 )
+from linmem.ops.fused.reference import rope_frequencies
 from tests.helpers import rel_err
 
 D, H, HKV = 32, 4, 2
@@ -54,7 +54,7 @@ def loop_liger_gla(mixer, x: torch.Tensor) -> torch.Tensor:
     q, k, v = mixer.project(x)
     k, v = (x.repeat_interleave(H // HKV, dim=2) for x in (k, v))
     positions = torch.arange(T).expand(B, T)
-    q_rot, k_rot = mixer.rope(q, k, positions)
+    q_rot, k_rot = mixer.rope.pair(q, k, positions)
     state = x.new_zeros(B, H, K, v.shape[-1])
     out = []
     for t in range(T):

@@ -171,7 +171,7 @@ def test_bad_arguments_are_named():
         bayes_filter(**t, initial_state=torch.zeros(1, 2, 8, 6))
     with pytest.raises(ValueError, match=r"`initial_state\[1\] \(P\)` must have shape"):
         bayes_filter(**t, initial_state=(torch.zeros(1, 2, 8, 6, dtype=F64), torch.zeros(1, 2, 8, 6, dtype=F64)))
-    with pytest.raises(ValueError, match="`cu_seqlens` must rise"):
+    with pytest.raises(ValueError, match="`cu_seqlens` must be non-decreasing"):
         bayes_filter(**t, cu_seqlens=torch.tensor([0, 7, 5, 12]))
     with pytest.raises(ValueError, match="`q` must be 3-D"):
         bayes_filter_step(t["q"], t["k"][:, 0], t["v"][:, 0], (None, None), log_decay=t["log_decay"][:, 0],

@@ -26,7 +26,7 @@ from linmem.ops import bayes_filter, bayes_filter_step  # noqa: E402
 from linmem.ops.bayes import conditioning  # noqa: E402
 from linmem.ops.bayes.chunk import chunk_filter  # noqa: E402
 from linmem.ops.bayes.inputs import validate  # noqa: E402
-from linmem.ops.recurrence import inputs as recurrence_inputs  # noqa: E402
+from linmem.ops import checks  # noqa: E402
 
 F64 = torch.float64
 BACKENDS = ("reference", "chunk", "triton")
@@ -36,7 +36,7 @@ EPS32 = 2.0 ** -24
 @pytest.fixture(autouse=True)
 def debug_checks(monkeypatch):
     """Value checks on: CPU tensors are checked anyway, CUDA tensors (the kernels on a GPU) only with them on."""
-    monkeypatch.setattr(recurrence_inputs, "_DEBUG_CHECKS", True)
+    monkeypatch.setattr(checks, "_DEBUG_CHECKS", True)
 
 
 def float64_loop(q, k, v, g, r, w, M0, P0, scale):
@@ -245,7 +245,7 @@ def test_chunk_names_a_factorisation_that_fails_where_values_are_not_checked():
 def test_where_values_are_not_checked_the_filter_runs_unrefused(monkeypatch):
     """The checks read values, so on GPU tensors without debug checks (simulated here) they do not run."""
     t, state = inputs(r=1e-30)
-    monkeypatch.setattr(conditioning, "_values_checkable", lambda x: False)
+    monkeypatch.setattr(conditioning, "values_checkable", lambda x: False)
     o, _, _ = bayes_filter(**t, backend="reference")  # unchecked: runs (and is as wrong as before)
     assert o.shape == (1, 8, 2, 4)
 

@@ -27,16 +27,8 @@ from typing import Optional
 import torch
 
 from .. import parallel
-from .inputs import (
-    check_backend,
-    check_cu_seqlens,
-    check_key_mask,
-    check_log_forget,
-    check_prune_tolerance,
-    check_qkv,
-    check_window,
-    resolve_scale,
-)
+from ..checks import check_backend, resolve_scale
+from .inputs import check_cu_seqlens, check_key_mask, check_log_forget, check_prune_tolerance, check_qkv, check_window
 from .reference import forget_cumsum, reference_attention
 from .sdpa import refusal as sdpa_refusal
 from .sdpa import sdpa_attention

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..checks import check_backend
 from .chunk import chunk_filter
 from .conditioning import chunk_refusal
 from .delta import delta_filter
@@ -124,8 +125,7 @@ _BACKENDS: dict[str, tuple[Callable[[FilterInputs], Result], Callable[[FilterInp
 
 
 def _choose(backend: str, inputs: FilterInputs) -> Callable[[FilterInputs], Result]:
-    if backend not in BACKENDS:
-        raise ValueError(f"bayes_filter: unknown `backend` {backend!r}; valid: {', '.join(BACKENDS)}")
+    check_backend("bayes_filter", backend, BACKENDS)
     fallback = "delta" if inputs.reset else "reference"
     if backend == "auto":
         wanted = ["delta"] if inputs.reset else (["triton"] if inputs.q.device.type == "cuda" else [])
@@ -300,8 +300,7 @@ def bayes_filter_step(
     acc = compute_dtype(q)
     if M.dtype != acc or P.dtype != acc:
         raise TypeError(f"bayes_filter_step: `state` must be {acc} for {q.dtype} inputs, got {M.dtype}, {P.dtype}")
-    if backend not in STEP_BACKENDS:
-        raise ValueError(f"bayes_filter_step: unknown `backend` {backend!r}; valid: {', '.join(STEP_BACKENDS)}")
+    check_backend("bayes_filter_step", backend, STEP_BACKENDS)
     if not inputs.records_grad:
         _check_writable((M, P))
     kernel = backend == "triton" or (backend == "auto" and q.device.type == "cuda")

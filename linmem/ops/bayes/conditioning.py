@@ -37,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from ..recurrence.inputs import LOG_DECAY_FLOOR, _values_checkable
+from ..checks import values_checkable
+from ..recurrence.inputs import LOG_DECAY_FLOOR
 
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
@@ -97,7 +98,7 @@ def covariance_norm(P: torch.Tensor) -> torch.Tensor:
 def check_covariance(name: str, P: torch.Tensor) -> None:
     """Refuse a covariance ``P [N, H, K, K]`` whose symmetric part ``(P + P^T) / 2`` is not positive semi-definite
     beyond the rounding of its dtype (eigenvalues below ``-K eps ||P||_inf``)."""
-    if not (P.numel() and _values_checkable(P)):
+    if not (P.numel() and values_checkable(P)):
         return
     K = P.shape[-1]
     S = P.detach().to(F64)
@@ -150,7 +151,7 @@ def check_conditioning(k: torch.Tensor, log_decay: torch.Tensor, obs_noise: torc
     """The largest kappa_t of the inputs, or None where values are not checked; refuse it beyond
     ``TOLERANCE / eps``, which no backend serves. Arguments as :func:`innovation_condition`, with
     rho_0 = ``||covariance||`` (the initial P ``[N, H, K, K]``), or ``prior`` without one."""
-    if not _values_checkable(k):
+    if not values_checkable(k):
         return None
     if not k.numel():
         return 0.0

@@ -10,16 +10,26 @@ tensors only with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..recurrence.inputs import _values_checkable
+from ..checks import (
+    check_cu_seqlens,
+    check_device,
+    check_float,
+    check_positive,
+    check_qkv_heads,
+    check_shape,
+    resolve_scale,
+    values_checkable,
+)
 from .conditioning import check_conditioning, check_covariance
 
 State = tuple[torch.Tensor, torch.Tensor]
+
+OP = "bayes_filter"
 
 
 @dataclass
@@ -58,42 +68,12 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"bayes_filter: {message}")
 
 
-def _check_float(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"bayes_filter: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"bayes_filter: `{name}` must be a floating-point tensor, got dtype {t.dtype}")
-
-
-def _check_shape(name: str, t: torch.Tensor, expected: list[int], meaning: str) -> None:
-    if list(t.shape) != expected:
-        raise _fail(f"`{name}` must have shape {meaning} = {expected}, got {list(t.shape)}")
-
-
 def _check_values(name: str, t: torch.Tensor, bad, rule: str) -> None:
     """Raise when ``bad(t)`` holds anywhere (values checked as in the module docstring)."""
-    if t.numel() and _values_checkable(t):
+    if t.numel() and values_checkable(t):
         mask = bad(t.detach())
         if bool(mask.any()):
             raise _fail(f"`{name}` must be {rule}; got {float(t.detach()[mask][0]):g}")
-
-
-def _check_cu_seqlens(cu, B: int, T: int, device: torch.device) -> int:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"bayes_filter: `cu_seqlens` must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"bayes_filter: `cu_seqlens` must be int32 or int64, got dtype {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise _fail(f"`cu_seqlens` must have shape [N + 1] with N >= 1, got {list(cu.shape)}")
-    if B != 1:
-        raise _fail(f"`cu_seqlens` needs batch size B == 1 (sequences packed along T), got B = {B}")
-    if cu.device != device:
-        raise _fail(f"`cu_seqlens` is on {cu.device}, but `q` is on {device}")
-    if _values_checkable(cu):
-        c = cu.cpu()
-        if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] < c[:-1]).any()):
-            raise _fail(f"`cu_seqlens` must rise from 0 to T = {T} without falling, got {c.tolist()}")
-    return cu.shape[0] - 1
 
 
 def _check_state(initial_state, N: int, H: int, K: int, V: int, device: torch.device) -> State:
@@ -104,11 +84,10 @@ def _check_state(initial_state, N: int, H: int, K: int, V: int, device: torch.de
         )
     M, P = initial_state
     for name, t in (("initial_state[0] (M)", M), ("initial_state[1] (P)", P)):
-        _check_float(name, t)
-        if t.device != device:
-            raise _fail(f"`{name}` is on {t.device}, but `q` is on {device}")
-    _check_shape("initial_state[0] (M)", M, [N, H, K, V], "[N, H, K, V] (N = number of sequences)")
-    _check_shape("initial_state[1] (P)", P, [N, H, K, K], "[N, H, K, K] (N = number of sequences)")
+        check_float(OP, name, t)
+        check_device(OP, name, t, device)
+    check_shape(OP, "initial_state[0] (M)", M, [N, H, K, V], "[N, H, K, V] (N = number of sequences)")
+    check_shape(OP, "initial_state[1] (P)", P, [N, H, K, K], "[N, H, K, K] (N = number of sequences)")
     return M, P
 
 
@@ -129,61 +108,39 @@ def validate(
     return_variance: bool,
 ) -> FilterInputs:
     """Check every argument of ``bayes_filter``; return the normalised inputs."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, t)
-        if t.dim() != 4:
-            raise _fail(
-                f"`{name}` must be 4-D [B, T, H, {'V' if name == 'v' else 'K'}], got {t.dim()}-D shape {list(t.shape)}"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"bayes_filter: `q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_shape("k", k, [B, T, H, K], "[B, T, H, K] (same as q)")
-    _check_shape("v", v, [B, T, H, V], "[B, T, H, V] (B, T, H as q)")
-    if k.device != q.device or v.device != q.device:
-        raise _fail(f"`k` and `v` must be on the device of `q` ({q.device}), got {k.device} and {v.device}")
+    B, T, H, K, V = check_qkv_heads(OP, q, k, v)
 
     gates = (("log_decay", log_decay), ("obs_noise", obs_noise), ("process_noise", process_noise))
     for name, t in gates:
         if t is None and name != "process_noise":
             raise TypeError(f"bayes_filter: `{name}` is required ([B, T, H] = {[B, T, H]}), got None")
         if t is not None:
-            _check_float(name, t)
-            _check_shape(name, t, [B, T, H], "[B, T, H]")
-            if t.device != q.device:
-                raise _fail(f"`{name}` is on {t.device}, but `q` is on {q.device}")
+            check_float(OP, name, t)
+            check_shape(OP, name, t, [B, T, H], "[B, T, H]")
+            check_device(OP, name, t, q.device)
     _check_values("log_decay", log_decay, lambda t: ~(t <= 0), "<= 0 (a decay in (0, 1] in log space)")
     _check_values("obs_noise", obs_noise, lambda t: ~(t > 0), "> 0 (an observation-noise variance)")
     if process_noise is not None:
         _check_values("process_noise", process_noise, lambda t: ~((t >= 0) & t.isfinite()),
                       ">= 0 and finite (a process-noise variance)")
 
-    if isinstance(prior, bool) or not isinstance(prior, (int, float)):
-        raise TypeError(f"bayes_filter: `prior` must be a Python float, got {type(prior).__name__}")
-    if not (prior > 0 and math.isfinite(prior)):
-        raise _fail(f"`prior` (the prior variance p of P = p I) must be a finite number > 0, got {prior}")
+    prior = check_positive(OP, "prior", prior, " (the prior variance p of P = p I)")
     if not isinstance(reset, bool):
         raise TypeError(f"bayes_filter: `reset` must be a bool, got {type(reset).__name__}")
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"bayes_filter: `scale` must be a Python float or None, got {type(scale).__name__}")
-    elif not (math.isfinite(scale) and scale > 0):
-        raise _fail(f"`scale` must be a finite number > 0, got {scale!r}")
+    scale = resolve_scale(OP, scale, K)
 
-    N = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    N = B if cu_seqlens is None else check_cu_seqlens(OP, cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = _check_state(initial_state, N, H, K, V, q.device)
         check_covariance("initial_state[1] (P)", initial_state[1])
     condition = None
     if not reset:
-        condition = check_conditioning(k, log_decay, obs_noise, process_noise, cu_seqlens, prior=float(prior),
+        condition = check_conditioning(k, log_decay, obs_noise, process_noise, cu_seqlens, prior=prior,
                                        covariance=None if initial_state is None else initial_state[1])
 
     return FilterInputs(
-        q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=float(prior),
-        reset=reset, scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
+        q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise, prior=prior,
+        reset=reset, scale=scale, initial_state=initial_state, output_final_state=bool(output_final_state),
         cu_seqlens=cu_seqlens, return_variance=bool(return_variance), condition=condition,
     )
 

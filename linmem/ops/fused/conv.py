@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from ..checks import check_cu_seqlens
 from .backend import use_triton
 
 #: the activations short_conv takes (None: the identity)
@@ -143,24 +144,6 @@ def _check_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: O
             raise TypeError(f"short_conv: `{name}` must be floating point on {x.device}, got {t.dtype} on {t.device}")
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, x: Tensor) -> None:
-    """Shape and dtype always; the values (0 first, non-decreasing, T last) of CPU tensors outside torch.compile
-    only (no GPU synchronisation, no graph break)."""
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"short_conv: `cu_seqlens` must be an int32 or int64 tensor, got "
-                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"short_conv: `cu_seqlens` must be [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
-    if x.shape[0] != 1:
-        raise ValueError(f"short_conv: `cu_seqlens` packs sequences along T and needs B == 1, got B = {x.shape[0]}")
-    if cu_seqlens.device != x.device:
-        raise ValueError(f"short_conv: `cu_seqlens` is on {cu_seqlens.device}, x on {x.device}")
-    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
-        c = cu_seqlens.tolist()
-        if c[0] != 0 or c[-1] != x.shape[1] or any(b < a for a, b in zip(c, c[1:])):
-            raise ValueError(f"short_conv: `cu_seqlens` must rise from 0 to T = {x.shape[1]}, got {c}")
-
-
 def _kernel_refusal(x: Tensor, W: int) -> Optional[str]:
     if not 2 <= W <= MAX_KERNEL_SIZE:
         return f"kernel size {W} (the kernels take 2 to {MAX_KERNEL_SIZE})"
@@ -206,9 +189,7 @@ def short_conv(
         raise ValueError(f"short_conv: `x` must be [B, T, C], got {list(x.shape)}")
     B, _, C = x.shape
     W = weight.shape[1]
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, x)
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = B if cu_seqlens is None else check_cu_seqlens("short_conv", cu_seqlens, B, x.shape[1], x.device, like="x")
     if initial_state is not None and tuple(initial_state.shape) != (N, W - 1, C):
         raise ValueError(f"short_conv: `initial_state` must be [N, W-1, C] = [{N}, {W - 1}, {C}], "
                          f"got {list(initial_state.shape)}")

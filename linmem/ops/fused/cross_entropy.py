@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from ..recurrence.inputs import _values_checkable
+from ..checks import values_checkable
 from .backend import logger, triton_refusal
 
 #: ``backend=`` of linear_cross_entropy: those of every fused op and "chunked" (the chunks in PyTorch)
@@ -139,7 +139,7 @@ def _check(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, re
     if tuple(labels.shape) != (N,) or labels.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"linear_cross_entropy: `labels` must be int32/int64 [N] = [{N}], got {labels.dtype} "
                          f"{list(labels.shape)}")
-    if labels.numel() and _values_checkable(labels):
+    if labels.numel() and values_checkable(labels):
         wrong = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(wrong.any()):
             raise ValueError(f"linear_cross_entropy: `labels` must lie in [0, V = {weight.shape[0]}) or equal "

@@ -10,7 +10,6 @@ Rows are read in place as ``[M, H, D]`` (``[B, T, H, D]`` inputs and per-head we
 
 from __future__ import annotations
 
-import math
 
 from typing import Optional, Union
 
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from ..checks import check_positive
 from .backend import use_triton
 
 #: the output-gate activations of gated_rms_norm
@@ -148,14 +148,6 @@ def _rms_rows(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate: Optio
     return y.view(x.shape), (None if h is None else h.view(x.shape))
 
 
-def _check_eps(op: str, eps: float) -> None:
-    """eps: a finite number > 0 (0 divides an all-zero row by zero; a negative one takes a negative root)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{op}: `eps` must be a Python float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{op}: `eps` must be a finite number > 0, got {eps!r}")
-
-
 def _check_norm(op: str, x: Tensor, weight: Tensor, *others: tuple[str, Optional[Tensor]]) -> None:
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.ndim == 0:
         raise TypeError(f"{op}: `x` must be a floating-point tensor [..., D], got {getattr(x, 'dtype', type(x))}")
@@ -204,7 +196,7 @@ def rms_norm(
         (torch.Size([2, 5, 16]), torch.Size([2, 5, 16]))
     """
     _check_norm("rms_norm", x, weight, ("residual", residual))
-    _check_eps("rms_norm", eps)
+    check_positive("rms_norm", "eps", eps)
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise TypeError(f"rms_norm: `out_dtype` must be None or a floating-point torch.dtype, got {out_dtype!r}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -236,7 +228,7 @@ def gated_rms_norm(
         torch.Size([2, 5, 4, 8])
     """
     _check_norm("gated_rms_norm", x, weight, ("gate", gate))
-    _check_eps("gated_rms_norm", eps)
+    check_positive("gated_rms_norm", "eps", eps)
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm: `activation` must be one of {tuple(GATE_ACTIVATIONS)}, got {activation!r}")
     if not use_triton("gated_rms_norm", backend, x, _dim_refusal(x.shape[-1])):
@@ -327,7 +319,7 @@ def l2_norm(x: Tensor, eps: float = 1e-6, *, head_dim: Optional[int] = None, bac
     """
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.ndim == 0:
         raise TypeError(f"l2_norm: `x` must be a floating-point tensor [..., D], got {getattr(x, 'dtype', type(x))}")
-    _check_eps("l2_norm", eps)
+    check_positive("l2_norm", "eps", eps)
     if head_dim is not None:
         if head_dim < 1 or x.shape[-1] % head_dim:
             raise ValueError(f"l2_norm: `head_dim` must divide x's last dim {x.shape[-1]}, got {head_dim}")

@@ -8,7 +8,8 @@ kernels do; autograd gives the gradients. Shapes::
     rms_norm          y = x / sqrt(mean(x^2) + eps) * w                   over the last dim
     gated_rms_norm    y = rms_norm(x) * act(gate)
     swiglu            y = silu(gate) * up
-    rotary            y = x * cos(p theta^(-2i/D)) + rotate_half(x) * sin(...)   x: [B, T, H, D], p: [B, T]
+    rotary            y = x * cos(p f_i) + rotate_half(x) * sin(p f_i)     x: [B, T, H, D], p: [B, T]
+                      f_i = theta^(-2i/D), rescaled by a Llama 3 / linear scaling (rope_frequencies)
     linear_cross_entropy  mean_n (logsumexp(h_n W^T) - (h_n W^T)[label_n])
 
 Keep this file short and literal; it is the oracle of ``linmem.ops.fused``.
@@ -16,6 +17,7 @@ Keep this file short and literal; it is the oracle of ``linmem.ops.fused``.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -124,13 +126,40 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
 
 
-def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float = 10000.0
-           ) -> tuple[Tensor, Optional[Tensor]]:
+def rope_frequencies(dim: int, theta: float, scaling: Optional[dict] = None, *,
+                     device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[dim / 2] rotation frequencies theta^(-2i / dim), rescaled as ``scaling`` says (None: none).
+
+    ``scaling`` is a checkpoint's ``rope_scaling`` dict: ``rope_type`` "default" (none), "linear" (every
+    frequency divided by ``factor``: position interpolation) or "llama3" (Llama 3.1: the short wavelengths,
+    below L / high_freq_factor with L = original_max_position_embeddings, kept; the long ones, above
+    L / low_freq_factor, divided by ``factor``; a linear blend in L / wavelength between).
+
+    Example:
+        >>> rope_frequencies(4, 10000.0, {"rope_type": "linear", "factor": 2.0}).tolist()
+        [0.5, 0.004999999888241291]
+    """
+    steps = torch.arange(0, dim, 2, dtype=dtype, device=device)  # 2i
+    freq = 1.0 / (theta ** (steps / dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return freq / scaling["factor"]
+    if kind == "llama3":
+        factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        periods_in_context = context * freq / (2 * math.pi)  # L / wavelength
+        blend = ((periods_in_context - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelength, 1: short
+        return (1 - blend) * freq / factor + blend * freq
+    return freq
+
+
+def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float = 10000.0,
+           scaling: Optional[dict] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Rotary position embedding, rotate-half form, of q [B, T, H, D] and k [B, T, Hkv, D] (or None) at the
-    integer positions [B, T]: each head's halves (x1, x2) turn by the angles p theta^(-2i/D), i < D/2."""
+    integer positions [B, T]: each head's halves (x1, x2) turn by the angles p f_i, i < D/2, with the frequencies
+    f of :func:`rope_frequencies`."""
     D, dt = q.shape[-1], compute_dtype(q)
-    steps = torch.arange(0, D, 2, dtype=dt, device=q.device)  # 2i
-    inv_freq = 1.0 / (theta ** (steps / D))  # [D/2]
+    inv_freq = rope_frequencies(D, theta, scaling, device=q.device, dtype=dt)  # [D/2]
     angles = position_ids.to(dt)[..., None] * inv_freq  # [B, T, D/2]
     cos, sin = angles.cos(), angles.sin()
     cos, sin = torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]  # [B, T, 1, D]

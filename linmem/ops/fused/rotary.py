@@ -8,13 +8,13 @@ op ``linmem::rotary``, which serves both directions.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import reference
+from ..checks import check_positive
 from .backend import use_triton
 
 
@@ -112,15 +112,15 @@ def _check(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float) -
         raise ValueError(f"rotary: `position_ids` must be [B, T] = [{B}, {T}], got {list(position_ids.shape)}")
     if position_ids.device != q.device:
         raise ValueError(f"rotary: `position_ids` must be on q's device {q.device}, got {position_ids.device}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise ValueError(f"rotary: `theta` must be a finite number > 0, got {theta!r}")
+    check_positive("rotary", "theta", theta)
 
 
 def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, *, theta: float = 10000.0,
-           backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+           scaling: Optional[dict] = None, backend: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
     """Rotary position embedding (rotate-half form) of q and k, in one kernel forward and one backward.
 
-    Each head ``x = [x1, x2]`` (halves of D/2) at position p turns by the angles ``a_i = p theta^(-2i/D)``:
+    Each head ``x = [x1, x2]`` (halves of D/2) at position p turns by the angles ``a_i = p f_i``, with the
+    frequencies ``f_i = theta^(-2i/D)`` (rescaled by ``scaling``: :func:`.reference.rope_frequencies`):
     ``[x1 cos a - x2 sin a, x2 cos a + x1 sin a]``, in fp32, returned in the input's dtype. No gradient
     reaches the positions.
 
@@ -131,6 +131,8 @@ def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, *, theta: float
         position_ids: ``[B, T]`` integer positions (any integer dtype), e.g. restarting per sequence or shifted
             by left padding.
         theta: the rotary base.
+        scaling: a checkpoint's frequency scaling (``rope_type`` "linear" or "llama3" with its keys), or None;
+            the kernel computes the unscaled frequencies itself, so a scaled rotation runs the reference.
         backend: ``"auto"`` (the Triton kernel on CUDA, the reference elsewhere), ``"triton"``, ``"reference"``.
 
     Returns:
@@ -143,8 +145,10 @@ def rotary(q: Tensor, k: Optional[Tensor], position_ids: Tensor, *, theta: float
         (torch.Size([2, 5, 4, 16]), torch.Size([2, 5, 2, 16]))
     """
     _check(q, k, position_ids, theta)
-    if not use_triton("rotary", backend, q, None if q.numel() else "no elements"):
-        return reference.rotary(q, k, position_ids, theta)
+    scaled = (scaling or {}).get("rope_type", "default") != "default"
+    refusal = "a frequency scaling" if scaled else (None if q.numel() else "no elements")
+    if not use_triton("rotary", backend, q, refusal):
+        return reference.rotary(q, k, position_ids, theta, scaling)
     q, k = _unit_last(q), (None if k is None else _unit_last(k))
     if position_ids.dtype not in (torch.int32, torch.int64):
         position_ids = position_ids.long()

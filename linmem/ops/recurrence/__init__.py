@@ -18,7 +18,7 @@ from .backends import (
     register_backend,
     register_step_kernel,
 )
-from .inputs import RecurrenceInputs, compute_dtype, set_debug_checks, validate
+from .inputs import RecurrenceInputs, compute_dtype, validate
 from .reference import per_step_decay, recurrence_step
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "register_backend",
     "register_step_kernel",
     "available_backends",
-    "set_debug_checks",
 ]
 
 
@@ -80,7 +79,7 @@ def linear_recurrence(
             A backend that cannot serve the inputs falls back to ``"chunk"`` (logged at debug level).
 
     Value checks (the ranges of ``log_decay`` and ``beta``, ``cu_seqlens``) run on CPU tensors,
-    and on GPU tensors with debug checks on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`).
+    and on GPU tensors with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`).
 
     Limits, in every backend: the delta rule is stable while ``beta * |k|^2 <= 2`` (each step's
     ``I - beta k^T k`` then has no eigenvalue below -1), so unnormalised keys of large norm diverge

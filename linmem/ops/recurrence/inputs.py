@@ -4,19 +4,27 @@ Every backend receives a :class:`RecurrenceInputs` that has passed these checks,
 backends never re-validate. Shape and dtype checks always run; checks of values
 (``log_decay`` in [-inf, 0] and not NaN, ``beta`` in [0, 2], ``cu_seqlens`` monotone) run on
 CPU tensors, and on GPU tensors only when debug checks are on (``LINMEM_DEBUG=1`` or
-:func:`set_debug_checks`), so the hot path never waits for the device.
+:func:`linmem.ops.set_debug_checks`), so the hot path never waits for the device.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-_DEBUG_CHECKS = os.environ.get("LINMEM_DEBUG", "0") not in ("", "0", "false", "False")
+from ..checks import (
+    check_cu_seqlens,
+    check_device,
+    check_float,
+    check_qkv_heads,
+    check_shape,
+    resolve_scale,
+    values_checkable,
+)
+
+OP = "linear_recurrence"
 
 #: the decay kinds, named by the shape of ``log_decay``
 DECAY_KINDS = ("none", "constant", "scalar", "vector", "full")
@@ -34,22 +42,6 @@ LOG_DECAY_FLOOR = -110.0
 
 #: the documented range of the delta rule's write strength ``beta``; (1, 2] gives negative eigenvalues
 BETA_RANGE = (0.0, 2.0)
-
-
-def set_debug_checks(enabled: bool) -> None:
-    """Turn value checks of device tensors on or off (they synchronise the device; eager mode only)."""
-    global _DEBUG_CHECKS
-    _DEBUG_CHECKS = bool(enabled)
-
-
-def _values_checkable(t: torch.Tensor) -> bool:
-    """Whether the values of t are checked: CPU tensors, or any with debug checks on, in eager mode. Under
-    torch.compile a check that reads values would be a data-dependent branch, which a full graph cannot hold."""
-    return (t.device.type == "cpu" or _DEBUG_CHECKS) and not torch.compiler.is_compiling()
-
-
-def _shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)
 
 
 @dataclass
@@ -92,20 +84,6 @@ class RecurrenceInputs:
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"linear_recurrence: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"linear_recurrence: `{name}` must be a floating-point tensor, got dtype {t.dtype}")
-
-
-def _check_shape(name: str, t: torch.Tensor, expected: list[int], meaning: str) -> None:
-    if _shape(t) != expected:
-        raise ValueError(
-            f"linear_recurrence: `{name}` must have shape {meaning} = {expected}, got {_shape(t)}"
-        )
-
-
 def decay_kind_of(log_decay: Optional[torch.Tensor], B: int, T: int, H: int, K: int, V: int) -> str:
     """Classify ``log_decay`` by its shape; raise a ValueError naming every accepted shape."""
     if log_decay is None:
@@ -117,18 +95,18 @@ def decay_kind_of(log_decay: Optional[torch.Tensor], B: int, T: int, H: int, K: 
         "full": [B, T, H, K, V],
     }
     for kind, shape in shapes.items():
-        if _shape(log_decay) == shape:
+        if list(log_decay.shape) == shape:
             return kind
     raise ValueError(
         "linear_recurrence: `log_decay` must be None or have shape [H] = "
         f"{shapes['constant']}, [B, T, H] = {shapes['scalar']}, [B, T, H, K] = "
-        f"{shapes['vector']} or [B, T, H, K, V] = {shapes['full']}; got {_shape(log_decay)}"
+        f"{shapes['vector']} or [B, T, H, K, V] = {shapes['full']}; got {list(log_decay.shape)}"
     )
 
 
 def _check_range(name: str, t: torch.Tensor, low: float, high: float, meaning: str) -> None:
     """Values of t in [low, high] (NaN is outside), checked where values are checkable."""
-    if not t.numel() or not _values_checkable(t):
+    if not t.numel() or not values_checkable(t):
         return
     t = t.detach()
     outside = ~((t >= low) & (t <= high))
@@ -142,25 +120,6 @@ def _check_range(name: str, t: torch.Tensor, low: float, high: float, meaning: s
             worst = f"a minimum of {float(bad.min()):g}"
         raise ValueError(f"linear_recurrence: `{name}` must be {meaning}; got {int(outside.sum())} value(s) "
                          f"outside, {worst}")
-
-
-def _check_cu_seqlens(cu: torch.Tensor, B: int, T: int) -> None:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"linear_recurrence: `cu_seqlens` must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"linear_recurrence: `cu_seqlens` must be int32 or int64, got dtype {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"linear_recurrence: `cu_seqlens` must have shape [N + 1] with N >= 1, got {_shape(cu)}")
-    if B != 1:
-        raise ValueError(f"linear_recurrence: `cu_seqlens` needs batch size B == 1 (sequences packed along T), got B = {B}")
-    if _values_checkable(cu):
-        c = cu.cpu()
-        if int(c[0]) != 0:
-            raise ValueError(f"linear_recurrence: `cu_seqlens` must start at 0, got {int(c[0])}")
-        if bool((c[1:] < c[:-1]).any()):
-            raise ValueError(f"linear_recurrence: `cu_seqlens` must be non-decreasing, got {c.tolist()}")
-        if int(c[-1]) != T:
-            raise ValueError(f"linear_recurrence: `cu_seqlens` must end at T = {T}, got {int(c[-1])}")
 
 
 def validate(
@@ -179,31 +138,12 @@ def validate(
     cu_seqlens: Optional[torch.Tensor],
 ) -> RecurrenceInputs:
     """Check every argument of ``linear_recurrence``; return the normalised inputs."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, t)
-        if t.dim() != 4:
-            raise ValueError(
-                f"linear_recurrence: `{name}` must be 4-D [B, T, H, {'V' if name == 'v' else 'K'}], "
-                f"got {t.dim()}-D shape {_shape(t)}"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"linear_recurrence: `q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_shape("k", k, [B, T, H, K], "[B, T, H, K] (same as q)")
-    _check_shape("v", v, [B, T, H, V], "[B, T, H, V] (B, T, H as q)")
-
+    B, T, H, K, V = check_qkv_heads(OP, q, k, v)
     for name, t in (("log_decay", log_decay), ("beta", beta), ("bonus", bonus), ("a", a), ("b", b),
                     ("initial_state", initial_state)):
         if t is not None:
-            _check_float(name, t)
-            if t.device != q.device:
-                raise ValueError(f"linear_recurrence: `{name}` is on {t.device}, but `q` is on {q.device}")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"linear_recurrence: `{name}` is on {t.device}, but `q` is on {q.device}")
+            check_float(OP, name, t)
+            check_device(OP, name, t, q.device)
 
     kind = decay_kind_of(log_decay, B, T, H, K, V)
     if log_decay is not None:
@@ -211,42 +151,29 @@ def validate(
                      "<= 0 and not NaN: in [-inf, 0] (a decay in [0, 1] in log space; -inf forgets everything)")
 
     if beta is not None:
-        _check_shape("beta", beta, [B, T, H], "[B, T, H]")
+        check_shape(OP, "beta", beta, [B, T, H], "[B, T, H]")
         _check_range("beta", beta, *BETA_RANGE, "in [0, 2] (values above 1 give negative eigenvalues)")
     if bonus is not None:
-        _check_shape("bonus", bonus, [H, K], "[H, K]")
+        check_shape(OP, "bonus", bonus, [H, K], "[H, K]")
     if (a is None) != (b is None):
         raise ValueError("linear_recurrence: `a` and `b` (the low-rank transition a^T b) must be given together")
     if a is not None:
-        _check_shape("a", a, [B, T, H, K], "[B, T, H, K]")
-        _check_shape("b", b, [B, T, H, K], "[B, T, H, K]")
+        check_shape(OP, "a", a, [B, T, H, K], "[B, T, H, K]")
+        check_shape(OP, "b", b, [B, T, H, K], "[B, T, H, K]")
         if beta is not None:
             raise ValueError(
                 "linear_recurrence: `beta` (delta rule) and `a`, `b` (low-rank transition) are mutually "
                 "exclusive; the delta rule is the low-rank case a = -beta k, b = k exp(g)"
             )
 
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T)
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"linear_recurrence: `cu_seqlens` is on {cu_seqlens.device}, but `q` is on {q.device}")
-        N = cu_seqlens.shape[0] - 1
-    else:
-        N = B
+    N = B if cu_seqlens is None else check_cu_seqlens(OP, cu_seqlens, B, T, q.device)
     if initial_state is not None:
-        _check_shape("initial_state", initial_state, [N, H, K, V],
-                     "[N, H, K, V] (N = number of sequences)")
-
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"linear_recurrence: `scale` must be a Python float or None, got {type(scale).__name__}")
-    elif not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"linear_recurrence: `scale` must be a finite number > 0, got {scale!r}")
+        check_shape(OP, "initial_state", initial_state, [N, H, K, V], "[N, H, K, V] (N = number of sequences)")
+    scale = resolve_scale(OP, scale, K)
 
     return RecurrenceInputs(
         q=q, k=k, v=v, log_decay=log_decay, decay_kind=kind, beta=beta, bonus=bonus, a=a, b=b,
-        scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
+        scale=scale, initial_state=initial_state, output_final_state=bool(output_final_state),
         cu_seqlens=cu_seqlens,
     )
 

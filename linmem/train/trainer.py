@@ -47,7 +47,7 @@ from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.config import refuse_foreign_config
-from ..models.modeling import LinmemCausalLMOutput
+from ..models.outputs import LinmemCausalLMOutput
 from ..ops.routing import load_summary
 from .compilation import CompileProgress, use_compile_cache
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,

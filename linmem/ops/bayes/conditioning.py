@@ -39,6 +39,8 @@ import torch
 
 from ..recurrence.inputs import LOG_DECAY_FLOOR, _values_checkable
 
+#: tokens per chunk of the "chunk" backend (:mod:`linmem.ops.bayes.chunk`)
+CHUNK_SIZE = 64
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
 #: the constant of the stated error bound ``ERROR_FACTOR * eps * (K + A * kappa * T)`` (:func:`error_bound`)
@@ -57,8 +59,6 @@ def amplification(backend: str, T: int) -> int:
     """How much more a backend's error grows with kappa than the token loop's on sequences of T tokens: 1 for
     "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" (its C x C
     innovation matrix has condition up to C kappa)."""
-    from .chunk import CHUNK_SIZE  # chunk.py imports this module through inputs.py
-
     return max(1, min(CHUNK_SIZE, T)) if backend == "chunk" else 1
 
 

@@ -8,6 +8,7 @@ tokenizer). Tokenizers come from local folders only; nothing here downloads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .sources import DataError, PathLike, _existing
@@ -115,7 +116,7 @@ def load_codec(folder: Optional[PathLike]) -> Codec:
     """
     if folder is None:
         return byte_codec()
-    return hf_codec(load_tokenizer(folder), name=str(folder))
+    return hf_codec(load_tokenizer(folder), name=str(Path(folder)))
 
 
 def byte_tokenize(text: str) -> list[int]:

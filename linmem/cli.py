@@ -122,8 +122,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    from .train.config import TextSection
-    from .train.prepared import prepare_corpus
+    from .data.config import TextSection
+    from .data.prepared import prepare_corpus
 
     text = TextSection(paths=list(args.paths), dataset=args.dataset, text_field=args.text_field,
                        tokenizer=args.tokenizer, max_files=args.max_files, val_fraction=args.val_fraction,

@@ -1,119 +1,24 @@
-"""Text <-> token ids for evaluation, and a subword tokenizer trained on local text.
-
-A :class:`Codec` is what every text evaluation needs from a model's tokenizer: ``encode``,
-``decode``, the vocabulary size and the token that ends (or, with an empty context, starts) a
-document. Byte-level models (vocabulary 256, ``encode = UTF-8 bytes``) get :func:`byte_codec`;
-models trained with a tokenizer folder get :func:`hf_codec` of it.
+"""``linmem tokenizer train``: a subword tokenizer trained on local text.
 
 :func:`train_tokenizer` trains a byte-level BPE with Hugging Face ``tokenizers`` on local files
 (default: the Python standard library's sources) and saves it as a ``transformers`` tokenizer
-folder, which ``data.text.tokenizer`` of a training config and the lm-eval bridge read.
+folder, which ``data.text.tokenizer`` of a training config, :func:`~linmem.data.codec.load_codec` and the
+lm-eval bridge read.
 Nothing here downloads.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from .data.codec import BYTE_VOCAB_SIZE, TokenizerError, load_codec
+from .data.sources import PathLike, stdlib_corpus, text_files
 
-PathLike = Union[str, Path]
-
-BYTE_VOCAB_SIZE = 256
-NEWLINE_BYTE = 10  # a byte model's document separator: what an empty context starts from
 EOS_TOKEN = "<|endoftext|>"  # bos and eos of a trained tokenizer
 PAD_TOKEN = "<|pad|>"
 MIN_VOCAB_SIZE = BYTE_VOCAB_SIZE + 2  # the byte alphabet and the two special tokens
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be trained, loaded or used as asked."""
-
-
-@dataclass(frozen=True)
-class Codec:
-    """How a model reads and writes text.
-
-    ``encode(text) -> ids`` adds no special token; ``decode(ids) -> text`` never fails (bytes
-    that are not valid UTF-8 become U+FFFD). ``eos_token_id`` ends a document (None for bytes);
-    ``prefix_token_id`` is what a model conditions on when the context is empty.
-
-    Example:
-        >>> codec = byte_codec()
-        >>> codec.encode("hé"), codec.decode([104, 195, 169]), codec.vocab_size
-        ([104, 195, 169], 'hé', 256)
-    """
-
-    name: str  # "bytes" or the tokenizer folder
-    vocab_size: int  # ids lie in [0, vocab_size)
-    encode: Callable[[str], list[int]]  # text -> ids, no special tokens
-    decode: Callable[[Sequence[int]], str]  # ids -> text
-    eos_token_id: Optional[int]  # end of document; None for bytes
-    prefix_token_id: int  # the context of an empty prompt
-
-
-def _encode_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def _decode_bytes(ids: Sequence[int]) -> str:
-    values = [int(i) for i in ids]
-    bad = [v for v in values if not 0 <= v < BYTE_VOCAB_SIZE]
-    if bad:
-        raise TokenizerError(f"byte token ids must lie in [0, {BYTE_VOCAB_SIZE}); got {bad[0]}")
-    return bytes(values).decode("utf-8", errors="replace")
-
-
-def byte_codec() -> Codec:
-    """The codec of byte-level models: UTF-8 bytes as ids, vocabulary 256, no EOS.
-
-    An empty context starts from a newline byte (how the text task joins documents).
-
-    Example:
-        >>> byte_codec().encode("ab")
-        [97, 98]
-    """
-    return Codec(name="bytes", vocab_size=BYTE_VOCAB_SIZE, encode=_encode_bytes, decode=_decode_bytes,
-                 eos_token_id=None, prefix_token_id=NEWLINE_BYTE)
-
-
-def hf_codec(tokenizer: "PreTrainedTokenizerBase", name: str = "tokenizer") -> Codec:
-    """The codec of a Hugging Face tokenizer: ids without special tokens; EOS (else BOS) as the empty context.
-
-    Example:
-        >>> codec = hf_codec(load_tokenizer("runs/claims/tokenizer"))  # doctest: +SKIP
-    """
-    prefix = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
-    if prefix is None:
-        raise TokenizerError(f"tokenizer {name!r} has neither an eos_token nor a bos_token; "
-                             "a model needs one of them to score text that has no context")
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode([int(i) for i in ids])
-
-    return Codec(name=name, vocab_size=len(tokenizer), encode=encode, decode=decode,
-                 eos_token_id=tokenizer.eos_token_id, prefix_token_id=prefix)
-
-
-def load_codec(folder: Optional[PathLike]) -> Codec:
-    """The codec of a tokenizer folder, or of bytes when ``folder`` is None.
-
-    Example:
-        >>> load_codec(None).name
-        'bytes'
-    """
-    if folder is None:
-        return byte_codec()
-    from .train.data import load_tokenizer
-
-    return hf_codec(load_tokenizer(folder), name=str(folder))
 
 
 def train_tokenizer(
@@ -132,7 +37,7 @@ def train_tokenizer(
     caps how many are read; ``out_dir`` must be new or empty. Every byte is in the initial
     alphabet, so any text encodes; ``<|endoftext|>`` is the BOS and EOS token and ``<|pad|>`` the
     padding token. Returns
-    ``out_dir``, loadable with ``AutoTokenizer.from_pretrained(out_dir)`` and :func:`load_codec`.
+    ``out_dir``, loadable with ``AutoTokenizer.from_pretrained(out_dir)`` and :func:`~linmem.data.codec.load_codec`.
 
     Example:
         >>> import tempfile
@@ -152,8 +57,6 @@ def train_tokenizer(
         raise TokenizerError(f"the output folder {out_dir} (--out) exists and is not empty: choose a new one")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from .train.data import stdlib_corpus, text_files
 
     texts = text_files(list(paths)) if paths else stdlib_corpus(max_files=max_files)
     if paths and max_files is not None:

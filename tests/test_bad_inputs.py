@@ -523,8 +523,8 @@ def empty_corpus(env) -> tuple:
 
 
 def corpus_with_empty_document(env) -> bool:
-    from linmem.train.config import TextSection
-    from linmem.train.corpus import load_corpus
+    from linmem.data.config import TextSection
+    from linmem.data.corpus import load_corpus
 
     folder = env.root / "one-empty"
     folder.mkdir(exist_ok=True)
@@ -539,7 +539,7 @@ def corpus_with_empty_document(env) -> bool:
 
 
 def non_utf8_files(env, errors: str) -> Any:
-    from linmem.train.data import text_files
+    from linmem.data.sources import text_files
 
     path = env.root / f"latin1-{errors}.txt"
     path.write_bytes("café".encode("latin-1"))
@@ -552,13 +552,13 @@ def replaced_non_utf8(env) -> bool:
 
 
 def packed_batches(docs: list, tokens: int = 8) -> Any:
-    from linmem.train.data import PackedBatches
+    from linmem.data.batches import PackedBatches
 
     return PackedBatches(docs, tokens_per_batch=tokens, seed=0)
 
 
 def tokenizer_folder(env, name: str, files: dict[str, str]) -> Any:
-    from linmem.tokenizer import load_codec
+    from linmem.data.codec import load_codec
 
     return load_codec(write_folder(env, name, files))
 
@@ -571,7 +571,7 @@ def train_tok(env, vocab: int = 300, min_frequency: int = 2, paths: Optional[lis
 
 
 def byte_codec():
-    from linmem.tokenizer import byte_codec as codec
+    from linmem.data.codec import byte_codec as codec
 
     return codec()
 
@@ -607,8 +607,8 @@ def cli_generate_empty_prompt(env) -> bool:
 
 def prepared_folder(env, name: str) -> Path:
     """A prepared folder of four documents (one held out) written for one case."""
-    from linmem.train.config import TextSection
-    from linmem.train.prepared import prepare_corpus
+    from linmem.data.config import TextSection
+    from linmem.data.prepared import prepare_corpus
 
     corpus = env.root / "probe-corpus"
     if not corpus.exists():
@@ -1058,9 +1058,9 @@ CASES: list[Case] = [
     named("data strict non-UTF-8 file", lambda e: non_utf8_files(e, "strict"), "latin1-strict.txt is not valid UTF-8"),
     correct("data non-UTF-8 file replaced", replaced_non_utf8),
     named("data errors='ignore'", lambda e: non_utf8_files(e, "ignore"), "errors must be 'replace' or 'strict'"),
-    named("data missing path", lambda e: __import__("linmem.train.data", fromlist=["x"]).list_text_files([e.root / "gone.txt"]),
+    named("data missing path", lambda e: __import__("linmem.data.sources", fromlist=["x"]).list_text_files([e.root / "gone.txt"]),
           "gone.txt"),
-    named("data val_fraction 1", lambda e: __import__("linmem.train.data", fromlist=["x"]).split_documents([1, 2], 1.0, 0),
+    named("data val_fraction 1", lambda e: __import__("linmem.data.corpus", fromlist=["x"]).split_documents([1, 2], 1.0, 0),
           "val_fraction"),
     named("data all documents empty", lambda e: packed_batches([[], []]), "documents hold no tokens"),
     named("data tokens_per_batch 0", lambda e: packed_batches([[1, 2]], tokens=0), "tokens_per_batch must be >= 1"),
@@ -1070,7 +1070,7 @@ CASES: list[Case] = [
     named("tokenizer vocab_size 100", lambda e: train_tok(e, 100), "vocab_size must be >= 258"),
     named("tokenizer min_frequency 0", lambda e: train_tok(e, 300, 0), "min_frequency must be >= 1"),
     named("tokenizer no text", lambda e: train_tok(e, 300, 2, [write_folder(e, "blank", {"a.txt": "  "})]), "no text to train on"),
-    named("tokenizer missing folder", lambda e: __import__("linmem.tokenizer", fromlist=["x"]).load_codec(e.root / "no-tok"),
+    named("tokenizer missing folder", lambda e: __import__("linmem.data.codec", fromlist=["x"]).load_codec(e.root / "no-tok"),
           "no-tok"),
     named("tokenizer folder without tokenizer files", lambda e: tokenizer_folder(e, "not-a-tok", {"readme.txt": "x"}), "not-a-tok"),
     named("tokenizer byte id 300", lambda e: byte_codec().decode([300]), "byte token ids must lie in [0, 256)"),

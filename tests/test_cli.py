@@ -17,7 +17,7 @@ import torch
 from linmem import __version__
 from linmem.cli import main
 from linmem.train import RunError, Trainer, load_config
-from linmem.train.data import byte_detokenize
+from linmem.data.codec import byte_detokenize
 from linmem.train.metrics import read_metrics
 from linmem.train.runs import _TextStream
 

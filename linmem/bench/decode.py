@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from . import BenchError
-from ..models.modeling import output_cache
+from ..models.outputs import output_cache
 from .models import error_text, free_memory, is_out_of_memory
 from .peers import (ARCHITECTURES, ModelShape, add_common_arguments, build_model, model_spec, parse_keys, parse_peers,
                     row_keys, shape_from_args, unavailable_reason)

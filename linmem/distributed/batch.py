@@ -36,7 +36,7 @@ class DataParallelBatches:
     source's, identical on every rank.
 
     Example:
-        >>> from linmem.train.data import ExampleBatches
+        >>> from linmem.data.batches import ExampleBatches
         >>> x = torch.arange(16).view(8, 2)
         >>> mine = DataParallelBatches(ExampleBatches(x, x, 2, seed=0), rank=1, size=2)
         >>> next(mine)["input_ids"].shape

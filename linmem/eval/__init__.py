@@ -1,4 +1,5 @@
-"""Evaluation: MQAR, needle in a haystack, per-position loss, the lm-eval bridge and the suites of a run.
+"""Evaluation: needle in a haystack, per-position loss, the lm-eval bridge and the suites of a run
+(MQAR recall among them; the MQAR examples come from :mod:`linmem.data.mqar`).
 
 Names load on first use (importing ``linmem.eval`` pulls in neither torch nor lm-eval), so the
 command line builds its parser at once.
@@ -10,11 +11,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "mqar": ("MQAR_GRID", "MQAR_VOCAB_SIZE", "generate_mqar", "mqar_accuracy", "mqar_hits", "shift_labels_right"),
     "niah": ("NIAH_TASKS", "NiahResult", "build_prompt", "plot_niah", "run_niah", "string_match_all"),
     "position_loss": ("PositionCurve", "extrapolation_rows", "plot_position_loss", "position_loss",
                       "write_position_loss"),
-    "suites": ("SUITES", "EvalOptions", "evaluate_run", "format_summary", "open_run"),
+    "runs": ("EvalRun", "open_run"),
+    "suites": ("SUITES", "EvalOptions", "evaluate_run", "format_summary"),
     "command": ("add_eval_arguments", "run_eval_command"),
     "harness": ("LinmemLM", "run_harness"),
 }

@@ -2,7 +2,7 @@
 
 :class:`LinmemLM` answers the three kinds of request of lm-eval (``loglikelihood``,
 ``loglikelihood_rolling``, ``generate_until``) with a :class:`~linmem.models.LinmemForCausalLM` and
-a :class:`~linmem.tokenizer.Codec`, so byte-level models (no Hugging Face tokenizer) run any task
+a :class:`~linmem.data.codec.Codec`, so byte-level models (no Hugging Face tokenizer) run any task
 too. Scoring is batched: requests sorted by length, right-padded (a causal model's logits at a
 position do not depend on later tokens, so padding needs no mask), and only the continuation's
 positions go through the output layer. Generation is greedy and batched with the model's decoding
@@ -31,8 +31,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("the lm-eval bridge needs the optional package lm-eval: pip install 'linmem[eval]' "
                       "(or pip install 'lm-eval>=0.4.9')") from error
 
-from ..tokenizer import Codec
+from ..data.codec import Codec
 from .inference import IGNORE_INDEX, greedy_generate, inference_mode, model_device, next_token_scores
+from .runs import open_run
 
 PathLike = Union[str, Path]
 
@@ -47,7 +48,7 @@ class LinmemLM(TemplateLM):
 
     Args:
         model: the causal LM (moved to ``device`` when given).
-        codec: its tokenizer (:func:`~linmem.tokenizer.byte_codec` for byte-level models).
+        codec: its tokenizer (:func:`~linmem.data.codec.byte_codec` for byte-level models).
         batch_size: requests per forward pass.
         max_length: longest token window the model reads; longer inputs keep their last tokens
             (rolling loglikelihood slides windows of this length).
@@ -56,7 +57,7 @@ class LinmemLM(TemplateLM):
 
     Example:
         >>> from linmem.models import LinmemConfig, LinmemForCausalLM
-        >>> from linmem.tokenizer import byte_codec
+        >>> from linmem.data.codec import byte_codec
         >>> lm = LinmemLM(LinmemForCausalLM(LinmemConfig(vocab_size=256, hidden_size=16, num_heads=2,
         ...                                              layer_pattern="L")), byte_codec(), max_length=64)
         >>> logprob, greedy = lm._loglikelihood_tokens([(("a", "b"), [97], [98])], disable_tqdm=True)[0]
@@ -70,7 +71,7 @@ class LinmemLM(TemplateLM):
         if max_gen_toks is None:
             max_gen_toks = min(256, max_length // 2) if isinstance(max_length, int) else 256
         if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a linmem.tokenizer.Codec, got {type(codec).__name__}")
+            raise TypeError(f"codec must be a linmem.data.codec.Codec, got {type(codec).__name__}")
         for name, value in (("batch_size", batch_size), ("max_length", max_length), ("max_gen_toks", max_gen_toks)):
             if not isinstance(value, int) or value < 1:
                 raise HarnessError(f"{name} must be a positive int, got {value!r}")
@@ -92,8 +93,6 @@ class LinmemLM(TemplateLM):
         Example:
             >>> lm = LinmemLM.from_run("runs/text-hybrid-tiny", batch_size=16)  # doctest: +SKIP
         """
-        from .suites import open_run
-
         run = open_run(run_dir, device=kwargs.pop("device", None))
         kwargs.setdefault("max_length", run.train_length)
         return cls(run.model, run.codec, **kwargs)

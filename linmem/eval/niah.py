@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 from torch import nn
 
+from ..data.sources import stdlib_corpus
 from .inference import greedy_generate, inference_mode
 
 Encode = Callable[[str], list[int]]
@@ -375,8 +376,6 @@ def run_niah(
     lines: list[str] = []
     if needs_text:
         if haystack is None:
-            from ..train.data import stdlib_corpus
-
             haystack = stdlib_corpus()
         lines = haystack_lines(haystack)
     from tqdm.auto import tqdm

@@ -22,19 +22,16 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
-import torch
-
-from ..models import LinmemForCausalLM
-from ..tokenizer import Codec, byte_codec, hf_codec
+from ..data.codec import Codec
+from ..data.corpus import describe_source
+from ..data.sources import text_files
 from .niah import NIAH_DEFAULTS, NIAH_TASKS, depth_grid, plot_niah, run_niah
 from .position_loss import (extrapolation_rows, plot_position_loss, position_loss, window_tokens,
                             write_position_loss)
+from .runs import EvalRun, open_run
 from .tables import write_table
-
-if TYPE_CHECKING:
-    from ..train.runs import Run
 
 PathLike = Union[str, Path]
 logger = logging.getLogger("linmem.eval")
@@ -68,66 +65,6 @@ class EvalOptions:
     seed: int = 0  # niah prompts
     device: Optional[str] = None  # None: the run's device
     progress: bool = True  # progress bars
-
-
-@dataclass
-class EvalRun:
-    """A run directory opened for evaluation: its config, model, tokenizer and (on first use) its task."""
-
-    run_dir: Path
-    loaded: "Run"  # the run as the trainer's loader returns it
-    model: LinmemForCausalLM
-    device: torch.device
-    codec: Optional[Codec]  # None for MQAR runs (token ids, no text)
-    train_length: int  # tokens per training sequence (text: per document piece)
-
-    @property
-    def config(self):
-        return self.loaded.config
-
-    @property
-    def task_kind(self) -> str:
-        return self.config.data.task
-
-    @property
-    def task(self):
-        return self.loaded.task
-
-
-def open_run(run_dir: PathLike, overrides: Sequence[str] = (), device: Optional[str] = None) -> EvalRun:
-    """Load a run directory (``config.yaml``, ``model/``) or a model folder (``config.json``, weights: see
-    :func:`~linmem.train.runs.load_run`) for evaluation, on ``device`` if given.
-
-    Text goes through the run's tokenizer (the one saved beside its weights, else its config's, else
-    bytes), a model folder's through its own (else bytes). The training length of a text run is its
-    document length (``data.max_document_tokens``), of an instruction run its example length, and of a
-    model folder the default document length (1024 tokens).
-
-    Example:
-        >>> run = open_run("runs/text-hybrid-tiny")  # doctest: +SKIP
-        >>> run.train_length  # doctest: +SKIP
-        256
-    """
-    from ..train.runs import load_run
-    from ..train.trainer import resolve_device
-
-    run_dir = Path(run_dir)
-    if device is not None:  # refused by name before the run loads, then loaded onto it directly
-        resolve_device(device, option="device")
-        overrides = [*overrides, f"run.device={device}"]
-    loaded = load_run(run_dir, overrides=overrides)
-    model, run_device = loaded.model, loaded.device
-    data = loaded.config.data
-    if data.task == "mqar":
-        codec = None
-        train_length = max(seq_len for seq_len, _ in data.mqar.settings)
-    else:
-        text = loaded.codec
-        codec = byte_codec() if text.tokenizer is None else hf_codec(text.tokenizer, name=text.source)
-        train_length = min(data.instruct.max_tokens, data.tokens_per_batch) if data.task == "instruct" else \
-            data.max_document_tokens or data.tokens_per_batch
-    return EvalRun(run_dir=run_dir, loaded=loaded, model=model, device=run_device, codec=codec,
-                   train_length=int(train_length))
 
 
 def _text_run(run: EvalRun, suite: str) -> Codec:
@@ -209,8 +146,6 @@ def niah_suite(run: EvalRun, out_dir: Path, options: EvalOptions) -> list[dict]:
     codec = _text_run(run, "niah")
     haystack = None
     if options.haystack:
-        from ..train.data import text_files
-
         haystack = text_files(options.haystack)
     depths, samples = niah_grid(run, options)
     result = run_niah(run.model, codec.encode, codec.decode, tasks=options.niah_tasks, lengths=_lengths(run, options),
@@ -312,8 +247,6 @@ def evaluate_run(
         if name in NEEDS_VALIDATION:
             validation_documents(run, name)
     if run.loaded.model_folder and set(names) & set(NEEDS_VALIDATION):
-        from ..train.corpus import describe_source
-
         logger.info("%s has no data of its own: %s read the held-out documents of %s (data.text.* chooses other "
                     "text)", run.run_dir, " and ".join(n for n in names if n in NEEDS_VALIDATION),
                     describe_source(run.config.data.text))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..models.cache import PREFILL_CHUNK, LinmemCache, StaticLinmemCache
+from ..models.outputs import CACHE_NAME, LinmemCausalLMOutput
 from .step import GraphDecoder, decode_step, graph_refusal
 
 logger = logging.getLogger("linmem.generation")
@@ -148,8 +149,6 @@ def chunked_prefill(
 
 
 def _output(model: nn.Module, logits: torch.Tensor, cache: LinmemCache):
-    from ..models.modeling import CACHE_NAME, LinmemCausalLMOutput
-
     return LinmemCausalLMOutput(logits=logits, **{CACHE_NAME: cache})
 
 
@@ -162,8 +161,6 @@ def prepare_generation_cache(model: nn.Module, generation_config, model_kwargs: 
     ``num_return_sequences`` included); None or ``"dynamic"`` leaves the model to make its
     :class:`LinmemCache`; any other value is refused.
     """
-    from ..models.modeling import CACHE_NAME
-
     implementation = generation_config.cache_implementation
     given = model_kwargs.get(CACHE_NAME)
     if given is not None:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..layers.liger import LIGER_FEATURE_MAPS, LIGER_GATES, LIGER_MEMORIES
+from ..train.config import TrainConfig
+from ..train.trainer import Trainer
 from .convert import LinearizeOptions, linearize
 
 #: the fine-tuning config linearize writes beside the converted model
@@ -50,8 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def finetune_config(out: Path, args: argparse.Namespace):
     """The ``linmem train`` config that LoRA-tunes the model in ``out`` (not validated: --data may be missing)."""
-    from ..train.config import TrainConfig
-
     config = TrainConfig()
     config.model.pretrained = str(out)
     config.lora.rank, config.lora.alpha = args.lora_rank, args.lora_alpha
@@ -104,8 +104,6 @@ def run_linearize_command(args: argparse.Namespace) -> int:
     if args.data is None:
         print(f"fine-tune with: linmem train --config {out / FINETUNE_CONFIG} data.instruct.path=YOUR_DATA.json")
         return 0
-    from ..train import Trainer
-
     trainer = Trainer(config.validate())
     print(f"fine-tuning: {trainer.task.describe()}", flush=True)
     outcome = trainer.train()

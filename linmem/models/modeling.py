@@ -9,7 +9,7 @@ collects layer by layer, returns, and adds (its weighted balancing and z-losses)
 with ``inactive_parameter_count()``.
 
 The decoding cache is passed and returned under the name the installed transformers gives it
-(:data:`CACHE_NAME`: ``cache`` from 5.x, ``past_key_values`` before); both are accepted as input.
+(:data:`~linmem.models.outputs.CACHE_NAME`: ``cache`` from 5.x, ``past_key_values`` before); both are accepted as input.
 
 The forwards follow transformers' conventions: ``output_hidden_states``, ``return_dict`` and ``use_cache``
 default to the config's; ``return_dict=False`` returns the output's ``to_tuple()`` (the loss first when there is
@@ -20,7 +20,6 @@ refused (:func:`refuse_attention_outputs`), as transformers' recurrent models do
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,7 +31,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..generation import generation_forward, prepare_generation_cache
@@ -47,30 +45,7 @@ from ..ops.routing import RouterStats
 from ..ops.varlen import positions_in_sequence
 from .cache import LinmemCache, StaticLinmemCache
 from .config import LinmemConfig
-
-#: the name of the decoding cache in the model's inputs and outputs, as the installed transformers calls it
-CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-@dataclass
-class LinmemModelOutput(BaseModelOutputWithPast):
-    """BaseModelOutputWithPast plus the reports of the routed layers, in layer order."""
-
-    router_stats: Optional[tuple[RouterStats, ...]] = None
-
-
-@dataclass
-class LinmemCausalLMOutput(CausalLMOutputWithPast):
-    """CausalLMOutputWithPast plus what the routers (MoM mixers, MoE feed-forwards) report."""
-
-    aux_loss: Optional[torch.FloatTensor] = None  # weighted balancing + z losses (already inside `loss`)
-    router_logits: Optional[tuple[torch.FloatTensor, ...]] = None  # per routed layer [B * T, E]
-    router_stats: Optional[tuple[RouterStats, ...]] = None  # per routed layer: losses and load
-
-
-def output_cache(output: BaseModelOutputWithPast) -> Optional[LinmemCache]:
-    """The decoding cache of a model output, whatever transformers calls it."""
-    return getattr(output, CACHE_NAME)
+from .outputs import CACHE_NAME, LinmemCausalLMOutput, LinmemModelOutput, output_cache
 
 
 def refuse_attention_outputs(output_attentions: Optional[bool], config: LinmemConfig) -> None:

@@ -1,4 +1,4 @@
-"""Training: config dataclasses, data pipeline, trainer, checkpoints, run directories.
+"""Training: config dataclasses, tasks, trainer, checkpoints, run directories (the data itself: :mod:`linmem.data`).
 
 Names load on first use, so that the config (:mod:`linmem.train.config`) imports without torch and a
 command whose config is wrong answers at once.
@@ -15,7 +15,6 @@ _EXPORTS = {
     "TrainConfig": "config",
     "apply_overrides": "config",
     "load_config": "config",
-    "DataError": "data",
     "RunError": "rundir",
     "Interrupted": "trainer",
     "Trainer": "trainer",

@@ -39,8 +39,8 @@ linmem train data.task=text data.text.paths=[my.txt] schedule.steps=200 run.out_
 A list is written in brackets (`data.text.paths=[a.txt, docs/]`), `null` unsets an optional key, and
 `model.options.<field>=value` sets any other field of `LinmemConfig`. Unknown keys and values outside
 their range are refused by name before anything runs. This page is generated from the config
-dataclasses (`linmem/train/config.py`) by `python -m linmem.train.config_reference docs/config.md`;
-do not edit it by hand.
+dataclasses (`linmem/train/config.py`, the `data` section `linmem/data/config.py`) by
+`python -m linmem.train.config_reference docs/config.md`; do not edit it by hand.
 """
 
 

@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..data.codec import Codec
+from ..data.corpus import section_codec
 from ..models import LinmemForCausalLM
 from .config import ConfigError, TrainConfig, apply_overrides, load_config
-from .corpus import Codec, section_codec
 from .tasks import Task, build_task, text_codec, verify_text_shards
 from .trainer import resolve_device
 
@@ -147,7 +148,7 @@ class Run:
         if stop == "":
             raise ValueError("stop must be a non-empty string")
         codec = self.codec
-        ids = codec.encode(prompt) or codec.start_ids()
+        ids = codec.encode(prompt) or [codec.prefix_token_id]
         text_stream = _TextStream(codec.decode, stream or (lambda piece: None), stop)
         sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else \
             dict(do_sample=False)
@@ -169,7 +170,7 @@ def load_run(run_dir: Path, overrides: Sequence[str] = ()) -> Run:
 
     Example:
         >>> run = load_run(Path("checkpoints/liger"))  # doctest: +SKIP
-        >>> run.model_folder, run.codec.source  # doctest: +SKIP
+        >>> run.model_folder, run.codec.name  # doctest: +SKIP
         (True, 'checkpoints/liger')
     """
     run_dir = Path(run_dir)
@@ -216,8 +217,8 @@ def _load_model_folder(folder: Path, overrides: Sequence[str]) -> Run:
     codec = run.codec
     if codec.vocab_size > model.config.vocab_size:
         raise ValueError(f"{folder}: the model has {model.config.vocab_size} tokens, fewer than its text codec's "
-                         f"{codec.vocab_size} ({codec.source}): give it its own tokenizer with data.text.tokenizer=DIR")
+                         f"{codec.vocab_size} ({codec.name}): give it its own tokenizer with data.text.tokenizer=DIR")
     logger.info("%s is a model folder (no config.yaml): text goes through %s", folder,
-                f"the tokenizer in {codec.source}" if codec.tokenizer is not None else
+                f"the tokenizer in {codec.name}" if codec.tokenizer is not None else
                 "UTF-8 bytes (the folder holds no tokenizer; data.text.tokenizer=DIR gives it one)")
     return run

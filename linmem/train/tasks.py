@@ -1,4 +1,4 @@
-"""What a run learns and how it is scored: MQAR recall or language modelling on text.
+"""What a run learns and how it is scored: MQAR recall, language modelling on text, or instruction tuning.
 
 A task owns its training batches (resumable iterators), its vocabulary and its
 evaluation; the trainer knows nothing else about data.
@@ -11,15 +11,18 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
-from ..eval.mqar import mqar_hits, shift_labels_right
-from ..eval.mqar_variants import mqar_generator
-from .config import DataSection
-from .corpus import Codec, counted, load_corpus, section_codec
-from .data import ExampleBatches, PackedBatches
+from ..data.batches import Batch, ExampleBatches, PackedBatches
+from ..data.codec import Codec, load_codec
+from ..data.config import DataSection
+from ..data.corpus import counted, load_corpus, section_codec
+from ..data.instruct import InstructBatches, encode_examples, predicted_answer_tokens, read_records, rows_in_order
+from ..data.mqar import mqar_hits, shift_labels_right
+from ..data.mqar_variants import mqar_generator
+from ..data.prepared import open_prepared, verify_prepared
 
-Batch = dict[str, torch.Tensor]
 EVAL_SEED_OFFSET = 1_000_003  # evaluation examples never share the training seeds
 
 
@@ -103,14 +106,12 @@ class TextTask(Task):
     """Next-token prediction on local text (bytes by default), scored by perplexity.
 
     The documents come from a prepared folder (``data.text.prepared``, memory-mapped) or are
-    read and tokenized into memory (:func:`~linmem.train.corpus.load_corpus`).
+    read and tokenized into memory (:func:`~linmem.data.corpus.load_corpus`).
     """
 
     def __init__(self, data: DataSection) -> None:
         t = data.text
         if t.prepared is not None:
-            from .prepared import open_prepared
-
             corpus: Any = open_prepared(t.prepared)
         else:
             corpus = load_corpus(t, data.seed)
@@ -172,6 +173,47 @@ class _EvalProgress:
         self.bar.close()
 
 
+class InstructTask(Task):
+    """Instruction tuning on a local Alpaca-style file, scored by the loss of the answer tokens of held-out
+    examples (``val_loss``, ``val_ppl``)."""
+
+    def __init__(self, data: DataSection) -> None:
+        section = data.instruct
+        self.codec = load_codec(section.tokenizer)
+        self.vocab_size = self.codec.vocab_size
+        tokenizer = self.codec.tokenizer
+        records = read_records(Path(section.path))
+        order = np.random.default_rng(data.seed).permutation(len(records))
+        held_out = int(round(len(records) * section.val_fraction))
+        max_tokens = min(section.max_tokens, data.tokens_per_batch)
+        self.train_examples = encode_examples([records[i] for i in order[held_out:]], tokenizer, max_tokens)
+        self.val_examples = (encode_examples([records[i] for i in order[:held_out]], tokenizer, max_tokens)
+                             if held_out else None)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id, self.tokens_per_batch, self.source = pad, data.tokens_per_batch, section.path
+        self.train_batches = InstructBatches(self.train_examples, data.tokens_per_batch, pad_id=pad, seed=data.seed)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
+        if self.val_examples is None:
+            return {}
+        total_loss = total = 0.0
+        for row in rows_in_order(self.val_examples, self.tokens_per_batch, self.pad_id):
+            batch = {k: v.to(device) for k, v in row.items()}
+            count = predicted_answer_tokens(batch["labels"], batch["cu_seqlens"])
+            if count:
+                total_loss += float(model(**batch, use_cache=False).loss) * count
+                total += count
+        loss = total_loss / max(total, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    def describe(self) -> str:
+        answers = sum(len(t) - p for t, p in zip(self.train_examples.tokens, self.train_examples.prompt_lengths))
+        held_out = len(self.val_examples) if self.val_examples is not None else 0
+        return (f"instructions ({self.source}): {len(self.train_examples):,} examples ({answers:,} answer tokens), "
+                f"{held_out:,} held out, vocab {self.vocab_size}")
+
+
 def _predicted_tokens(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
     """How many positions the loss averages over (shifted labels, packed boundaries removed)."""
     n = int((labels[:, 1:] != -100).sum())
@@ -182,30 +224,22 @@ def _predicted_tokens(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) 
 
 def build_task(data: DataSection) -> Task:
     if data.task == "instruct":
-        from .instruct import InstructTask
-
         return InstructTask(data)
     return MQARTask(data) if data.task == "mqar" else TextTask(data)
 
 
 def verify_text_shards(data: DataSection, splits: Sequence[str] = ("train", "validation")) -> None:
     """Hash the prepared shards of ``splits`` that ``data`` trains on against their manifest's SHA-256
-    sums (:func:`~linmem.train.prepared.verify_prepared`); nothing for other data."""
+    sums (:func:`~linmem.data.prepared.verify_prepared`); nothing for other data."""
     if data.task == "text" and data.text.prepared is not None:
-        from .prepared import verify_prepared
-
         verify_prepared(data.text.prepared, splits)
 
 
 def text_codec(data: DataSection, model_dir: Path) -> Codec:
     """How a saved text run turns text into tokens, without reading its corpus: the tokenizer
     saved in ``model_dir``, else the prepared folder's, else the section's (a tokenizer or bytes)."""
-    from .corpus import tokenizer_codec
-
     if (model_dir / "tokenizer_config.json").exists():
-        return tokenizer_codec(model_dir)
+        return load_codec(model_dir)
     if data.text.prepared is not None:
-        from .prepared import open_prepared
-
         return open_prepared(data.text.prepared).codec
     return section_codec(data.text)

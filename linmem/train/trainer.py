@@ -43,16 +43,18 @@ from torch.distributed.tensor import DTensor
 from ..distributed import (DataParallelBatches, ParallelConfigError, SequenceParallel, apply_activation_checkpointing,
                            apply_compile, check_model, clip_grad_norm_, export_pretrained, global_lm_loss,
                            next_token_targets, parallelize, sequence_parallel, shard_sequence, write_shards)
+from ..data.config import DataSection
 from ..distributed.batch import IGNORE_INDEX
 from ..distributed.config import TORCHRUN_ENVIRONMENT, world_size
+from ..linearize.lora import ADAPTER_DIR, apply_lora, save_lora
 from ..models import LinmemConfig, LinmemForCausalLM, model_recipe
 from ..models.config import refuse_foreign_config
-from ..models.modeling import LinmemCausalLMOutput
+from ..models.outputs import LinmemCausalLMOutput
 from ..ops.routing import load_summary
 from .compilation import CompileProgress, use_compile_cache
 from .checkpoint import (CheckpointError, begin_checkpoint, finish_checkpoint, latest_valid_checkpoint,
                          load_checkpoint, optimizer_order, remove_stale_temporaries, save_checkpoint, weight_decayed)
-from .config import ConfigError, DataSection, ModelSection, TrainConfig, check_processes
+from .config import ConfigError, ModelSection, TrainConfig, check_processes
 from .console import Console, TokenRate, on_terminal
 from .graphs import GraphCaptureError, GraphedMicroSteps, graph_refusal
 from .metrics import MetricsLog
@@ -296,8 +298,6 @@ class Trainer:
         if self.ranks.mesh is None:
             self.model = apply_activation_checkpointing(model) if config.parallel.activation_checkpointing else model
             if config.lora.rank:  # adapters on the targets, everything else frozen
-                from ..linearize.lora import apply_lora
-
                 lora = config.lora
                 self.model = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                         targets=lora.targets, train_modules=lora.train_modules)
@@ -396,8 +396,6 @@ class Trainer:
                                    scheduler=self.scheduler, trainer_state=state, rng_state=_rng_state(self.ranks),
                                    keep=keep)
             if self.config.lora.rank:  # the adapter, and the merged weights in model/
-                from ..linearize.lora import ADAPTER_DIR, save_lora
-
                 save_lora(self.model, self.out_dir / ADAPTER_DIR, model_dir)
             else:
                 self.model.save_pretrained(model_dir)

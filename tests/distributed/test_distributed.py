@@ -47,7 +47,7 @@ from linmem.ops import linear_recurrence, parallel
 from linmem.ops.attention import cached_attention, forgetting_attention
 from linmem.train import ConfigError, Trainer, load_config
 from linmem.train.checkpoint import load_checkpoint
-from linmem.train.data import ExampleBatches
+from linmem.data.batches import ExampleBatches
 from linmem.train.metrics import read_metrics
 from linmem.train.rundir import RunLock
 from linmem.train.trainer import check_launch

@@ -15,7 +15,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from linmem.eval.harness import HarnessError, LinmemLM, run_harness  # noqa: E402
-from linmem.tokenizer import byte_codec  # noqa: E402
+from linmem.data.codec import byte_codec  # noqa: E402
 
 from .conftest import MC, TEXTS, tiny_byte_model, write_local_tasks  # noqa: E402
 

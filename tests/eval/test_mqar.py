@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linmem.eval.mqar import IGNORE_INDEX, MQAR_GRID, generate_mqar, mqar_accuracy, shift_labels_right
+from linmem.data.mqar import IGNORE_INDEX, MQAR_GRID, generate_mqar, mqar_accuracy, shift_labels_right
 
 
 def _context(inputs, num_kv_pairs):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from linmem.eval.mqar import IGNORE_INDEX
-from linmem.eval.mqar_variants import generate_block_mqar, generate_shared_mqar, generate_update_mqar
+from linmem.data.mqar import IGNORE_INDEX
+from linmem.data.mqar_variants import generate_block_mqar, generate_shared_mqar, generate_update_mqar
 
 
 def _queries(inputs, labels):

@@ -11,7 +11,7 @@ import pytest
 
 from linmem.eval.niah import (NIAH_TASKS, NiahError, build_prompt, depth_grid, haystack_lines, plot_niah, run_niah,
                               string_match_all)
-from linmem.tokenizer import byte_codec
+from linmem.data.codec import byte_codec
 
 from .conftest import NeedleOracle, tiny_byte_model
 

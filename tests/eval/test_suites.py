@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from linmem.eval.command import SUITE_NAMES, add_eval_arguments, run_eval_command
-from linmem.eval.suites import SUITES, EvalError, EvalOptions, evaluate_run, format_summary, niah_grid, open_run
+from linmem.eval.runs import open_run
+from linmem.eval.suites import SUITES, EvalError, EvalOptions, evaluate_run, format_summary, niah_grid
 
 from .conftest import write_corpus, write_local_tasks
 

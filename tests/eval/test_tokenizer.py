@@ -8,10 +8,9 @@ import argparse
 import numpy as np
 import pytest
 
+from linmem.data.codec import TokenizerError, byte_codec, load_codec, load_tokenizer
 from linmem.eval.niah import build_prompt
-from linmem.tokenizer import (TokenizerError, add_tokenizer_arguments, byte_codec, load_codec, run_tokenizer_command,
-                              train_tokenizer)
-from linmem.train.data import load_tokenizer
+from linmem.tokenizer import add_tokenizer_arguments, run_tokenizer_command, train_tokenizer
 
 from .conftest import write_corpus
 

@@ -12,7 +12,7 @@ from linmem.layers import attention, mixer_names
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models import cache as cache_module
 from linmem.models.cache import LinmemCache, StaticLinmemCache
-from linmem.models.modeling import output_cache
+from linmem.models.outputs import output_cache
 
 VOCAB = 64
 PRO = dict(qk_norm=True, output_gate=True, output_norm=True, kv_shift=True)

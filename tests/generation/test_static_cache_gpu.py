@@ -9,7 +9,7 @@ import torch
 from linmem.generation import GraphDecoder, decode_step
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models.cache import LinmemCache, StaticLinmemCache
-from linmem.models.modeling import output_cache
+from linmem.models.outputs import output_cache
 
 pytestmark = pytest.mark.gpu
 

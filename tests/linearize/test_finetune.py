@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from linmem.train.data import DataError
-from linmem.train.instruct import (
+from linmem.data.instruct import (
     InstructBatches,
     InstructExamples,
     encode_examples,
@@ -20,6 +19,7 @@ from linmem.train.instruct import (
     predicted_answer_tokens,
     read_records,
 )
+from linmem.data.sources import DataError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 RECORDS = [{"instruction": f"Repeat the word {w}.", "input": "twice" if i % 2 else "", "output": f"{w} {w}"}
@@ -44,7 +44,7 @@ def test_records_from_json_and_jsonl_and_bad_records_named(tmp_path):
 
 
 def test_prompts_are_masked_and_rows_packed_whole_and_resumable(tokenizer_dir):
-    from linmem.train.data import load_tokenizer
+    from linmem.data.codec import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     examples = encode_examples(RECORDS, tokenizer, max_tokens=1000)

@@ -11,7 +11,8 @@ import torch
 
 from linmem.generation import decode_step
 from linmem.models import LinmemCache, LinmemConfig, LinmemForCausalLM, LinmemModel, StaticLinmemCache
-from linmem.models.modeling import CACHE_NAME, causal_lm_loss, next_token_targets, output_cache
+from linmem.models.modeling import causal_lm_loss, next_token_targets
+from linmem.models.outputs import CACHE_NAME, output_cache
 
 VOCAB = 99
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from linmem.layers import mixer_names
 from linmem.models import MODEL_RECIPES, LinmemCache, LinmemConfig, LinmemForCausalLM
-from linmem.models.modeling import output_cache
+from linmem.models.outputs import output_cache
 
 VOCAB = 64
 MODELS = [("LL", memory, "softmax") for memory in mixer_names("memory")]

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from linmem.models import LinmemConfig, LinmemForCausalLM
-from linmem.models.modeling import causal_lm_loss, output_cache
+from linmem.models.modeling import causal_lm_loss
+from linmem.models.outputs import output_cache
 from linmem.train import Trainer, load_config
 from linmem.train.metrics import read_metrics
 

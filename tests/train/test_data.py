@@ -9,23 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import linmem.train.data as data
-from linmem.train.config import TextSection
-from linmem.train.corpus import load_corpus, text_splits
-from linmem.train.data import (
-    DataError,
-    ExampleBatches,
-    FileTexts,
-    PackedBatches,
-    byte_detokenize,
-    byte_tokenize,
-    load_local_dataset,
-    load_tokenizer,
-    split_documents,
-    stdlib_corpus,
-    text_files,
-    tokenize_documents,
-)
+import linmem.data.sources as sources
+from linmem.data.batches import ExampleBatches, PackedBatches
+from linmem.data.codec import byte_detokenize, byte_tokenize, load_tokenizer, tokenize_documents
+from linmem.data.config import TextSection
+from linmem.data.corpus import load_corpus, split_documents, text_splits
+from linmem.data.sources import DataError, FileTexts, load_local_dataset, stdlib_corpus, text_files
 
 
 def _json_round_trip(state: dict) -> dict:
@@ -208,7 +197,7 @@ def test_stdlib_corpus_skips_tests_and_site_packages(tmp_path, monkeypatch):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     assert stdlib_corpus() == ["a = 1\n", "b = 2\n", "m = 1\n"]
     assert stdlib_corpus(max_files=2) == ["a = 1\n", "b = 2\n"]
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from linmem.eval.mqar import generate_mqar
-from linmem.eval.mqar_variants import mqar_generator, rebound_pairs
+from linmem.data.mqar import generate_mqar
+from linmem.data.mqar_variants import mqar_generator, rebound_pairs
 from linmem.train import ConfigError, load_config
 from linmem.train.tasks import EVAL_SEED_OFFSET, MQARTask
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from linmem.cli import main
-from linmem.train import DataError, Trainer, load_config
-from linmem.train.config import TextSection
-from linmem.train.corpus import load_corpus
-from linmem.train.data import PackedBatches
-from linmem.train.prepared import open_prepared, prepare_corpus
+from linmem.data.batches import PackedBatches
+from linmem.data.config import TextSection
+from linmem.data.corpus import load_corpus
+from linmem.data.prepared import open_prepared, prepare_corpus
+from linmem.data.sources import DataError
+from linmem.train import Trainer, load_config
 from linmem.train.runs import load_run
 
 WORDS = "the cat sat on a mat while dog ran far away and bird flew over green hills".split()
@@ -153,7 +154,7 @@ def test_a_shard_changed_in_place_is_refused_at_start_resume_and_evaluation(tmp_
 
 
 def test_a_long_verification_reports_its_progress_and_rate(tmp_path, caplog, monkeypatch):
-    from linmem.train import prepared
+    from linmem.data import prepared
 
     prepare_corpus(TextSection(paths=[str(_corpus(tmp_path / "corpus"))]), tmp_path / "prepared", shard_tokens=300)
     with caplog.at_level("INFO", logger="linmem.train"):

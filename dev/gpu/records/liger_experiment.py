@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from linmem.linearize import LinearizeOptions, linearize  # noqa: E402
 from linmem.models import LinmemForCausalLM  # noqa: E402
-from linmem.models.modeling import CACHE_NAME, output_cache  # noqa: E402
+from linmem.models.outputs import CACHE_NAME, output_cache  # noqa: E402
 
 
 @dataclass
@@ -100,9 +100,10 @@ def autocast(device: str):
 def build_data(s: Settings, work: Path, clock: Clock):
     """Tokenizer, train/val token streams, the training documents on disk and their prepared folder."""
     from linmem.tokenizer import train_tokenizer
-    from linmem.train.config import TextSection
-    from linmem.train.data import load_tokenizer, stdlib_corpus
-    from linmem.train.prepared import prepare_corpus
+    from linmem.data.codec import load_tokenizer
+    from linmem.data.config import TextSection
+    from linmem.data.prepared import prepare_corpus
+    from linmem.data.sources import stdlib_corpus
 
     tok_dir = train_tokenizer(work / "tokenizer", vocab_size=s.vocab_size, max_files=s.tokenizer_files,
                               show_progress=False)

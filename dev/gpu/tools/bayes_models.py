@@ -39,7 +39,7 @@ from linmem.bench.models import error_text, free_memory, is_out_of_memory, time_
 from linmem.bench.peers import ModelShape, linmem_config_kwargs
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.models import LinmemConfig, LinmemForCausalLM
-from linmem.models.modeling import output_cache
+from linmem.models.outputs import output_cache
 
 DEV = "cuda"
 SEQ_LENS = (2048, 4096, 8192)

@@ -31,11 +31,9 @@ from typing import Optional
 
 import torch
 
+from .conditioning import CHUNK_SIZE
 from .inputs import FilterInputs, State, compute_dtype
 from .reference import initial_belief
-
-#: tokens per chunk of the backend
-CHUNK_SIZE = 64
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ import torch
 from ..checks import values_checkable
 from ..recurrence.inputs import LOG_DECAY_FLOOR
 
+#: tokens per chunk of the "chunk" backend (:mod:`linmem.ops.bayes.chunk`)
+CHUNK_SIZE = 64
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
 #: the constant of the stated error bound ``ERROR_FACTOR * eps * (K + A * kappa * T)`` (:func:`error_bound`)
@@ -58,8 +60,6 @@ def amplification(backend: str, T: int) -> int:
     """How much more a backend's error grows with kappa than the token loop's on sequences of T tokens: 1 for
     "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" (its C x C
     innovation matrix has condition up to C kappa)."""
-    from .chunk import CHUNK_SIZE  # chunk.py imports this module through inputs.py
-
     return max(1, min(CHUNK_SIZE, T)) if backend == "chunk" else 1
 
 

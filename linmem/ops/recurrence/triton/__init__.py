@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .. import Backend, StepKernel, register_backend, register_step_kernel
+from ..backends import Backend, StepKernel, register_backend, register_step_kernel
 from ..inputs import RecurrenceInputs
 
 if importlib.util.find_spec("triton") is None:

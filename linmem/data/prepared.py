@@ -11,11 +11,11 @@ data's fingerprint), plus ``tokenizer/`` when a tokenizer made the tokens. A doc
 spans two shards. :func:`verify_prepared` hashes the files against those sums: the trainer calls
 it whenever it starts or resumes a run, evaluation for the validation split it reads. The
 documents and their order are those of an in-memory run on the same source and seed
-(:mod:`linmem.train.corpus`), so training reads the same batches; only the piece table of
+(:mod:`linmem.data.corpus`), so training reads the same batches; only the piece table of
 packing and the document index live in memory, the tokens stay on disk.
 
 Example:
-    >>> from linmem.train.config import TextSection
+    >>> from linmem.data.config import TextSection
     >>> manifest = prepare_corpus(TextSection(max_files=20), "data/stdlib")  # doctest: +SKIP
     >>> corpus = open_prepared("data/stdlib")  # doctest: +SKIP
     >>> corpus.train.num_tokens == manifest["splits"]["train"]["tokens"]  # doctest: +SKIP
@@ -37,10 +37,11 @@ from typing import Any, BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 
+from .batches import TokenDocuments
+from .codec import Codec, byte_codec, load_codec
 from .config import TextSection
-from .corpus import (Codec, SplitCounts, byte_codec, check_split, describe_source, section_codec, text_splits,
-                     tokenize_splits, tokenizer_codec)
-from .data import DataError, TokenDocuments
+from .corpus import SplitCounts, check_split, describe_source, section_codec, text_splits, tokenize_splits
+from .sources import DataError
 
 logger = logging.getLogger("linmem.train")
 
@@ -136,7 +137,7 @@ def prepare_corpus(text: TextSection, out: Union[str, Path], *, seed: int = 0,
 
     ``seed`` picks the validation documents as ``data.seed`` does for an in-memory run
     (unless the dataset has its own validation split); too few documents are split by their
-    token tails, as in-memory runs split them (:mod:`linmem.train.corpus`). The folder is written
+    token tails, as in-memory runs split them (:mod:`linmem.data.corpus`). The folder is written
     under a temporary name and renamed when complete; ``out`` must not exist or be empty.
     """
     out = Path(out)
@@ -169,7 +170,7 @@ def prepare_corpus(text: TextSection, out: Union[str, Path], *, seed: int = 0,
                 every.update(f"{name}:{shard['sha256']}:{shard['index_sha256']};".encode())
         manifest = {
             "format": FORMAT, "codec": "bytes" if codec.tokenizer is None else TOKENIZER_DIR,
-            "tokenizer_source": codec.source, "vocab_size": codec.vocab_size, "dtype": dtype.name,
+            "tokenizer_source": codec.name, "vocab_size": codec.vocab_size, "dtype": dtype.name,
             "special_tokens": codec.special_tokens(),
             "source": {"paths": list(text.paths), "dataset": text.dataset, "text_field": text.text_field,
                        "max_files": text.max_files, "errors": text.errors},
@@ -221,7 +222,7 @@ def open_prepared(folder: Union[str, Path]) -> PreparedCorpus:
         raise DataError(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                         f"expected {FORMAT!r}")
     try:
-        codec = byte_codec() if manifest["codec"] == "bytes" else tokenizer_codec(folder / TOKENIZER_DIR)
+        codec = byte_codec() if manifest["codec"] == "bytes" else load_codec(folder / TOKENIZER_DIR)
         dtype = np.dtype(manifest["dtype"])
         parts = {name: _open_split(folder, manifest["splits"][name], dtype, manifest["sha256"]) for name in SPLITS}
     except (KeyError, TypeError) as err:

@@ -11,14 +11,13 @@ The prompt keeps the tokenizer's own special tokens (a Llama tokenizer's BOS). A
 Examples are packed whole into rows of exactly ``tokens_per_batch`` tokens, each its own sequence
 (``cu_seqlens``); the rest of a row is one padding sequence with labels -100. A source is resumable
 (``state_dict``), its epochs shuffled by (seed, epoch). A file that cannot be read as records raises
-:class:`~linmem.train.data.DataError` naming the file and the record.
+:class:`~linmem.data.sources.DataError` naming the file and the record.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -26,10 +25,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 import torch
 
-from .config import DataSection
-from .corpus import tokenizer_codec
-from .data import DataError, _check_state, _epoch_rng
-from .tasks import Batch, Task
+from .batches import Batch, _check_state, _epoch_rng
+from .sources import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -224,44 +221,3 @@ def predicted_answer_tokens(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> i
     ends = cu_seqlens[1:-1].long() - 1
     targets[0, ends[(ends >= 0) & (ends < targets.shape[1])]] = IGNORE
     return int((targets != IGNORE).sum())
-
-
-class InstructTask(Task):
-    """Instruction tuning on a local Alpaca-style file, scored by the loss of the answer tokens of held-out
-    examples (``val_loss``, ``val_ppl``)."""
-
-    def __init__(self, data: DataSection) -> None:
-        section = data.instruct
-        self.codec = tokenizer_codec(Path(section.tokenizer))
-        self.vocab_size = self.codec.vocab_size
-        tokenizer = self.codec.tokenizer
-        records = read_records(Path(section.path))
-        order = np.random.default_rng(data.seed).permutation(len(records))
-        held_out = int(round(len(records) * section.val_fraction))
-        max_tokens = min(section.max_tokens, data.tokens_per_batch)
-        self.train_examples = encode_examples([records[i] for i in order[held_out:]], tokenizer, max_tokens)
-        self.val_examples = (encode_examples([records[i] for i in order[:held_out]], tokenizer, max_tokens)
-                             if held_out else None)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id, self.tokens_per_batch, self.source = pad, data.tokens_per_batch, section.path
-        self.train_batches = InstructBatches(self.train_examples, data.tokens_per_batch, pad_id=pad, seed=data.seed)
-
-    @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> dict[str, float]:
-        if self.val_examples is None:
-            return {}
-        total_loss = total = 0.0
-        for row in rows_in_order(self.val_examples, self.tokens_per_batch, self.pad_id):
-            batch = {k: v.to(device) for k, v in row.items()}
-            count = predicted_answer_tokens(batch["labels"], batch["cu_seqlens"])
-            if count:
-                total_loss += float(model(**batch, use_cache=False).loss) * count
-                total += count
-        loss = total_loss / max(total, 1)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
-
-    def describe(self) -> str:
-        answers = sum(len(t) - p for t, p in zip(self.train_examples.tokens, self.train_examples.prompt_lengths))
-        held_out = len(self.val_examples) if self.val_examples is not None else 0
-        return (f"instructions ({self.source}): {len(self.train_examples):,} examples ({answers:,} answer tokens), "
-                f"{held_out:,} held out, vocab {self.vocab_size}")

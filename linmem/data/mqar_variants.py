@@ -1,7 +1,7 @@
 """MQAR with a shared key/value vocabulary, and two variants that make a memory overwrite: Update-MQAR
 and Block-MQAR (the recall tasks of the Bayesian-memory studies, Memory by Design, arXiv 2605.31163).
 
-Conventions as in :mod:`linmem.eval.mqar`: inputs and aligned labels ``[N, L]`` (``labels[t]`` is the
+Conventions as in :mod:`linmem.data.mqar`: inputs and aligned labels ``[N, L]`` (``labels[t]`` is the
 target of the prediction at position t, -100 elsewhere), deterministic given ``seed`` (a numpy
 ``Generator``), query positions drawn by the same power law. What changes is the vocabulary: keys and
 values come from one pool ``[1, V)`` (0 is the filler token), so a token's role (key or value) is known
@@ -208,10 +208,10 @@ def rebound_pairs(num_kv_pairs: int, update_fraction: float) -> int:
 
 
 def mqar_generator(variant: str, *, update_fraction: float = 0.5, num_blocks: int = 2) -> Generator:
-    """The generator of an MQAR variant: ``"base"`` (Zoology's :func:`~linmem.eval.mqar.generate_mqar`),
+    """The generator of an MQAR variant: ``"base"`` (Zoology's :func:`~linmem.data.mqar.generate_mqar`),
     ``"shared"``, ``"update"`` (:func:`rebound_pairs` of the K keys rebound) or ``"block"`` (``num_blocks``
     blocks). Every one is called as ``generate(num_examples, seq_len, num_kv_pairs, vocab_size, power_a=...,
-    seed=...)`` and labels every query with the value to recall, as :func:`~linmem.eval.mqar.mqar_hits` scores.
+    seed=...)`` and labels every query with the value to recall, as :func:`~linmem.data.mqar.mqar_hits` scores.
 
     Example:
         >>> generate = mqar_generator("update", update_fraction=0.5)

@@ -13,11 +13,11 @@ bytes, or a local tokenizer with EOS after each document). Empty documents are s
 counted in the log; a split left without tokens is refused.
 
 In-memory runs (:class:`~linmem.train.tasks.TextTask`) and ``linmem data prepare``
-(:mod:`linmem.train.prepared`) read the same documents in the same order, so a run on a
+(:mod:`linmem.data.prepared`) read the same documents in the same order, so a run on a
 prepared folder sees exactly the batches of the same run on the raw text.
 
 Example:
-    >>> from linmem.train.config import TextSection
+    >>> from linmem.data.config import TextSection
     >>> splits = text_splits(TextSection(max_files=5, val_fraction=0.2), seed=0)
     >>> len(splits.train), len(splits.validation), splits.how
     (4, 1, 'documents, 1 of 5 held out')
@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from .batches import TokenDocuments
+from .codec import Codec, load_codec
 from .config import TextSection
-from .data import (BYTE_VOCAB_SIZE, DataError, FileTexts, Item, TokenDocuments, byte_detokenize, byte_tokenize,
-                   list_text_files, load_tokenizer, local_dataset_splits, split_documents, stdlib_corpus,
-                   tokenize_documents)
+from .sources import DataError, FileTexts, list_text_files, local_dataset_splits, stdlib_corpus
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+Item = TypeVar("Item")
 
 logger = logging.getLogger("linmem.train")
 
@@ -89,6 +87,26 @@ class TextSplits:
     tail_fraction: float = 0.0  # > 0: held out by tokens, the last tail_fraction of each document
 
 
+def split_documents(docs: Sequence[Item], val_fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
+    """Random (train, validation) split, deterministic given ``seed``; each keeps the input order.
+
+    The validation part has round(len(docs) * val_fraction) documents, at least one when
+    val_fraction > 0, and always leaves one for training.
+
+    Example:
+        >>> train, val = split_documents(list("abcdefghij"), 0.2, seed=0)
+        >>> len(train), len(val)
+        (8, 2)
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    n = len(docs)
+    n_val = min(n - 1, max(1, round(n * val_fraction))) if val_fraction > 0 and n > 1 else 0
+    is_val = np.zeros(n, dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(n)[:n_val]] = True
+    return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
+
+
 def _split(items: Sequence[Item], val_fraction: float, seed: int) -> tuple[list[Item], list[Item], str, float]:
     """(train items, validation items, how, tail fraction): by documents when there are enough to hold
     out ``val_fraction`` of them, else every item trains and its token tail is held out."""
@@ -135,55 +153,9 @@ def text_splits(text: TextSection, seed: int) -> TextSplits:
     return TextSplits(train, validation, how, text.val_fraction > 0, tail)
 
 
-@dataclass
-class Codec:
-    """Text <-> token ids: UTF-8 bytes, or a local tokenizer (documents end with its EOS)."""
-
-    vocab_size: int
-    tokenizer: Optional["PreTrainedTokenizerBase"] = None  # None: bytes
-    source: str = "bytes"  # "bytes" or the tokenizer folder
-
-    def encode_documents(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each document (no special tokens, then EOS with a tokenizer)."""
-        if self.tokenizer is None:
-            return [byte_tokenize(t) for t in texts]
-        return [ids if len(ids) > 1 else [] for ids in tokenize_documents(texts, self.tokenizer)]  # EOS alone: empty
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, as documents start (no special tokens)."""
-        if self.tokenizer is None:
-            return byte_tokenize(text)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return byte_detokenize(ids) if self.tokenizer is None else self.tokenizer.decode(list(ids))
-
-    def start_ids(self) -> list[int]:
-        """What an empty prompt starts from: the end of a previous document (EOS, or a newline byte)."""
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return [self.tokenizer.eos_token_id]
-        return self.encode("\n")
-
-    def special_tokens(self) -> dict[str, Optional[int]]:
-        """bos/eos/pad token ids for the model config (the tokenizer's; none for bytes)."""
-        if self.tokenizer is None:
-            return {}
-        t = self.tokenizer
-        return {"bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id, "pad_token_id": t.pad_token_id}
-
-
-def byte_codec() -> Codec:
-    return Codec(vocab_size=BYTE_VOCAB_SIZE)
-
-
-def tokenizer_codec(folder: Path) -> Codec:
-    tokenizer = load_tokenizer(folder)
-    return Codec(vocab_size=len(tokenizer), tokenizer=tokenizer, source=str(folder))
-
-
 def section_codec(text: TextSection) -> Codec:
     """The codec a text section asks for (a tokenizer folder, or bytes)."""
-    return tokenizer_codec(Path(text.tokenizer)) if text.tokenizer is not None else byte_codec()
+    return load_codec(text.tokenizer)
 
 
 @dataclass
@@ -235,6 +207,7 @@ def tokenize_splits(splits: TextSplits, codec: Codec,
     ``round(tail_fraction * tokens)`` tokens, at most all but one (empty documents count as training's).
 
     Example:
+        >>> from linmem.data.codec import byte_codec
         >>> splits = TextSplits(["abcdefghij"], [], "token tail", True, tail_fraction=0.2)
         >>> counts = {"train": SplitCounts(), "validation": SplitCounts()}
         >>> [(name, len(ids)) for name, ids in tokenize_splits(splits, byte_codec(), counts)]

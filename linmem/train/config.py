@@ -67,7 +67,8 @@ class ModelSection:
     memory: str = setting("gated_deltanet", "mixer of L layers (gla, mamba2, deltanet, gated_deltanet, mom, bayes, "
                                             "...)")
     attention: str = setting("softmax", "mixer of N layers: softmax, swa, fox")
-    options: dict[str, Any] = setting({}, "any other LinmemConfig field, e.g. model.options.window=64")
+    options: dict[str, Any] = setting({}, "any other LinmemConfig field or section key, e.g. "
+                                           "model.options.mlp=moe, model.options.mixer.window=64")
     pretrained: Optional[str] = setting(None, "a saved LinmemForCausalLM folder to start from (then only `options` "
                                               "apply)")
 
@@ -295,18 +296,39 @@ def _model_fields() -> list[str]:
 
 
 def _check_model_options(model: "ModelSection") -> None:
-    """Refuse options that LinmemConfig does not know (with a close match) or that the section sets itself."""
+    """Refuse options that LinmemConfig does not know (with a close match, or the section of a mixer option
+    given flat) or that the section sets itself."""
     if not model.options:
         return  # nothing to check: LinmemConfig (and torch with it) is not loaded
+    from ..models.config import SECTIONS, section_fields
+
     valid = _model_fields()
-    for key in model.options:
+    for key, value in model.options.items():
         if key == "vocab_size":
             raise ConfigError("model.options.vocab_size is set by the task (MQAR vocabulary, tokenizer or bytes)")
         if key not in valid:
-            raise ConfigError(f"unknown key 'model.options.{key}'{_did_you_mean(key, valid)}; "
+            raise ConfigError(f"unknown key 'model.options.{key}'{_section_hint(key) or _did_you_mean(key, valid)}; "
                               f"valid: {', '.join(valid)}")
         if model.recipe is None and key in _SECTION_FIELDS:
             raise ConfigError(f"model.options.{key} duplicates model.{key}: set model.{key} instead")
+        if key in SECTIONS:
+            keys = list(section_fields(key))
+            if not isinstance(value, dict):
+                raise ConfigError(f"model.options.{key} must be a mapping of {key} options ({', '.join(keys)}), "
+                                  f"got {value!r}")
+            for inner in value:
+                if inner not in keys:
+                    raise ConfigError(f"unknown key 'model.options.{key}.{inner}'{_did_you_mean(inner, keys)}; "
+                                      f"valid: {', '.join(keys)}")
+
+
+def _section_hint(key: str) -> str:
+    """For a mixer option given flat (``window``, ``num_experts``), where it goes now; else ''."""
+    from ..models.config import FLAT_FIELDS
+
+    if key not in FLAT_FIELDS:
+        return ""
+    return f" (a mixer option: set {' or '.join(f'model.options.{s}.{k}' for s, k in FLAT_FIELDS[key])})"
 
 
 _SECTION_FIELDS = ("hidden_size", "num_heads", "layer_pattern", "memory", "attention")
@@ -322,6 +344,8 @@ def _unknown_key(where: str, key: str, valid: Sequence[str]) -> ConfigError:
     LinmemConfig a pointer to ``model.options``."""
     if where == "model." and key in _model_fields():
         return ConfigError(f"unknown key 'model.{key}': {key} is a LinmemConfig field, set it as model.options.{key}")
+    if where == "model." and _section_hint(key):
+        return ConfigError(f"unknown key 'model.{key}'{_section_hint(key)}")
     return ConfigError(f"unknown key '{where}{key}'{_did_you_mean(key, valid)}; valid: {', '.join(valid)}")
 
 
@@ -426,7 +450,8 @@ def _parse_override(text: str, hint: Any, key: str) -> Any:
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """Apply ``section.key=value`` (or ``model.options.<field>=value``) overrides in place."""
+    """Apply ``section.key=value`` (or ``model.options.<field>=value``, ``model.options.<section>.<key>=value``)
+    overrides in place."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")

@@ -132,7 +132,7 @@ def linmem_config_kwargs(arch: str, shape: ModelShape) -> dict:
     common = dict(vocab_size=shape.vocab_size, hidden_size=D, intermediate_size=shape.mlp_width,
                   tie_word_embeddings=False)
     gated_deltanet = dict(memory="gated_deltanet", num_heads=4, mixer=dict(head_dim=D // 4, expand_v=1.0))
-    hybrid = dict(memory="gated_deltanet", num_heads=8, mixer=dict(head_dim=D // 8, expand_v=1.0))  # attention: 8 x D / 8
+    hybrid = dict(memory="gated_deltanet", num_heads=8, mixer=dict(head_dim=D // 8, expand_v=1.0))  # attention too
     per_arch = {
         "transformer": dict(layer_pattern="N" * L, attention="softmax", num_heads=16),
         "gla": dict(layer_pattern="L" * L, memory="gla", num_heads=4, mixer=dict(head_dim=D // 8, expand_v=2.0)),

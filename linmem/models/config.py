@@ -105,9 +105,8 @@ def section_fields(name: str) -> dict[str, str]:
     (LigerArgs's ``liger_window``, beside MixerArgs's ``window``) is ``key`` in the section.
 
     Example:
-        >>> section_fields("mom")
-        {'memory': 'mom_memory', 'num_memories': 'num_memories', 'top_k': 'top_k', 'shared_memory': 'shared_memory', \
-'aux_loss_coef': 'aux_loss_coef'}
+        >>> section_fields("liger")["window"], section_fields("mom")["top_k"]
+        ('liger_window', 'top_k')
     """
     if name not in SECTIONS:
         raise ValueError(f"{OWNER}: unknown section {name!r}; valid: {', '.join(SECTIONS)}")
@@ -159,8 +158,8 @@ def merge_fields(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[
     ``base``'s ``moe``).
 
     Example:
-        >>> merge_fields({"hidden_size": 64, "moe": {"num_experts": 8, "router": "sigmoid"}}, {"moe": {"num_experts": 4}})
-        {'hidden_size': 64, 'moe': {'num_experts': 4, 'router': 'sigmoid'}}
+        >>> merge_fields({"mlp": "moe", "moe": {"num_experts": 8, "router": "sigmoid"}}, {"moe": {"num_experts": 4}})
+        {'mlp': 'moe', 'moe': {'num_experts': 4, 'router': 'sigmoid'}}
     """
     merged = {**base, **overrides}
     for name in SECTIONS:
@@ -169,27 +168,18 @@ def merge_fields(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[
     return merged
 
 
-def nest_flat_fields(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A config dict written before the sections, its flat fields (:data:`FLAT_FIELDS`) moved into them; a dict
-    without flat fields is returned as it is. Such a config without ``forget_gate`` was saved before ``window``
-    reached softmax and fox (it stored the sliding-window default for swa only), so its window is dropped unless
-    the attention is swa.
+def nest_flat_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` written before the sections (a config.json, a run's ``model.options``), each flat mixer option
+    (:data:`FLAT_FIELDS`) moved into its section; anything else is kept as it is.
 
     Example:
-        >>> nest_flat_fields({"memory": "mom", "mom_top_k": 1, "num_experts": 4, "forget_gate": "fixed"})
-        {'memory': 'mom', 'mom': {'top_k': 1}, 'moe': {'num_experts': 4}, 'mixer': {'forget_gate': 'fixed'}}
+        >>> nest_flat_fields({"memory": "mom", "mom_top_k": 1, "num_experts": 4, "window": 64})
+        {'memory': 'mom', 'mom': {'top_k': 1}, 'moe': {'num_experts': 4}, 'mixer': {'window': 64}}
     """
-    flat = [name for name in config_dict if name in FLAT_FIELDS]
-    if not flat:
-        return dict(config_dict)
-    nested = {name: value for name, value in config_dict.items() if name not in FLAT_FIELDS}
-    values = dict(config_dict)
-    if "window" in values and "forget_gate" not in values and values.get("attention", "softmax") != "swa":
-        values["window"] = None
-        logger.info("config saved by an earlier linmem: `window` applied to swa only, so it is dropped")
-    for name in flat:
-        for section, key in FLAT_FIELDS[name]:
-            nested.setdefault(section, {})[key] = values[name]
+    nested = {name: value for name, value in fields.items() if name not in FLAT_FIELDS}
+    for name in fields:
+        for section, key in FLAT_FIELDS.get(name, ()):
+            nested[section] = {**nested.get(section, {}), key: fields[name]}
     return nested
 
 
@@ -300,8 +290,13 @@ class LinmemConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinmemConfig":
         """As PretrainedConfig's. A config written before the sections is read into them (:func:`nest_flat_fields`);
-        fields given beside the saved ones (``from_pretrained(path, layer_pattern=..., moe={...})``) replace them, a
-        section key by key (:func:`merge_fields`), and are validated with them."""
+        one without ``forget_gate`` was saved before ``window`` reached softmax and fox (it stored the sliding-window
+        default for swa only), so its window is dropped unless the attention is swa. Fields given beside the saved
+        ones (``from_pretrained(path, layer_pattern=..., moe={...})``) replace them, a section key by key
+        (:func:`merge_fields`), and are validated with them."""
+        if "window" in config_dict and "forget_gate" not in config_dict and config_dict.get("attention") != "swa":
+            config_dict = {**config_dict, "window": None}  # saved before `window` reached softmax and fox
+            logger.info("config saved by an earlier linmem: `window` applied to swa only, so it is dropped")
         config_dict = nest_flat_fields(config_dict)
         fields = config_fields()
         given = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}

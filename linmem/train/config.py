@@ -510,7 +510,9 @@ def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
 
 def read_config_file(path: typing.Union[str, Path]) -> dict[str, Any]:
     """The mapping of sections in the YAML file ``path`` (a config file or a run's config.yaml); a file
-    that is missing, not UTF-8, not YAML or not a mapping is a ConfigError naming it.
+    that is missing, not UTF-8, not YAML or not a mapping is a ConfigError naming it. Mixer options that a file
+    written before the config's sections holds flat in ``model.options`` (``window``, ``mom_top_k``) come in their
+    sections (:func:`linmem.models.config.nest_flat_fields`), so that old runs evaluate and resume.
 
     Example:
         >>> read_config_file("runs/gdn/config.yaml")["schedule"]["steps"]  # doctest: +SKIP
@@ -522,7 +524,17 @@ def read_config_file(path: typing.Union[str, Path]) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path} is not a YAML text file (byte {err.start} is not UTF-8)") from err
-    return _parse_yaml(text, str(path))
+    return _nest_model_options(_parse_yaml(text, str(path)))
+
+
+def _nest_model_options(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the flat mixer options of its ``model.options`` moved into their sections."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("options"), dict) or not model["options"]:
+        return data  # nothing to move: LinmemConfig (and torch with it) is not loaded
+    from ..models.config import nest_flat_fields
+
+    return {**data, "model": {**model, "options": nest_flat_fields(model["options"])}}
 
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:

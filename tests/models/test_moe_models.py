@@ -19,8 +19,9 @@ VOCAB = 64
 MODELS = {
     "moe": dict(layer_pattern="LN", mlp="moe", moe=dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1)),
     "mom-gla": dict(layer_pattern="LL", memory="mom", mom=dict(memory="gla"), mixer=dict(use_short_conv=True)),
-    "mom-mamba2+moe-sigmoid": dict(layer_pattern="LNL", memory="mom", mom=dict(memory="mamba2", num_memories=3, top_k=1),
-                                   mlp="moe", moe=dict(num_experts=4, router="sigmoid")),
+    "mom-mamba2+moe-sigmoid": dict(layer_pattern="LNL", memory="mom", mlp="moe",
+                                   mom=dict(memory="mamba2", num_memories=3, top_k=1),
+                                   moe=dict(num_experts=4, router="sigmoid")),
 }
 
 

@@ -47,7 +47,7 @@ MQAR_MODELS = [
     DemoModel("gla", {"layer_pattern": "LL", "memory": "gla"}),
     DemoModel("linear_attention", {"layer_pattern": "LL", "memory": "linear_attention"}),
     DemoModel("hybrid gdn+swa", {"layer_pattern": "LN", "memory": "gated_deltanet", "attention": "swa",
-                                 "options.window": 16}),
+                                 "options.mixer.window": 16}),
 ]
 WIDTHS = (64, 32)
 TRAIN_SETTINGS = [[64, 4], [64, 8], [64, 16]]
@@ -172,8 +172,8 @@ def mqar_study(out: Path, pool: Executor, jobs: list[MQARJob],
 MOM_MODELS = [
     DemoModel("gated_deltanet", {"layer_pattern": "LL", "memory": "gated_deltanet"}),
     DemoModel("mom gated_deltanet 4x top-2", {"layer_pattern": "LL", "memory": "mom",
-                                             "options.mom_memory": "gated_deltanet", "options.num_memories": 4,
-                                             "options.mom_top_k": 2}),
+                                             "options.mom.memory": "gated_deltanet",
+                                             "options.mom.num_memories": 4, "options.mom.top_k": 2}),
 ]
 
 

@@ -92,7 +92,7 @@ def _error_line(capsys) -> str:
 def test_errors_are_one_line_with_status_2(text_run, tmp_path, capsys, monkeypatch):
     cases = [
         (["train", "model.memroy=gla"], "unknown key 'model.memroy' (did you mean 'memory'?)"),
-        (["train", "model.options.windw=16"], "did you mean 'window'?"),
+        (["train", "model.options.mixer.windw=16"], "did you mean 'window'?"),
         (["eval", str(tmp_path / "missing")], f"run directory {tmp_path / 'missing'} not found"),
         (["generate", str(text_run), "--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
         (["generate", str(text_run), "--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (byte b'\\xe9'"),

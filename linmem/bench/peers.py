@@ -131,17 +131,17 @@ def linmem_config_kwargs(arch: str, shape: ModelShape) -> dict:
     D, L = shape.hidden_size, shape.num_layers
     common = dict(vocab_size=shape.vocab_size, hidden_size=D, intermediate_size=shape.mlp_width,
                   tie_word_embeddings=False)
-    gated_deltanet = dict(memory="gated_deltanet", num_heads=4, head_dim=D // 4, expand_v=1.0)
-    hybrid = dict(memory="gated_deltanet", num_heads=8, head_dim=D // 8, expand_v=1.0)  # attention: 8 heads of D / 8
+    gated_deltanet = dict(memory="gated_deltanet", num_heads=4, mixer=dict(head_dim=D // 4, expand_v=1.0))
+    hybrid = dict(memory="gated_deltanet", num_heads=8, mixer=dict(head_dim=D // 8, expand_v=1.0))  # attention too
     per_arch = {
         "transformer": dict(layer_pattern="N" * L, attention="softmax", num_heads=16),
-        "gla": dict(layer_pattern="L" * L, memory="gla", num_heads=4, head_dim=D // 8, expand_v=2.0),
+        "gla": dict(layer_pattern="L" * L, memory="gla", num_heads=4, mixer=dict(head_dim=D // 8, expand_v=2.0)),
         "deltanet": dict(layer_pattern="L" * L, memory="deltanet", num_heads=8),
         "gated_deltanet": dict(layer_pattern="L" * L, **gated_deltanet),
         "hybrid": dict(layer_pattern=shape.hybrid_pattern, attention="softmax", **hybrid),
         "fox": dict(layer_pattern="N" * L, attention="fox", num_heads=16),
-        "mom": dict(layer_pattern="L" * L, memory="mom", mom_memory="gated_deltanet", num_heads=4, head_dim=D // 4,
-                    expand_v=1.0, num_memories=4, mom_top_k=2, shared_memory=True),
+        "mom": dict(layer_pattern="L" * L, memory="mom", num_heads=4, mixer=dict(head_dim=D // 4, expand_v=1.0),
+                    mom=dict(memory="gated_deltanet", num_memories=4, top_k=2, shared_memory=True)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown linmem architecture {arch!r}; valid: {', '.join(per_arch)}")

@@ -150,7 +150,7 @@ def expert_parallel(
     if moe.args.num_experts % ranks:
         raise ValueError(f"expert_parallel: {moe.args.num_experts} experts do not split over {ranks} ranks")
     if ranks > 1 and moe.args.capacity_factor is not None:
-        raise ValueError("expert_parallel: expert parallelism is dropless; set moe_capacity_factor to None "
+        raise ValueError("expert_parallel: expert parallelism is dropless; set moe.capacity_factor to None "
                          f"(got {moe.args.capacity_factor})")
     moe.__class__ = ExpertParallelMoE
     moe.router.__class__ = _Router

@@ -64,7 +64,7 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
     for layer in moe:
         config.validate(num_experts=layer.args.num_experts)
         if config.ep > 1 and layer.args.capacity_factor is not None:
-            raise ParallelConfigError("parallel.ep > 1 is dropless: set moe_capacity_factor to None, got "
+            raise ParallelConfigError("parallel.ep > 1 is dropless: set moe.capacity_factor to None, got "
                                       f"{layer.args.capacity_factor}")
     if config.sp > 1 and any(isinstance(b.mixer, MixtureOfMemories) for b in blocks):
         raise ParallelConfigError(

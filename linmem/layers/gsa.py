@@ -85,6 +85,10 @@ class GSAArgs(MixerArgs):
 
     def validate(self, owner: str = "gsa") -> None:
         super().validate(owner)
+        self.validate_options(owner)
+
+    def validate_options(self, owner: str = "gsa") -> None:
+        """Check the slots only (the field :class:`MixerArgs` lacks)."""
         check_int(owner, "num_slots", self.num_slots, minimum=1, optional=True)
 
 

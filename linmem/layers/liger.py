@@ -144,11 +144,15 @@ class PretrainedAttentionArgs(MixerArgs):
 
     def validate(self, owner: str = "llama_attention") -> None:
         super().validate(owner)
+        PretrainedAttentionArgs.validate_options(self, owner)
+        if self.key_dim % 2:
+            raise ValueError(f"{owner}: RoPE needs an even head dim, got {self.key_dim}")
+
+    def validate_options(self, owner: str = "llama_attention") -> None:
+        """Check the layout's own fields only (those :class:`MixerArgs` lacks)."""
         check_bool(owner, "qkv_bias", self.qkv_bias)
         check_bool(owner, "o_bias", self.o_bias)
         check_rope_scaling(owner, self.rope_scaling_params)
-        if self.key_dim % 2:
-            raise ValueError(f"{owner}: RoPE needs an even head dim, got {self.key_dim}")
 
 
 @dataclass
@@ -177,6 +181,13 @@ class LigerArgs(PretrainedAttentionArgs):
 
     def validate(self, owner: str = "liger") -> None:
         super().validate(owner)
+        self.validate_options(owner)
+        if self.liger_gate == "pooled_key" and self.key_dim % self.gate_size:
+            raise ValueError(f"{owner}: the key is pooled to `num_slots` = {self.gate_size} values per head, which "
+                             f"must divide the head dim {self.key_dim}")
+
+    def validate_options(self, owner: str = "liger") -> None:
+        """Check Liger Attention's own fields only (those :class:`PretrainedAttentionArgs` lacks)."""
         check_choice(owner, "liger_memory", self.liger_memory, LIGER_MEMORIES)
         check_float(owner, "liger_memory_weight", self.liger_memory_weight, minimum=0.0, inclusive=True)
         if self.liger_memory_weight > 1:
@@ -188,9 +199,6 @@ class LigerArgs(PretrainedAttentionArgs):
         if self.liger_memory == "gsa" and self.liger_feature_map != "softmax":
             raise ValueError(f"{owner}: liger_memory='gsa' reads q and k without a feature map, so "
                              f"`liger_feature_map` = {self.liger_feature_map!r} would be ignored; keep 'softmax'")
-        if self.liger_gate == "pooled_key" and self.key_dim % self.gate_size:
-            raise ValueError(f"{owner}: the key is pooled to `num_slots` = {self.gate_size} values per head, which "
-                             f"must divide the head dim {self.key_dim}")
 
 
 # ---------------------------------------------------------------- the pretrained projections and softmax attention

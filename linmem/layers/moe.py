@@ -39,6 +39,7 @@ from ..ops.routing import (
     router_stats,
     top_k_routing,
 )
+from .base import check_choice, check_float, check_int
 from .init import Linear, normal_init
 
 
@@ -101,7 +102,7 @@ class SwiGLU(nn.Module):
 
 @dataclass
 class MoEArgs:
-    """Hyper-parameters of :class:`MoEFeedForward`."""
+    """Hyper-parameters of :class:`MoEFeedForward`, and the weights of its routers' losses in a model's loss."""
 
     hidden_size: int  # model width D
     intermediate_size: int  # width F of every expert
@@ -112,20 +113,24 @@ class MoEArgs:
     capacity_factor: Optional[float] = None  # None = dropless; else tokens per expert <= ceil(factor * N * k / E)
     init_std: float = 0.02  # std of the normal init of router and experts
     expert_backend: str = "auto"  # grouped_linear backend: auto, grouped_mm or loop
+    aux_loss_coef: float = 0.01  # weight of the balancing loss (mean over the layers) in a model's loss
+    z_loss_coef: float = 0.001  # weight of the router z-loss (mean over the layers) in a model's loss
 
-    def validate(self) -> "MoEArgs":
-        """Refuse inconsistent values, naming the valid choices."""
-        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok = {self.num_experts_per_tok} must lie in [1, num_experts = "
-                             f"{self.num_experts}]")
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown moe_router {self.router!r}; valid: {', '.join(ROUTERS)}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"moe_capacity_factor must be > 0 or None (dropless), got {self.capacity_factor}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        if self.expert_backend not in GROUPED_BACKENDS:
-            raise ValueError(f"unknown expert_backend {self.expert_backend!r}; valid: {', '.join(GROUPED_BACKENDS)}")
+    def validate(self, owner: str = "MoEArgs") -> "MoEArgs":
+        """Refuse a field of the wrong type or outside its range, naming it and the valid range."""
+        for name in ("hidden_size", "intermediate_size", "num_experts"):
+            check_int(owner, name, getattr(self, name), minimum=1)
+        check_int(owner, "num_experts_per_tok", self.num_experts_per_tok, minimum=1)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{owner}: `num_experts_per_tok` = {self.num_experts_per_tok} must lie in [1, "
+                             f"num_experts = {self.num_experts}]")
+        check_int(owner, "num_shared_experts", self.num_shared_experts, minimum=0)
+        check_choice(owner, "router", self.router, ROUTERS)
+        check_float(owner, "capacity_factor", self.capacity_factor, minimum=0.0, optional=True)
+        check_float(owner, "init_std", self.init_std, minimum=0.0, inclusive=True)
+        check_choice(owner, "expert_backend", self.expert_backend, GROUPED_BACKENDS)
+        check_float(owner, "aux_loss_coef", self.aux_loss_coef, minimum=0.0, inclusive=True)
+        check_float(owner, "z_loss_coef", self.z_loss_coef, minimum=0.0, inclusive=True)
         return self
 
 

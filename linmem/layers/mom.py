@@ -61,6 +61,7 @@ from .base import (
     check_bool,
     check_cache_and_varlen,
     check_choice,
+    check_float,
     check_int,
     register_mixer,
 )
@@ -82,6 +83,7 @@ class MoMArgs(MixerArgs):
     num_memories: int = 4  # routed memories M
     top_k: int = 2  # memories each token is routed to
     shared_memory: bool = True  # one more memory that every token writes (weight 1)
+    aux_loss_coef: float = 0.01  # weight of the balancing loss (mean over the layers) in a model's loss
 
     @classmethod
     def of(cls, args: MixerArgs) -> "MoMArgs":
@@ -97,12 +99,17 @@ class MoMArgs(MixerArgs):
     def validate(self, owner: str = "mom") -> None:
         """Refuse an unknown rule or a top_k outside [1, num_memories], naming the valid choices."""
         super().validate(owner)
+        self.validate_options(owner)
+
+    def validate_options(self, owner: str = "mom") -> None:
+        """Check the mixture's own fields only (those :class:`MixerArgs` lacks)."""
         check_choice(owner, "mom_memory", self.mom_memory, mom_rules())
         check_int(owner, "num_memories", self.num_memories, minimum=1)
         check_int(owner, "top_k", self.top_k, minimum=1)
         if self.top_k > self.num_memories:
             raise ValueError(f"{owner}: `top_k` = {self.top_k} must lie in [1, num_memories = {self.num_memories}]")
         check_bool(owner, "shared_memory", self.shared_memory)
+        check_float(owner, "aux_loss_coef", self.aux_loss_coef, minimum=0.0, inclusive=True)
 
 
 class MemoryLinear(nn.Module):

@@ -92,15 +92,15 @@ def liger_config(arch: Architecture, options: LinearizeOptions) -> LinmemConfig:
     """The LinmemConfig of the converted model: the pretrained architecture with Liger Attention."""
     return LinmemConfig(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
         layer_pattern=layer_pattern(arch.num_layers, options.keep_attention),
         memory="liger", attention="llama_attention", intermediate_size=arch.intermediate_size,
-        rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, rope_scaling_params=arch.rope_scaling,
-        qkv_bias=arch.qkv_bias, o_bias=arch.o_bias, qk_norm=arch.qk_norm, window=arch.sliding_window,
-        liger_memory=options.memory, liger_window=options.window, liger_memory_weight=options.memory_weight,
-        liger_gate=options.gate, liger_feature_map=options.feature_map, num_slots=options.slots,
-        tie_word_embeddings=arch.tie_word_embeddings, initializer_range=arch.initializer_range,
-        **arch.special_tokens,
+        rms_norm_eps=arch.rms_norm_eps, tie_word_embeddings=arch.tie_word_embeddings,
+        initializer_range=arch.initializer_range, **arch.special_tokens,
+        mixer=dict(num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, rope_theta=arch.rope_theta,
+                   qk_norm=arch.qk_norm, window=arch.sliding_window),
+        llama_attention=dict(qkv_bias=arch.qkv_bias, o_bias=arch.o_bias, rope_scaling_params=arch.rope_scaling),
+        liger=dict(memory=options.memory, window=options.window, memory_weight=options.memory_weight,
+                   gate=options.gate, feature_map=options.feature_map, num_slots=options.slots),
     )
 
 

@@ -3,16 +3,28 @@
 The stack is a layer pattern, one letter per layer: ``L`` a memory layer (the mixer
 named by ``memory``), ``N`` an attention layer (``attention``). ``"LLLN" * 3`` is a
 12-layer hybrid with one softmax attention layer in four. ``memory="mom"`` makes every
-memory layer a mixture of memories (rule ``mom_memory``), ``mlp="moe"`` every feed-forward
-a mixture of experts; the routers' balancing losses join the training loss.
+memory layer a mixture of memories, ``mlp="moe"`` every feed-forward a mixture of experts;
+the routers' balancing losses join the training loss.
 
-Each mixer takes from the config the fields of its own arguments (:meth:`Mixer.args_from`);
-the config only renames its model-wide fields (``rms_norm_eps`` -> ``norm_eps``, ...).
-Every field is validated on construction: a wrong type or value, or an unknown keyword
-(with the closest field name), is a ``ValueError`` that names it. The keywords every transformers config takes
-(``use_cache``, ``output_hidden_states``, ``return_dict``, ``tie_word_embeddings``, the token ids, ``dtype``, ...)
-are kept, and the models read them as transformers' do; ``output_attentions`` is kept too, but the models refuse
-to run with it True (they have no attention weights to return).
+The config's own fields are the model's (sizes, layer pattern, norms, initialisation, the keywords of
+transformers). The options of the mixers come in sections, one per arguments class, each a dict whose keys
+are that class's fields (:data:`SECTIONS`, :func:`section_fields`):
+
+* ``mixer``: :class:`~linmem.layers.MixerArgs`, read by every mixer (``head_dim``, ``window``, ``use_short_conv``, ...);
+* ``llama_attention``: the pretrained attention layout (``qkv_bias``, ``o_bias``, ``rope_scaling_params``),
+  read by ``llama_attention`` and ``liger``;
+* ``liger``, ``gsa``, ``mom``: the own fields of Liger Attention, Gated Slot Attention and the mixture of
+  memories (a field the class spells ``liger_window`` beside MixerArgs's ``window`` is ``window`` in its section);
+* ``moe``: :class:`~linmem.layers.moe.MoEArgs` of ``mlp="moe"``, and the weights of its losses.
+
+A section keeps the defaults of the keys it is not given. Adding a field to one of these classes adds it to
+its section. Every field is validated on construction: a wrong type or value, an unknown field or section key
+(with the closest name), is a ``ValueError`` that names it (``mom.top_k``). A ``config.json`` written before the
+sections (flat fields: ``mom_top_k``, ``num_experts``, ``window``, ...) loads into them (:data:`FLAT_FIELDS`).
+The keywords every transformers config takes (``use_cache``, ``output_hidden_states``, ``return_dict``,
+``tie_word_embeddings``, the token ids, ``dtype``, ...) are kept, and the models read them as transformers' do;
+``output_attentions`` is kept too, but the models refuse to run with it True (they have no attention weights to
+return).
 """
 
 from __future__ import annotations
@@ -24,17 +36,17 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from transformers import GenerationConfig, PretrainedConfig
 
 from ..layers import MixerArgs, mixer_class, mixer_names
 from ..layers.base import check_bool, check_choice, check_float, check_int
-from ..layers.liger import LIGER_MEMORIES
+from ..layers.gsa import GSAArgs
+from ..layers.liger import LigerArgs, PretrainedAttentionArgs
 from ..layers.moe import MoEArgs
+from ..layers.mom import MoMArgs
 from ..ops.recurrence import available_backends
-from ..layers.mom import mom_rules
-from ..ops.routing import ROUTERS
 
 logger = logging.getLogger("linmem.models")
 
@@ -62,18 +74,140 @@ def pretrained_config_keys() -> frozenset[str]:
     return frozenset(keys - {"self"})
 
 
+#: the sections of mixer options: name -> the arguments class that declares (and validates) its keys
+SECTIONS: dict[str, type] = {
+    "mixer": MixerArgs, "llama_attention": PretrainedAttentionArgs, "liger": LigerArgs, "gsa": GSAArgs,
+    "mom": MoMArgs, "moe": MoEArgs,
+}
+#: arguments the model sets itself (from its own fields and each layer's place), so no section has them
+MODEL_SET_ARGS = frozenset({"hidden_size", "num_heads", "norm_eps", "backend", "layer_idx", "num_layers", "init_std"})
+_MIXER_OPTIONS = ("head_dim", "expand_v", "num_kv_heads", "use_short_conv", "conv_size", "feature_map", "gate_low_rank",
+                  "window", "rope_theta", "qk_norm", "output_gate", "output_norm", "kv_shift", "forget_gate")
+#: the flat fields of a config.json written before the sections -> where each is now (section, key)
+FLAT_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
+    **{name: (("mixer", name),) for name in _MIXER_OPTIONS},
+    **{name: (("llama_attention", name),) for name in ("qkv_bias", "o_bias", "rope_scaling_params")},
+    **{f"liger_{key}": (("liger", key),) for key in ("memory", "memory_weight", "window", "gate", "feature_map")},
+    "num_slots": (("gsa", "num_slots"), ("liger", "num_slots")),
+    "mom_memory": (("mom", "memory"),), "num_memories": (("mom", "num_memories"),), "mom_top_k": (("mom", "top_k"),),
+    "shared_memory": (("mom", "shared_memory"),), "mom_aux_loss_coef": (("mom", "aux_loss_coef"),),
+    "num_experts": (("moe", "num_experts"),), "num_experts_per_tok": (("moe", "num_experts_per_tok"),),
+    "moe_intermediate_size": (("moe", "intermediate_size"),), "num_shared_experts": (("moe", "num_shared_experts"),),
+    "moe_router": (("moe", "router"),), "moe_capacity_factor": (("moe", "capacity_factor"),),
+    "router_aux_loss_coef": (("moe", "aux_loss_coef"),), "router_z_loss_coef": (("moe", "z_loss_coef"),),
+}
+
+
+@lru_cache(maxsize=None)
+def section_fields(name: str) -> dict[str, str]:
+    """The keys of section ``name`` -> the field of its arguments class each sets: the fields the class declares
+    beyond its parents, less those the model sets (:data:`MODEL_SET_ARGS`); a field spelled ``<name>_<key>``
+    (LigerArgs's ``liger_window``, beside MixerArgs's ``window``) is ``key`` in the section.
+
+    Example:
+        >>> section_fields("liger")["window"], section_fields("mom")["top_k"]
+        ('liger_window', 'top_k')
+    """
+    if name not in SECTIONS:
+        raise ValueError(f"{OWNER}: unknown section {name!r}; valid: {', '.join(SECTIONS)}")
+    cls = SECTIONS[name]
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    own = [f.name for f in dataclasses.fields(cls) if f.name not in inherited | MODEL_SET_ARGS]
+    return {(field[len(name) + 1:] if field.startswith(f"{name}_") else field): field for field in own}
+
+
+def section_defaults(name: str) -> dict[str, Any]:
+    """Every key of section ``name`` with its default (None where the class has none: ``moe.intermediate_size``,
+    whose None is the MLP width).
+
+    Example:
+        >>> section_defaults("gsa")
+        {'num_slots': None}
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
+    return {key: (None if defaults[field] is dataclasses.MISSING else defaults[field])
+            for key, field in section_fields(name).items()}
+
+
+def section_values(name: str, given: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """Section ``name`` as a config keeps it: the keys ``given`` sets, the defaults for the rest. A key the
+    section lacks is refused, naming the closest one.
+
+    Example:
+        >>> section_values("mom", {"top_k": 1})["top_k"]
+        1
+        >>> section_values("mom", {"top_kk": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: LinmemConfig: unknown key 'mom.top_kk'; did you mean 'mom.top_k'?
+    """
+    given = {} if given is None else given
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{OWNER}: `{name}` must be a dict of {name} options (or None), got {given!r}")
+    keys = list(section_fields(name))
+    for key in given:
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"; did you mean '{name}.{close[0]}'?" if close else f"; valid: {', '.join(keys)}"
+            raise ValueError(f"{OWNER}: unknown key '{name}.{key}'{hint}")
+    return {**section_defaults(name), **given}
+
+
+def merge_fields(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` on top, a section key by key (``moe={"num_experts": 4}`` keeps the other keys of
+    ``base``'s ``moe``).
+
+    Example:
+        >>> merge_fields({"mlp": "moe", "moe": {"num_experts": 8, "router": "sigmoid"}}, {"moe": {"num_experts": 4}})
+        {'mlp': 'moe', 'moe': {'num_experts': 4, 'router': 'sigmoid'}}
+    """
+    merged = {**base, **overrides}
+    for name in SECTIONS:
+        if isinstance(base.get(name), Mapping) and isinstance(overrides.get(name), Mapping):
+            merged[name] = {**base[name], **overrides[name]}
+    return merged
+
+
+def nest_flat_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` written before the sections (a config.json, a run's ``model.options``), each flat mixer option
+    (:data:`FLAT_FIELDS`) moved into its section; anything else is kept as it is.
+
+    Example:
+        >>> nest_flat_fields({"memory": "mom", "mom_top_k": 1, "num_experts": 4, "window": 64})
+        {'memory': 'mom', 'mom': {'top_k': 1}, 'moe': {'num_experts': 4}, 'mixer': {'window': 64}}
+    """
+    nested = {name: value for name, value in fields.items() if name not in FLAT_FIELDS}
+    for name in fields:
+        for section, key in FLAT_FIELDS.get(name, ()):
+            nested[section] = {**nested.get(section, {}), key: fields[name]}
+    return nested
+
+
+def config_fields() -> list[str]:
+    """The fields LinmemConfig takes as keywords: its own and its sections."""
+    return [n for n in inspect.signature(LinmemConfig.__init__).parameters if n not in ("self", "kwargs")]
+
+
 class LinmemConfig(PretrainedConfig):
     """Configuration of :class:`~linmem.models.LinmemForCausalLM`.
 
+    The mixers' options come in sections (see the module docstring): ``mixer``, ``llama_attention``, ``liger``,
+    ``gsa``, ``mom`` and ``moe``, each a dict of the keys it sets (the others keep their defaults).
+
     Example:
         >>> from linmem.models import LinmemConfig
-        >>> config = LinmemConfig(hidden_size=256, num_heads=4, layer_pattern="LLLN", memory="gla")
-        >>> config.num_hidden_layers
-        4
-        >>> LinmemConfig(windw=16)
+        >>> config = LinmemConfig(hidden_size=256, num_heads=4, layer_pattern="LLLN", memory="gla",
+        ...                       mixer={"window": 64})
+        >>> config.num_hidden_layers, config.mixer["window"], config.mom["top_k"]
+        (4, 64, 2)
+        >>> LinmemConfig(memory="mom", mom={"num_memories": 0})
         Traceback (most recent call last):
         ...
-        ValueError: LinmemConfig: unknown field 'windw'; did you mean 'window'?
+        ValueError: LinmemConfig: `mom.num_memories` must be an integer >= 1, got 0
+        >>> LinmemConfig(mixer={"windw": 16})
+        Traceback (most recent call last):
+        ...
+        ValueError: LinmemConfig: unknown key 'mixer.windw'; did you mean 'mixer.window'?
     """
 
     model_type = "linmem"
@@ -87,44 +221,14 @@ class LinmemConfig(PretrainedConfig):
         layer_pattern: str = "L" * 24,
         memory: str = "gated_deltanet",
         attention: str = "softmax",
-        head_dim: Optional[int] = None,
-        expand_v: float = 1.0,
-        num_kv_heads: Optional[int] = None,
-        use_short_conv: Optional[bool] = None,
-        conv_size: int = 4,
-        feature_map: Optional[str] = None,
-        gate_low_rank: int = 16,
-        window: Optional[int] = None,
-        rope_theta: float = 10000.0,
-        qk_norm: bool = False,
-        output_gate: bool = False,
-        output_norm: bool = False,
-        kv_shift: bool = False,
-        forget_gate: str = "data_dependent",
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        rope_scaling_params: Optional[dict] = None,
-        liger_memory: str = "gla",
-        liger_memory_weight: float = 0.5,
-        liger_window: int = 64,
-        liger_gate: str = "pooled_key",
-        liger_feature_map: str = "softmax",
-        num_slots: Optional[int] = None,
-        mom_memory: str = "gated_deltanet",
-        num_memories: int = 4,
-        mom_top_k: int = 2,
-        shared_memory: bool = True,
-        mom_aux_loss_coef: float = 0.01,
         mlp: str = "swiglu",
         intermediate_size: Optional[int] = None,
-        num_experts: int = 8,
-        num_experts_per_tok: int = 2,
-        moe_intermediate_size: Optional[int] = None,
-        num_shared_experts: int = 0,
-        moe_router: str = "softmax",
-        moe_capacity_factor: Optional[float] = None,
-        router_aux_loss_coef: float = 0.01,
-        router_z_loss_coef: float = 0.001,
+        mixer: Optional[dict[str, Any]] = None,
+        llama_attention: Optional[dict[str, Any]] = None,
+        liger: Optional[dict[str, Any]] = None,
+        gsa: Optional[dict[str, Any]] = None,
+        mom: Optional[dict[str, Any]] = None,
+        moe: Optional[dict[str, Any]] = None,
         output_router_logits: bool = False,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
@@ -145,44 +249,14 @@ class LinmemConfig(PretrainedConfig):
         self.layer_pattern = layer_pattern  # one letter per layer: L memory, N attention
         self.memory = memory  # the memory mixer of L layers
         self.attention = attention  # the attention mixer of N layers: softmax, swa or fox
-        self.head_dim = head_dim  # key dim per head (default hidden_size / num_heads)
-        self.expand_v = expand_v  # value dim = head_dim * expand_v
-        self.num_kv_heads = num_kv_heads  # attention KV heads (GQA), default num_heads
-        self.use_short_conv = use_short_conv  # short conv in memory layers (None: the mixer's default)
-        self.conv_size = conv_size  # kernel of the short convolution
-        self.feature_map = feature_map  # linear_attention feature map
-        self.gate_low_rank = gate_low_rank  # rank of low-rank gate projections (GLA, RWKV)
-        self.window = window  # attention: keys a query sees (swa needs it; softmax and fox when set)
-        self.rope_theta = rope_theta  # rotary base of softmax / swa
-        self.qk_norm = qk_norm  # attention: per-head q/k RMSNorm ("Pro")
-        self.output_gate = output_gate  # attention: sigmoid output gate ("Pro")
-        self.output_norm = output_norm  # attention: per-head output norm ("Pro")
-        self.kv_shift = kv_shift  # attention: KV shift ("Pro")
-        self.forget_gate = forget_gate  # fox: data_dependent, data_independent (learnt per head) or fixed
-        self.qkv_bias = qkv_bias  # llama_attention, liger: biases on the q, k, v projections (Qwen2)
-        self.o_bias = o_bias  # llama_attention, liger: a bias on the output projection (Llama's attention_bias)
-        self.rope_scaling_params = rope_scaling_params  # llama_attention, liger: RoPE scaling {"rope_type": ...}
-        self.liger_memory = liger_memory  # liger: the gated recurrence (gla, mamba2, hgrn2, rwkv6, gated_retention, gsa)
-        self.liger_memory_weight = liger_memory_weight  # liger: weight of the memory read-out (window: 1 - it)
-        self.liger_window = liger_window  # liger: keys the sliding-window branch sees
-        self.liger_gate = liger_gate  # liger: gate from the pooled key, or a new random projection (ablation)
-        self.liger_feature_map = liger_feature_map  # liger: phi of q, k: softmax, or learnable (ablation)
-        self.num_slots = num_slots  # gsa, liger with gsa: memory slots per head (default head_dim)
-        self.mom_memory = mom_memory  # memory="mom": the update rule of every memory (gla, gated_deltanet, ...)
-        self.num_memories = num_memories  # memory="mom": routed memories per layer
-        self.mom_top_k = mom_top_k  # memory="mom": memories per token (`top_k` would clash with generation's)
-        self.shared_memory = shared_memory  # memory="mom": one more memory every token writes
-        self.mom_aux_loss_coef = mom_aux_loss_coef  # weight of the memories' balancing loss in `loss`
         self.mlp = mlp  # feed-forward: swiglu (dense) or moe (mixture of experts)
         self.intermediate_size = intermediate_size  # MLP width (default ~8/3 D, multiple of 64)
-        self.num_experts = num_experts  # mlp="moe": routed experts per layer
-        self.num_experts_per_tok = num_experts_per_tok  # mlp="moe": experts per token (top-k)
-        self.moe_intermediate_size = moe_intermediate_size  # mlp="moe": width of each expert (default: mlp_width)
-        self.num_shared_experts = num_shared_experts  # mlp="moe": always-on experts of the same width
-        self.moe_router = moe_router  # mlp="moe": router scores, softmax or sigmoid
-        self.moe_capacity_factor = moe_capacity_factor  # mlp="moe": None = dropless, else tokens per expert cap
-        self.router_aux_loss_coef = router_aux_loss_coef  # weight of the experts' balancing loss in `loss`
-        self.router_z_loss_coef = router_z_loss_coef  # weight of the experts' router z-loss in `loss`
+        self.mixer = section_values("mixer", mixer)  # MixerArgs: options every mixer reads
+        self.llama_attention = section_values("llama_attention", llama_attention)  # pretrained layout (and liger)
+        self.liger = section_values("liger", liger)  # memory="liger": Liger Attention's options
+        self.gsa = section_values("gsa", gsa)  # memory="gsa": the slots
+        self.mom = section_values("mom", mom)  # memory="mom": the mixture of memories and its loss weight
+        self.moe = section_values("moe", moe)  # mlp="moe": the experts and the weights of their losses
         self.output_router_logits = output_router_logits  # also return every routed layer's router logits
         self.rms_norm_eps = rms_norm_eps  # epsilon of every RMSNorm
         self.initializer_range = initializer_range  # std of normal weight init
@@ -215,21 +289,26 @@ class LinmemConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinmemConfig":
-        """As PretrainedConfig's; a ``window`` saved before it reached softmax and fox (configs without
-        ``forget_gate``) stored the sliding-window default for swa only, so it is dropped for them."""
-        if "forget_gate" not in config_dict and config_dict.get("attention", "softmax") != "swa":
-            config_dict = {**config_dict, "window": None}
+        """As PretrainedConfig's. A config written before the sections is read into them (:func:`nest_flat_fields`);
+        one without ``forget_gate`` was saved before ``window`` reached softmax and fox (it stored the sliding-window
+        default for swa only), so its window is dropped unless the attention is swa. Fields given beside the saved
+        ones (``from_pretrained(path, layer_pattern=..., moe={...})``) replace them, a section key by key
+        (:func:`merge_fields`), and are validated with them."""
+        if "window" in config_dict and "forget_gate" not in config_dict and config_dict.get("attention") != "swa":
+            config_dict = {**config_dict, "window": None}  # saved before `window` reached softmax and fox
             logger.info("config saved by an earlier linmem: `window` applied to swa only, so it is dropped")
-        fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        config_dict = nest_flat_fields(config_dict)
+        fields = config_fields()
         given = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
-        if given:  # fields given beside the saved ones (from_pretrained(path, layer_pattern=...)): validated as one
-            config_dict = {**config_dict, **given}
+        if given:
+            config_dict = merge_fields(config_dict, given)
             if "layer_pattern" in given and "num_hidden_layers" not in given:
                 config_dict.pop("num_hidden_layers", None)
         return super().from_dict(config_dict, **kwargs)
 
     def validate_linmem(self) -> None:
-        """Refuse unknown names, wrong types and values out of range, naming the field and the valid range."""
+        """Refuse unknown names, wrong types and values out of range, naming the field (``mom.top_k`` for a section
+        key) and the valid range."""
         bad = sorted(set(self.layer_pattern) - set(LAYER_LETTERS))
         if not self.layer_pattern or bad:
             raise ValueError(
@@ -241,34 +320,27 @@ class LinmemConfig(PretrainedConfig):
         if self.attention not in mixer_names("attention"):
             raise ValueError(f"unknown attention {self.attention!r}; valid: {', '.join(mixer_names('attention'))}")
         check_choice(OWNER, "mlp", self.mlp, MLP_KINDS)
-        check_choice(OWNER, "mom_memory", self.mom_memory, mom_rules())
-        check_choice(OWNER, "moe_router", self.moe_router, ROUTERS)
-        for name in ("vocab_size", "hidden_size", "num_heads", "conv_size", "gate_low_rank", "num_memories",
-                     "mom_top_k", "num_experts", "num_experts_per_tok"):
+        for name in ("vocab_size", "hidden_size", "num_heads"):
             check_int(OWNER, name, getattr(self, name), minimum=1)
-        for name in ("head_dim", "num_kv_heads", "window", "intermediate_size", "moe_intermediate_size", "num_slots"):
-            check_int(OWNER, name, getattr(self, name), minimum=1, optional=True)
-        check_int(OWNER, "liger_window", self.liger_window, minimum=1)
-        check_choice(OWNER, "liger_memory", self.liger_memory, LIGER_MEMORIES)
-        check_int(OWNER, "num_shared_experts", self.num_shared_experts, minimum=0)
-        for name in ("qk_norm", "output_gate", "output_norm", "kv_shift", "shared_memory", "output_router_logits",
-                     "activation_checkpointing", "tie_word_embeddings", "qkv_bias", "o_bias", "use_cache"):
+        check_int(OWNER, "intermediate_size", self.intermediate_size, minimum=1, optional=True)
+        for name in ("output_router_logits", "activation_checkpointing", "tie_word_embeddings", "use_cache"):
             check_bool(OWNER, name, getattr(self, name))
-        check_bool(OWNER, "use_short_conv", self.use_short_conv, optional=True)
-        for name in ("expand_v", "rope_theta", "rms_norm_eps"):
-            check_float(OWNER, name, getattr(self, name), minimum=0.0)
-        for name in ("initializer_range", "mom_aux_loss_coef", "router_aux_loss_coef", "router_z_loss_coef"):
-            check_float(OWNER, name, getattr(self, name), minimum=0.0, inclusive=True)
-        check_float(OWNER, "moe_capacity_factor", self.moe_capacity_factor, minimum=0.0, optional=True)
+        check_float(OWNER, "rms_norm_eps", self.rms_norm_eps, minimum=0.0)
+        check_float(OWNER, "initializer_range", self.initializer_range, minimum=0.0, inclusive=True)
         check_choice(OWNER, "recurrence_backend", self.recurrence_backend, available_backends())
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             self._check_token_id(name)
-        if self.mom_top_k > self.num_memories:
-            raise ValueError(f"mom_top_k = {self.mom_top_k} must lie in [1, num_memories = {self.num_memories}]")
-        self.moe_args().validate()
-        for letter in sorted(set(self.layer_pattern)):  # each mixer of the stack checks its own arguments
+        for name, cls in SECTIONS.items():  # every section's own keys, used by the stack or not
+            if cls is MoEArgs:
+                args: Any = self.moe_args()
+            else:
+                args = cls(**self._args_values(cls, 0))
+            _naming_sections(getattr(args, "validate_options", args.validate), [name])
+        for letter in sorted(set(self.layer_pattern)):  # each mixer of the stack checks its arguments together
             layer = self.layer_pattern.index(letter)
-            mixer_class(self.mixer_name(layer)).validate_args(self.mixer_args(layer))
+            cls = mixer_class(self.mixer_name(layer))
+            names = [name for name, section in SECTIONS.items() if issubclass(cls.args_class, section)]
+            _naming_sections(lambda owner: cls.validate_args(self.mixer_args(layer)), names)
 
     def _check_token_id(self, name: str) -> None:
         value = getattr(self, name, None)
@@ -288,26 +360,43 @@ class LinmemConfig(PretrainedConfig):
     def mixer_name(self, layer_idx: int) -> str:
         return self.memory if self.layer_pattern[layer_idx] == "L" else self.attention
 
-    def mixer_values(self, layer_idx: int) -> dict[str, Any]:
-        """Every setting under the name a mixer's arguments give it (config fields, model-wide renames,
-        the layer's place in the stack)."""
-        return {
-            **vars(self), "norm_eps": self.rms_norm_eps, "backend": self.recurrence_backend, "top_k": self.mom_top_k,
-            "layer_idx": layer_idx, "num_layers": self.num_hidden_layers,
+    def _args_values(self, args_class: type[MixerArgs], layer_idx: int) -> dict[str, Any]:
+        """The fields of ``args_class`` from the model's own fields, the layer's place and the sections of the
+        classes it derives from."""
+        values = {
+            "hidden_size": self.hidden_size, "num_heads": self.num_heads, "norm_eps": self.rms_norm_eps,
+            "backend": self.recurrence_backend, "layer_idx": layer_idx, "num_layers": self.num_hidden_layers,
         }
+        for name, cls in SECTIONS.items():
+            if issubclass(args_class, cls):
+                values.update({field: getattr(self, name)[key] for key, field in section_fields(name).items()})
+        return values
 
     def mixer_args(self, layer_idx: int) -> MixerArgs:
         """The arguments of layer ``layer_idx``'s mixer, as that mixer takes them from the config."""
-        return mixer_class(self.mixer_name(layer_idx)).args_from(self.mixer_values(layer_idx))
+        cls = mixer_class(self.mixer_name(layer_idx))
+        return cls.args_from(self._args_values(cls.args_class, layer_idx))
 
     def moe_args(self) -> MoEArgs:
-        """The hyper-parameters of every MoE feed-forward (``mlp="moe"``)."""
-        return MoEArgs(
-            hidden_size=self.hidden_size, intermediate_size=self.moe_intermediate_size or self.mlp_width,
-            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-            num_shared_experts=self.num_shared_experts, router=self.moe_router,
-            capacity_factor=self.moe_capacity_factor, init_std=self.initializer_range,
-        )
+        """The hyper-parameters of every MoE feed-forward (``mlp="moe"``); ``moe.intermediate_size`` None is the MLP
+        width."""
+        fields = {field: self.moe[key] for key, field in section_fields("moe").items()}
+        if fields["intermediate_size"] is None:
+            fields["intermediate_size"] = self.mlp_width
+        return MoEArgs(hidden_size=self.hidden_size, init_std=self.initializer_range, **fields)
+
+
+def _naming_sections(check: Callable[[str], Any], names: list[str]) -> None:
+    """Run ``check(owner)``; a ValueError it raises names the fields of sections ``names`` as the config does
+    (``mom.top_k``, ``liger.window`` for LigerArgs's ``liger_window``)."""
+    try:
+        check(OWNER)
+    except ValueError as err:
+        message = str(err)
+        for name in names:
+            for key, field in section_fields(name).items():
+                message = message.replace(f"`{field}`", f"`{name}.{key}`")
+        raise ValueError(message) from None
 
 
 def refuse_foreign_config(path: Any) -> None:
@@ -339,13 +428,16 @@ def refuse_foreign_config(path: Any) -> None:
 
 
 def refuse_unknown_keywords(kwargs: dict[str, Any]) -> None:
-    """A keyword that is neither a LinmemConfig field nor one transformers passes is a typo: refuse it,
-    naming the closest field."""
+    """A keyword that is neither a LinmemConfig field nor one transformers passes is a typo: refuse it, naming
+    the closest field; a flat field of the earlier configs (``window``, ``num_experts``) is named in its section."""
     unknown = sorted(set(kwargs) - pretrained_config_keys())
     if not unknown:
         return
-    fields = [n for n in inspect.signature(LinmemConfig.__init__).parameters if n not in ("self", "kwargs")]
     name = unknown[0]
+    if name in FLAT_FIELDS:
+        where = " and ".join(f"{section}={{{key!r}: ...}}" for section, key in FLAT_FIELDS[name])
+        raise ValueError(f"{OWNER}: unknown field {name!r}; it is a mixer option, give it as {where}")
+    fields = config_fields()
     close = difflib.get_close_matches(name, fields, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(fields)}"
     raise ValueError(f"{OWNER}: unknown field {name!r}{hint}")

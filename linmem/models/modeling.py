@@ -536,18 +536,18 @@ def _unseen_tokens(input_ids: torch.Tensor, inputs_embeds: Optional[torch.Tensor
 def router_aux_loss(stats: Sequence[RouterStats], config: LinmemConfig) -> torch.Tensor:
     """The routers' share of the loss, each kind averaged over its layers::
 
-        mom_aux_loss_coef * mean(MoM balance) + router_aux_loss_coef * mean(MoE balance)
-        + router_z_loss_coef * mean(MoE z-loss)
+        mom.aux_loss_coef * mean(MoM balance) + moe.aux_loss_coef * mean(MoE balance)
+        + moe.z_loss_coef * mean(MoE z-loss)
     """
     total = torch.zeros((), device=stats[0].balance_loss.device)
     mean = lambda values: torch.stack(values).mean()  # noqa: E731
     mom = [s for s in stats if s.kind == "mom"]
     moe = [s for s in stats if s.kind == "moe"]
     if mom:
-        total = total + config.mom_aux_loss_coef * mean([s.balance_loss for s in mom])
+        total = total + config.mom["aux_loss_coef"] * mean([s.balance_loss for s in mom])
     if moe:
-        total = total + config.router_aux_loss_coef * mean([s.balance_loss for s in moe])
-        total = total + config.router_z_loss_coef * mean([s.z_loss for s in moe])
+        total = total + config.moe["aux_loss_coef"] * mean([s.balance_loss for s in moe])
+        total = total + config.moe["z_loss_coef"] * mean([s.z_loss for s in moe])
     return total
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config import LinmemConfig
+from .config import LinmemConfig, merge_fields
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,13 @@ class ModelRecipe:
     name: str
     nominal_params: float  # in millions, as the source names it
     params: float  # in millions, counted: every parameter of LinmemForCausalLM(build_config())
-    config: dict[str, Any] = field(default_factory=dict)  # LinmemConfig fields
+    config: dict[str, Any] = field(default_factory=dict)  # LinmemConfig fields and sections
     nominal_active_params: Optional[float] = None  # in millions: the source's label of the parameters one token uses
     active_params: Optional[float] = None  # in millions, counted: the parameters one token uses (MoE models)
 
     def build_config(self, **overrides: Any) -> LinmemConfig:
-        return LinmemConfig(**{**self.config, **overrides})
+        """The config, ``overrides`` on top (a section key by key: ``moe={"num_experts": 4}`` keeps the rest)."""
+        return LinmemConfig(**merge_fields(self.config, overrides))
 
 
 def _sized(width: int, heads: int) -> dict[str, Any]:
@@ -45,8 +46,8 @@ def _sized(width: int, heads: int) -> dict[str, Any]:
 def _linear_moe(width: int, layers: int, expert_width: int, hybrid: bool) -> dict[str, Any]:
     """Linear-MoE: Gated DeltaNet memories (any rule fits: override ``memory``), 64 experts, top-8."""
     return dict(vocab_size=32000, hidden_size=width, num_heads=width // 128, memory="gated_deltanet",
-                layer_pattern="LLLN" * (layers // 4) if hybrid else "L" * layers, mlp="moe", num_experts=64,
-                num_experts_per_tok=8, moe_intermediate_size=expert_width)
+                layer_pattern="LLLN" * (layers // 4) if hybrid else "L" * layers, mlp="moe",
+                moe={"num_experts": 64, "num_experts_per_tok": 8, "intermediate_size": expert_width})
 
 
 MODEL_RECIPES: dict[str, ModelRecipe] = {
@@ -54,17 +55,18 @@ MODEL_RECIPES: dict[str, ModelRecipe] = {
     for r in [
         ModelRecipe("gated_deltanet-340m", 340, 394.9, {**_sized(1024, 4), "memory": "gated_deltanet"}),
         ModelRecipe("gated_deltanet-1.3b", 1300, 1447.6, {**_sized(2048, 8), "memory": "gated_deltanet"}),
-        ModelRecipe("gla-340m", 340, 332.0, {**_sized(1024, 4), "memory": "gla", "head_dim": 128}),
-        ModelRecipe("gla-1.3b", 1300, 1195.6, {**_sized(2048, 8), "memory": "gla", "head_dim": 128}),
+        ModelRecipe("gla-340m", 340, 332.0, {**_sized(1024, 4), "memory": "gla", "mixer": {"head_dim": 128}}),
+        ModelRecipe("gla-1.3b", 1300, 1195.6, {**_sized(2048, 8), "memory": "gla", "mixer": {"head_dim": 128}}),
         ModelRecipe("mamba2-340m", 340, 423.3,
-                    {**_sized(1024, 16), "memory": "mamba2", "head_dim": 64, "expand_v": 2.0}),
+                    {**_sized(1024, 16), "memory": "mamba2", "mixer": {"head_dim": 64, "expand_v": 2.0}}),
         ModelRecipe("hybrid-gdn-340m", 340, 388.6,  # heads of 128, a head dim of the attention kernels
                     {**_sized(1024, 8), "memory": "gated_deltanet", "layer_pattern": "LLLN" * 6}),
         ModelRecipe("fox-760m", 760, 778.7, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
                                                  layer_pattern="N" * 24, attention="fox")),
         ModelRecipe("fox-pro-760m", 760, 837.2, dict(vocab_size=32000, hidden_size=1536, num_heads=24,
-                                                     layer_pattern="N" * 24, attention="fox", qk_norm=True,
-                                                     output_gate=True, output_norm=True, kv_shift=True)),
+                                                     layer_pattern="N" * 24, attention="fox",
+                                                     mixer=dict(qk_norm=True, output_gate=True, output_norm=True,
+                                                                kv_shift=True))),
         ModelRecipe("transformer-340m", 340, 369.1, {**_sized(1024, 16), "layer_pattern": "N" * 24}),
         ModelRecipe("linear-moe-a0.3b-2b", 2000, 2243.6, _linear_moe(1024, 12, 896, hybrid=False), 300, 393.9),
         ModelRecipe("linear-moe-a0.3b-2b-hybrid", 2000, 2240.3, _linear_moe(1024, 12, 896, hybrid=True), 300, 390.6),

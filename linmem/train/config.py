@@ -66,7 +66,8 @@ class ModelSection:
     memory: str = setting("gated_deltanet", "mixer of L layers (gla, mamba2, deltanet, gated_deltanet, mom, bayes, "
                                             "...)")
     attention: str = setting("softmax", "mixer of N layers: softmax, swa, fox")
-    options: dict[str, Any] = setting({}, "any other LinmemConfig field, e.g. model.options.window=64")
+    options: dict[str, Any] = setting({}, "any other LinmemConfig field or section key, e.g. "
+                                           "model.options.mlp=moe, model.options.mixer.window=64")
     pretrained: Optional[str] = setting(None, "a saved LinmemForCausalLM folder to start from (then only `options` "
                                               "apply)")
 
@@ -239,18 +240,39 @@ def _model_fields() -> list[str]:
 
 
 def _check_model_options(model: "ModelSection") -> None:
-    """Refuse options that LinmemConfig does not know (with a close match) or that the section sets itself."""
+    """Refuse options that LinmemConfig does not know (with a close match, or the section of a mixer option
+    given flat) or that the section sets itself."""
     if not model.options:
         return  # nothing to check: LinmemConfig (and torch with it) is not loaded
+    from ..models.config import SECTIONS, section_fields
+
     valid = _model_fields()
-    for key in model.options:
+    for key, value in model.options.items():
         if key == "vocab_size":
             raise ConfigError("model.options.vocab_size is set by the task (MQAR vocabulary, tokenizer or bytes)")
         if key not in valid:
-            raise ConfigError(f"unknown key 'model.options.{key}'{_did_you_mean(key, valid)}; "
+            raise ConfigError(f"unknown key 'model.options.{key}'{_section_hint(key) or _did_you_mean(key, valid)}; "
                               f"valid: {', '.join(valid)}")
         if model.recipe is None and key in _SECTION_FIELDS:
             raise ConfigError(f"model.options.{key} duplicates model.{key}: set model.{key} instead")
+        if key in SECTIONS:
+            keys = list(section_fields(key))
+            if not isinstance(value, dict):
+                raise ConfigError(f"model.options.{key} must be a mapping of {key} options ({', '.join(keys)}), "
+                                  f"got {value!r}")
+            for inner in value:
+                if inner not in keys:
+                    raise ConfigError(f"unknown key 'model.options.{key}.{inner}'{_did_you_mean(inner, keys)}; "
+                                      f"valid: {', '.join(keys)}")
+
+
+def _section_hint(key: str) -> str:
+    """For a mixer option given flat (``window``, ``num_experts``), where it goes now; else ''."""
+    from ..models.config import FLAT_FIELDS
+
+    if key not in FLAT_FIELDS:
+        return ""
+    return f" (a mixer option: set {' or '.join(f'model.options.{s}.{k}' for s, k in FLAT_FIELDS[key])})"
 
 
 _SECTION_FIELDS = ("hidden_size", "num_heads", "layer_pattern", "memory", "attention")
@@ -266,6 +288,8 @@ def _unknown_key(where: str, key: str, valid: Sequence[str]) -> ConfigError:
     LinmemConfig a pointer to ``model.options``."""
     if where == "model." and key in _model_fields():
         return ConfigError(f"unknown key 'model.{key}': {key} is a LinmemConfig field, set it as model.options.{key}")
+    if where == "model." and _section_hint(key):
+        return ConfigError(f"unknown key 'model.{key}'{_section_hint(key)}")
     return ConfigError(f"unknown key '{where}{key}'{_did_you_mean(key, valid)}; valid: {', '.join(valid)}")
 
 
@@ -370,7 +394,8 @@ def _parse_override(text: str, hint: Any, key: str) -> Any:
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-    """Apply ``section.key=value`` (or ``model.options.<field>=value``) overrides in place."""
+    """Apply ``section.key=value`` (or ``model.options.<field>=value``, ``model.options.<section>.<key>=value``)
+    overrides in place."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
@@ -429,7 +454,9 @@ def load_config(path: Optional[str] = None, *, recipe: Optional[str] = None,
 
 def read_config_file(path: typing.Union[str, Path]) -> dict[str, Any]:
     """The mapping of sections in the YAML file ``path`` (a config file or a run's config.yaml); a file
-    that is missing, not UTF-8, not YAML or not a mapping is a ConfigError naming it.
+    that is missing, not UTF-8, not YAML or not a mapping is a ConfigError naming it. Mixer options that a file
+    written before the config's sections holds flat in ``model.options`` (``window``, ``mom_top_k``) come in their
+    sections (:func:`linmem.models.config.nest_flat_fields`), so that old runs evaluate and resume.
 
     Example:
         >>> read_config_file("runs/gdn/config.yaml")["schedule"]["steps"]  # doctest: +SKIP
@@ -441,7 +468,17 @@ def read_config_file(path: typing.Union[str, Path]) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path} is not a YAML text file (byte {err.start} is not UTF-8)") from err
-    return _parse_yaml(text, str(path))
+    return _nest_model_options(_parse_yaml(text, str(path)))
+
+
+def _nest_model_options(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the flat mixer options of its ``model.options`` moved into their sections."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("options"), dict) or not model["options"]:
+        return data  # nothing to move: LinmemConfig (and torch with it) is not loaded
+    from ..models.config import nest_flat_fields
+
+    return {**data, "model": {**model, "options": nest_flat_fields(model["options"])}}
 
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:

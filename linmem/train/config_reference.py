@@ -36,10 +36,12 @@ defaults, then a YAML file (`--config my.yaml`, nested as `section: {key: value}
 linmem train data.task=text data.text.paths=[my.txt] schedule.steps=200 run.out_dir=runs/mine
 ```
 
-A list is written in brackets (`data.text.paths=[a.txt, docs/]`), `null` unsets an optional key, and
-`model.options.<field>=value` sets any other field of `LinmemConfig`. Unknown keys and values outside
-their range are refused by name before anything runs. This page is generated from the config
-dataclasses (`linmem/train/config.py`, the `data` section `linmem/data/config.py`) by
+A list is written in brackets (`data.text.paths=[a.txt, docs/]`), `null` unsets an optional key,
+`model.options.<field>=value` sets any other field of `LinmemConfig` and `model.options.<section>.<key>=value`
+a mixer option (`model.options.mixer.window=64`, `model.options.moe.num_experts=4`; the sections are in
+docs/mixers.md). Unknown keys and values outside their range are refused by name before anything runs.
+This page is generated from the config dataclasses (`linmem/train/config.py`, the `data` section
+`linmem/data/config.py`) by
 `python -m linmem.train.config_reference docs/config.md`; do not edit it by hand.
 """
 

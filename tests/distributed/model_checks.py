@@ -38,7 +38,7 @@ def model_checks() -> None:
         torch.manual_seed(0)
         model = LinmemForCausalLM(LinmemConfig(
             vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="LNL", memory=memory, attention=attention,
-            window=5, recurrence_backend="chunk", **extra)).double()
+            mixer=dict(window=5, **extra), recurrence_backend="chunk")).double()
         ref = model(ids, cu_seqlens=batch["cu_seqlens"], use_cache=False).logits
         global_lm_loss(ref, next_token_targets(ids, batch["cu_seqlens"]), None).backward()
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

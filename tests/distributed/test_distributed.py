@@ -174,7 +174,7 @@ def test_trainer_refuses_layouts_before_any_work(tmp_path: Path, monkeypatch, ca
     with pytest.raises(ParallelConfigError, match="parallel.ep = 2 needs MoE feed-forwards"):
         launch(2, "parallel.dp=2", "parallel.ep=2")
     with pytest.raises(ParallelConfigError, match="parallel.ep = 4 must divide the number of experts 6"):
-        launch(4, "parallel.dp=4", "parallel.ep=4", *MOE, "model.options.num_experts=6")
+        launch(4, "parallel.dp=4", "parallel.ep=4", *MOE, "model.options.moe.num_experts=6")
     with pytest.raises(ConfigError, match="every rank takes its own device"):
         launch(2, "parallel.dp=2", "run.device=cuda:1")
     with pytest.raises(ParallelConfigError, match=r"compiled blocks .* got parallel.sp = 2 and 0 MoE layers"):
@@ -235,7 +235,7 @@ def test_model_errors() -> None:
     mom = LinmemForCausalLM(LinmemConfig(**tiny, memory="mom"))
     with pytest.raises(ParallelConfigError, match="mixtures of memories"):
         check_model(mom, ParallelConfig(sp=2))
-    capped = LinmemForCausalLM(LinmemConfig(**tiny, mlp="moe", num_experts=4, moe_capacity_factor=1.0))
+    capped = LinmemForCausalLM(LinmemConfig(**tiny, mlp="moe", moe=dict(num_experts=4, capacity_factor=1.0)))
     with pytest.raises(ParallelConfigError, match="dropless"):
         check_model(capped, ParallelConfig(dp=2, ep=2))
     with pytest.raises(ParallelConfigError, match="divide the number of experts"):
@@ -308,7 +308,7 @@ class _Recorder:
 def test_model_sequence_parallel() -> None:
     recorder = _Recorder()
     model = LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="LN",
-                                           attention="fox", kv_shift=True))
+                                           attention="fox", mixer=dict(kv_shift=True)))
     with parallel.sequence_parallel(recorder):
         model(torch.randint(0, 32, (1, 8)), use_cache=False)
     missing = {"linear_recurrence", "attention", "halo"} - recorder.consulted

@@ -28,8 +28,8 @@ TASK = [
     f"schedule.steps={STEPS}", "schedule.warmup_steps=1", "optim.lr=0.01", f"run.save_every={SAVE_EVERY}",
     "run.log_every=1", "run.progress=false", "run.tensorboard=false", "run.device=cpu",
 ]
-MOE = ["model.options.mlp=moe", "model.options.num_experts=4", "model.options.num_experts_per_tok=2",
-       "model.options.moe_intermediate_size=16", "model.options.num_shared_experts=1"]
+MOE = ["model.options.mlp=moe", "model.options.moe.num_experts=4", "model.options.moe.num_experts_per_tok=2",
+       "model.options.moe.intermediate_size=16", "model.options.moe.num_shared_experts=1"]
 MOE_RUN = [*TASK, *MOE, f"data.batch_size={BATCH}"]  # what every data-parallel rank of an MoE run trains on
 DENSE_RUN = [*TASK, f"data.batch_size={BATCH}"]
 

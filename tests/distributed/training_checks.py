@@ -39,8 +39,8 @@ ROWS, T, VOCAB = 4, 16, 64  # the global batch: ROWS sequences of T tokens
 def model_config() -> LinmemConfig:
     return LinmemConfig(
         vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="LN", memory="gated_deltanet",
-        attention="softmax", mlp="moe", num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, intermediate_size=32, num_shared_experts=1, recurrence_backend="chunk",
+        attention="softmax", mlp="moe", intermediate_size=32, recurrence_backend="chunk",
+        moe=dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=1),
     )
 
 

@@ -12,6 +12,7 @@ from linmem.layers import attention, mixer_names
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models import cache as cache_module
 from linmem.models.cache import LinmemCache, StaticLinmemCache
+from linmem.models.config import merge_fields
 from linmem.models.outputs import output_cache
 
 VOCAB = 64
@@ -19,22 +20,22 @@ PRO = dict(qk_norm=True, output_gate=True, output_norm=True, kv_shift=True)
 ATTENTION = ["softmax", "swa", "fox"]
 MEMORY = [m for m in mixer_names("memory") if m != "mom"]
 # every memory mixer beside one attention kind in turn (swa and windows small enough for the ring to wrap)
-MODELS = {f"{m}+{a}": dict(layer_pattern="LN", memory=m, attention=a, **({} if a == "softmax" else {"window": 4}))
+MODELS = {f"{m}+{a}": dict(layer_pattern="LN", memory=m, attention=a, mixer={} if a == "softmax" else {"window": 4})
           for m, a in zip(MEMORY, ATTENTION * len(MEMORY))}
 MODELS |= {
-    "transformer": dict(layer_pattern="NN", attention="softmax", num_kv_heads=1),
-    "fox-pro-window": dict(layer_pattern="N", attention="fox", window=5, **PRO),
-    "fox-pro-fixed-gate": dict(layer_pattern="N", attention="fox", forget_gate="fixed", **PRO),
+    "transformer": dict(layer_pattern="NN", attention="softmax", mixer=dict(num_kv_heads=1)),
+    "fox-pro-window": dict(layer_pattern="N", attention="fox", mixer=dict(window=5, **PRO)),
+    "fox-pro-fixed-gate": dict(layer_pattern="N", attention="fox", mixer=dict(forget_gate="fixed", **PRO)),
     "hybrid": dict(layer_pattern="LLNL", memory="gated_deltanet", attention="fox"),
-    "mom": dict(layer_pattern="LN", memory="mom", mom_memory="gla", use_short_conv=True),
-    "moe": dict(layer_pattern="LN", memory="gla", mlp="moe", num_experts=4, num_experts_per_tok=2),
+    "mom": dict(layer_pattern="LN", memory="mom", mom=dict(memory="gla"), mixer=dict(use_short_conv=True)),
+    "moe": dict(layer_pattern="LN", memory="gla", mlp="moe", moe=dict(num_experts=4, num_experts_per_tok=2)),
 }
 
 
 def tiny(**over) -> LinmemForCausalLM:
     torch.manual_seed(0)
-    config = LinmemConfig(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
-                          moe_intermediate_size=32, **over)
+    config = LinmemConfig(**merge_fields(dict(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
+                                              moe=dict(intermediate_size=32)), over))
     return LinmemForCausalLM(config).eval()
 
 
@@ -69,7 +70,7 @@ def test_static_generate_equals_dynamic(name):
 
 def test_static_tensors_never_move_after_the_prefill():
     torch.set_num_threads(1)
-    model = tiny(layer_pattern="LNLN", memory="gla", attention="fox", window=3, use_short_conv=True, **PRO)
+    model = tiny(layer_pattern="LNLN", memory="gla", attention="fox", mixer=dict(window=3, use_short_conv=True, **PRO))
     ids, mask = left_padded()
     cache = StaticLinmemCache(4, batch_size=3, max_cache_len=ids.shape[1] + 8, device="cpu")
     with torch.no_grad():
@@ -86,7 +87,7 @@ def test_static_tensors_never_move_after_the_prefill():
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_chunked_prefill_equals_one_pass(static):
     torch.set_num_threads(1)
-    model = tiny(layer_pattern="LNL", memory="gated_deltanet", attention="fox", window=6)
+    model = tiny(layer_pattern="LNL", memory="gated_deltanet", attention="fox", mixer=dict(window=6))
     ids, mask = left_padded((11, 5))
 
     def make(chunk):

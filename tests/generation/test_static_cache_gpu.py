@@ -16,9 +16,9 @@ pytestmark = pytest.mark.gpu
 VOCAB = 256
 PRO = dict(qk_norm=True, output_gate=True, output_norm=True, kv_shift=True)
 MODELS = {  # head dim 64: the Triton kernels serve every attention and recurrence call
-    "hybrid": dict(layer_pattern="LNLN", memory="gla", attention="fox", use_short_conv=True, **PRO),
-    "swa+gated_deltanet": dict(layer_pattern="LN", memory="gated_deltanet", attention="swa", window=16),
-    "transformer": dict(layer_pattern="NN", attention="softmax", num_kv_heads=1),
+    "hybrid": dict(layer_pattern="LNLN", memory="gla", attention="fox", mixer=dict(use_short_conv=True, **PRO)),
+    "swa+gated_deltanet": dict(layer_pattern="LN", memory="gated_deltanet", attention="swa", mixer=dict(window=16)),
+    "transformer": dict(layer_pattern="NN", attention="softmax", mixer=dict(num_kv_heads=1)),
 }
 
 

@@ -101,11 +101,11 @@ def test_inactive_parameters_are_the_unchosen_experts():
 
 
 def test_bad_arguments_name_the_valid_choices():
-    with pytest.raises(ValueError, match="num_experts_per_tok = 5"):
+    with pytest.raises(ValueError, match="`num_experts_per_tok` = 5"):
         make(num_experts=4, num_experts_per_tok=5)
     with pytest.raises(ValueError, match="valid: softmax, sigmoid"):
         make(router="relu")
-    with pytest.raises(ValueError, match="moe_capacity_factor"):
+    with pytest.raises(ValueError, match="`capacity_factor` must be a finite number > 0"):
         make(capacity_factor=0.0)
 
 

@@ -10,19 +10,21 @@ import torch
 
 from linmem.layers import mixer_names
 from linmem.models import LinmemConfig, LinmemForCausalLM, LinmemModel
+from linmem.models.config import merge_fields
 
 VOCAB = 64
 PRO = dict(qk_norm=True, output_gate=True, output_norm=True, kv_shift=True)
-CONFIGS = {f"{memory}+softmax-pro": dict(memory=memory, attention="softmax", use_short_conv=True, **PRO)
+CONFIGS = {f"{memory}+softmax-pro": dict(memory=memory, attention="softmax", mixer=dict(use_short_conv=True, **PRO))
            for memory in mixer_names("memory")}
-CONFIGS["mom-kda+moe"] = dict(memory="mom", mom_memory="kda", mlp="moe", num_experts=4, num_shared_experts=1)
-CONFIGS["fox-data_independent"] = dict(attention="fox", forget_gate="data_independent", **PRO)
+CONFIGS["mom-kda+moe"] = dict(memory="mom", mom=dict(memory="kda"), mlp="moe",
+                              moe=dict(num_experts=4, num_shared_experts=1))
+CONFIGS["fox-data_independent"] = dict(attention="fox", mixer=dict(forget_gate="data_independent", **PRO))
 
 
 def config_of(name: str, **over) -> LinmemConfig:
     fields = dict(vocab_size=VOCAB, hidden_size=32, num_heads=2, layer_pattern="LN", intermediate_size=64,
-                  moe_intermediate_size=32, **CONFIGS[name])
-    return LinmemConfig(**{**fields, **over})
+                  moe=dict(intermediate_size=32))
+    return LinmemConfig(**merge_fields(merge_fields(fields, CONFIGS[name]), over))
 
 
 def built(config: LinmemConfig, seed: int) -> LinmemForCausalLM:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from linmem.layers import mixer_names
 from linmem.models import MODEL_RECIPES, LinmemCache, LinmemConfig, LinmemForCausalLM
+from linmem.models.config import merge_fields
 from linmem.models.outputs import output_cache
 
 VOCAB = 64
@@ -28,7 +29,7 @@ def model_id(m):
 
 def tiny(pattern: str, memory: str, attention: str, **over) -> LinmemForCausalLM:
     torch.manual_seed(0)
-    over = {"window": 6, **over} if attention == "swa" else over
+    over = merge_fields({"mixer": {"window": 6}}, over) if attention == "swa" else over
     config = LinmemConfig(vocab_size=VOCAB, hidden_size=32, num_heads=2, layer_pattern=pattern, memory=memory,
                           attention=attention, intermediate_size=64, **over)
     return LinmemForCausalLM(config).eval()
@@ -212,7 +213,7 @@ def saved_activation_bytes_and_gradients(model: LinmemForCausalLM, ids: torch.Te
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_less_memory():
     """Per block, from the config or transformers' gradient_checkpointing_enable(); the routers' losses
     (MoM, MoE) still reach their weights."""
-    over = dict(mom_memory="gla", mlp="moe", num_experts=4, moe_intermediate_size=32)
+    over = dict(mom=dict(memory="gla"), mlp="moe", moe=dict(num_experts=4, intermediate_size=32))
     ids = torch.randint(0, VOCAB, (2, 16))
     loss, grads, memory = saved_activation_bytes_and_gradients(tiny("LN", "mom", "softmax", **over).train(), ids)
     hf = tiny("LN", "mom", "softmax", **over).train()

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.models.config import merge_fields
 from linmem.models.modeling import causal_lm_loss
 from linmem.models.outputs import output_cache
 from linmem.train import Trainer, load_config
@@ -17,17 +18,18 @@ from linmem.train.metrics import read_metrics
 
 VOCAB = 64
 MODELS = {
-    "moe": dict(layer_pattern="LN", mlp="moe", num_experts=4, num_experts_per_tok=2, num_shared_experts=1),
-    "mom-gla": dict(layer_pattern="LL", memory="mom", mom_memory="gla", use_short_conv=True),
-    "mom-mamba2+moe-sigmoid": dict(layer_pattern="LNL", memory="mom", mom_memory="mamba2", mlp="moe",
-                                   num_experts=4, moe_router="sigmoid", num_memories=3, mom_top_k=1),
+    "moe": dict(layer_pattern="LN", mlp="moe", moe=dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1)),
+    "mom-gla": dict(layer_pattern="LL", memory="mom", mom=dict(memory="gla"), mixer=dict(use_short_conv=True)),
+    "mom-mamba2+moe-sigmoid": dict(layer_pattern="LNL", memory="mom", mlp="moe",
+                                   mom=dict(memory="mamba2", num_memories=3, top_k=1),
+                                   moe=dict(num_experts=4, router="sigmoid")),
 }
 
 
 def tiny(**over) -> LinmemForCausalLM:
     torch.manual_seed(0)
-    config = LinmemConfig(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
-                          moe_intermediate_size=32, **over)
+    config = LinmemConfig(**merge_fields(dict(vocab_size=VOCAB, hidden_size=32, num_heads=2, intermediate_size=64,
+                                              moe=dict(intermediate_size=32)), over))
     return LinmemForCausalLM(config).eval()
 
 
@@ -65,12 +67,12 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
     with torch.no_grad():  # equal weights; a memory-mapped weight's alignment may change BLAS's summation order
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
-    assert loaded.config.mom_top_k == 1 and loaded.config.moe_router == "sigmoid"
+    assert loaded.config.mom["top_k"] == 1 and loaded.config.moe["router"] == "sigmoid"
 
 
 def test_aux_loss_is_inside_the_loss_with_its_coefficients():
-    model = tiny(**MODELS["mom-mamba2+moe-sigmoid"], mom_aux_loss_coef=0.1, router_aux_loss_coef=0.2,
-                 router_z_loss_coef=0.3)
+    model = tiny(**merge_fields(MODELS["mom-mamba2+moe-sigmoid"],
+                                dict(mom=dict(aux_loss_coef=0.1), moe=dict(aux_loss_coef=0.2, z_loss_coef=0.3))))
     ids = torch.randint(0, VOCAB, (2, 9))
     out = model(ids, labels=ids, use_cache=False, return_logits=True)
     stats = out.router_stats
@@ -84,7 +86,7 @@ def test_aux_loss_is_inside_the_loss_with_its_coefficients():
     assert model.model.layers[0].mixer.router.weight.grad.abs().sum() > 0
     assert model.model.layers[1].mlp.router.weight.grad.abs().sum() > 0
 
-    plain = tiny(**MODELS["moe"], router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    plain = tiny(**merge_fields(MODELS["moe"], dict(moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0))))
     out = plain(ids, labels=ids, use_cache=False, return_logits=True)
     assert float(out.aux_loss.detach()) == 0.0
     torch.testing.assert_close(out.loss, causal_lm_loss(out.logits, ids))
@@ -102,11 +104,13 @@ def test_router_logits_are_returned_on_request():
 
 @pytest.mark.parametrize("fields,message", [
     (dict(mlp="dense"), "valid: swiglu, moe"),
-    (dict(memory="mom", mom_memory="lstm"), "valid: bayes, deltanet, gated_deltanet"),
-    (dict(num_memories=2, mom_top_k=3), r"mom_top_k = 3 must lie in \[1, num_memories = 2\]"),
-    (dict(mlp="moe", num_experts=4, num_experts_per_tok=6), r"num_experts_per_tok = 6 must lie in \[1, num_experts"),
-    (dict(moe_router="relu"), "valid: softmax, sigmoid"),
-    (dict(router_aux_loss_coef=-1.0), "`router_aux_loss_coef` must be a finite number >= 0"),
+    (dict(memory="mom", mom=dict(memory="lstm")), "valid: bayes, deltanet, gated_deltanet"),
+    (dict(mom=dict(num_memories=2, top_k=3)), r"`mom.top_k` = 3 must lie in \[1, num_memories = 2\]"),
+    (dict(mlp="moe", moe=dict(num_experts=4, num_experts_per_tok=6)),
+     r"`moe.num_experts_per_tok` = 6 must lie in \[1, num_experts"),
+    (dict(moe=dict(router="relu")), "valid: softmax, sigmoid"),
+    (dict(moe=dict(aux_loss_coef=-1.0)), "`moe.aux_loss_coef` must be a finite number >= 0"),
+    (dict(mom=dict(aux_loss_coef=-1.0)), "`mom.aux_loss_coef` must be a finite number >= 0"),
 ])
 def test_config_refuses_invalid_routing_fields(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -117,8 +121,8 @@ def test_trainer_logs_the_aux_loss_and_the_load(tmp_path):
     config = load_config(overrides=[
         "data.mqar.vocab_size=32", "data.mqar.settings=[[16, 2]]", "data.mqar.train_examples=32",
         "data.mqar.eval_examples=8", "data.batch_size=8", "model.hidden_size=16", "model.layer_pattern=LN",
-        "model.memory=mom", "model.options.mlp=moe", "model.options.num_experts=4",
-        "model.options.moe_intermediate_size=16", "schedule.steps=2", "schedule.warmup_steps=1",
+        "model.memory=mom", "model.options.mlp=moe", "model.options.moe.num_experts=4",
+        "model.options.moe.intermediate_size=16", "schedule.steps=2", "schedule.warmup_steps=1",
         "run.save_every=0", "run.log_every=1", "run.progress=false", "run.tensorboard=false",
         f"run.out_dir={tmp_path}",
     ])

@@ -48,7 +48,7 @@ def test_empty_sequences_at_the_end_change_no_loss_and_no_gradient(pattern, memo
 
 def test_what_cannot_be_captured_is_refused_by_name(tmp_path):
     moe = LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="L", mlp="moe",
-                                         num_experts=2, moe_intermediate_size=16))
+                                         moe=dict(num_experts=2, intermediate_size=16)))
     assert "model.layers.0.mlp routes tokens" in graph_refusal(moe, torch.device("cuda"), world=1)
     assert "one process" in graph_refusal(moe, torch.device("cuda"), world=2)
     config = load_config(overrides=["data.mqar.vocab_size=32", "data.mqar.settings=[[16, 2]]", "model.hidden_size=16",

@@ -17,6 +17,7 @@ import pytest
 from linmem.cli import main
 from linmem.train import CheckpointError, ConfigError, Interrupted, RunError, Trainer, load_config
 from linmem.train.checkpoint import list_checkpoints, verify_checkpoint
+from linmem.train.config import read_config_file
 from linmem.train.rundir import RunLock
 
 
@@ -157,10 +158,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, monkeypatch, capsys)
 
 
 def test_config_mistakes_are_named(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"model.options.windw' \(did you mean 'window'\?\); valid: .*window"):
-        tiny(tmp_path, "model.options.windw=16")
-    with pytest.raises(ConfigError, match="set it as model.options.window"):
-        tiny(tmp_path, "model.window=16")
+    with pytest.raises(ConfigError, match=r"model.options.mixer.windw' \(did you mean 'window'\?\); valid: .*window"):
+        tiny(tmp_path, "model.options.mixer.windw=16")
+    with pytest.raises(ConfigError, match=r"model.options.mixr' \(did you mean 'mixer'\?\); valid: .*mixer"):
+        tiny(tmp_path, "model.options.mixr.window=16")
+    with pytest.raises(ConfigError, match=r"model.options.window' \(a mixer option: set model.options.mixer.window\)"):
+        tiny(tmp_path, "model.options.window=16")
+    with pytest.raises(ConfigError, match="model.mom_top_k' \\(a mixer option: set model.options.mom.top_k\\)"):
+        tiny(tmp_path, "model.mom_top_k=1")
+    with pytest.raises(ConfigError, match="set it as model.options.mlp"):
+        tiny(tmp_path, "model.mlp=moe")
     with pytest.raises(ConfigError, match=r"warmup_steps \(9\) must be <= schedule.steps \(4\)"):
         tiny(tmp_path, "schedule.warmup_steps=9")
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's 2 processes, a parallel section of 1
@@ -170,3 +177,12 @@ def test_config_mistakes_are_named(tmp_path, monkeypatch):
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             Trainer(tiny(tmp_path, "run.device=cuda"))
+
+
+def test_a_run_saved_with_flat_mixer_options_loads_them_into_their_sections(tmp_path):
+    """config.yaml of a run made before the config's sections holds the mixer options flat in model.options."""
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  memory: mom\n  options:\n    mom_top_k: 1\n    window: 8\n    mlp: swiglu\n")
+    config = load_config(str(path))
+    assert config.model.options == {"mlp": "swiglu", "mom": {"top_k": 1}, "mixer": {"window": 8}}
+    assert read_config_file(path)["model"]["options"] == config.model.options

@@ -21,7 +21,8 @@ KINDS = {
     "mamba2": dict(layer_pattern="LL", memory="mamba2"),
     "bayes": dict(layer_pattern="LN", memory="bayes"),
     "mom": dict(layer_pattern="LL", memory="mom"),
-    "moe": dict(layer_pattern="LN", memory="gated_deltanet", mlp="moe", num_experts=4, moe_intermediate_size=64),
+    "moe": dict(layer_pattern="LN", memory="gated_deltanet", mlp="moe",
+                moe=dict(num_experts=4, intermediate_size=64)),
 }
 
 

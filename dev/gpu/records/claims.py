@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from linmem.eval.plots import plot_loss_curves, plt, read_metrics  # noqa: E402
 from linmem.eval.position_loss import PositionCurve, plot_position_loss  # noqa: E402
 from linmem.eval.tables import write_table  # noqa: E402
+from linmem.models.config import nest_flat_fields  # noqa: E402
 
 RECIPES = REPO / "linmem" / "recipes"
 NIAH_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multiquery"]
@@ -147,14 +148,15 @@ def eval_commands(models: list[str], out: Path, args: argparse.Namespace) -> dic
 
 def run_summary(run: Path) -> dict:
     """What one run measured: params, state, training, and every eval metric."""
-    config = json.loads((run / "model" / "config.json").read_text())
+    config = nest_flat_fields(json.loads((run / "model" / "config.json").read_text()))
     metrics = read_metrics(run / "metrics.jsonl")
     train_rows = [m for m in metrics if "loss" in m]
     summary = {f"{r['suite']}:{r['metric']}": r["value"]
                for r in json.loads((run / "eval" / "summary.json").read_text())["summary"]}
     position = json.loads((run / "eval" / "position_loss.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_heads"]
-    memories = (config["num_memories"] + int(config["shared_memory"])) if config["memory"] == "mom" else 1
+    mixer, mom = config["mixer"], config["mom"]
+    head_dim = mixer["head_dim"] or config["hidden_size"] // config["num_heads"]
+    memories = (mom["num_memories"] + int(mom["shared_memory"])) if config["memory"] == "mom" else 1
     import torch
 
     from linmem.models import LinmemConfig, LinmemForCausalLM
@@ -163,7 +165,7 @@ def run_summary(run: Path) -> dict:
         model = LinmemForCausalLM(LinmemConfig.from_pretrained(run / "model"))
     return {
         "params_m": model.num_all_parameters() / 1e6,
-        "state_per_layer": config["num_heads"] * head_dim * int(head_dim * config["expand_v"]) * memories,
+        "state_per_layer": config["num_heads"] * head_dim * int(head_dim * mixer["expand_v"]) * memories,
         "tokens": train_rows[-1]["tokens"], "tok_s": train_rows[-1]["tok_s_cumulative"],
         "final_train_loss": train_rows[-1]["loss"],
         "train_length": position["train_length"],

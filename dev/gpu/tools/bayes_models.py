@@ -39,6 +39,7 @@ from linmem.bench.models import error_text, free_memory, is_out_of_memory, time_
 from linmem.bench.peers import ModelShape, linmem_config_kwargs
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.models.config import merge_fields
 from linmem.models.outputs import output_cache
 
 DEV = "cuda"
@@ -108,8 +109,8 @@ def compile_check() -> dict:
 
 MODELS = {
     "gated_deltanet 4 x 256": {},
-    "gated_deltanet 8 x 128": dict(num_heads=8, head_dim=128),
-    "bayes 8 x 128": dict(memory="bayes", num_heads=8, head_dim=128),
+    "gated_deltanet 8 x 128": dict(num_heads=8, mixer=dict(head_dim=128)),
+    "bayes 8 x 128": dict(memory="bayes", num_heads=8, mixer=dict(head_dim=128)),
 }
 
 
@@ -119,7 +120,7 @@ def timing(name: str, T: int, shape: ModelShape) -> dict:
     free_memory(DEV)
     try:
         torch.manual_seed(0)
-        config = LinmemConfig(**(linmem_config_kwargs("gated_deltanet", shape) | MODELS[name]))
+        config = LinmemConfig(**merge_fields(linmem_config_kwargs("gated_deltanet", shape), MODELS[name]))
         model = LinmemForCausalLM(config).to(DEV, torch.bfloat16).train()
         cell["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
         ids = torch.randint(0, shape.vocab_size, (B, T), device=DEV)

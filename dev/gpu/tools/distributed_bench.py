@@ -62,8 +62,8 @@ DP_LAYOUTS = {"units1": (True, 1, False), "gathered": (False, 1, False), "units4
               "compiled": (True, 1, True)}
 DEV = "cuda"  # "cpu" with --smoke: tiny models on gloo, to try the script without GPUs
 OUT_DIR = Path("out")  # --out
-SMOKE = {"hidden_size": 64, "num_heads": 2, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32}
+SMOKE = {"hidden_size": 64, "num_heads": 2, "vocab_size": 256,
+         "moe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}}
 
 
 def log(*parts) -> None:

@@ -37,8 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 MOE = ["model.hidden_size=128", "model.num_heads=4", "model.layer_pattern=LLLN", "model.options.mlp=moe",
-       "model.options.num_experts=8", "model.options.num_experts_per_tok=2", "model.options.moe_intermediate_size=128",
-       "model.options.num_shared_experts=1", "model.options.use_short_conv=false"]
+       "model.options.moe.num_experts=8", "model.options.moe.num_experts_per_tok=2",
+       "model.options.moe.intermediate_size=128", "model.options.moe.num_shared_experts=1",
+       "model.options.mixer.use_short_conv=false"]
 MQAR = ["data.task=mqar", "data.mqar.vocab_size=512", "data.mqar.settings=[[256, 16]]", "data.mqar.train_examples=4096",
         "data.mqar.eval_examples=64", "optim.lr=0.003", "schedule.steps=8", "schedule.warmup_steps=2",
         "run.save_every=4", "run.log_every=1", "run.progress=false", "run.tensorboard=false", "run.dtype=fp32"]
@@ -49,7 +50,7 @@ TEXT = ["model.recipe=hybrid-gdn-340m", "data.task=text", "data.text.max_files=4
 SMOKE = {"model.hidden_size=128": "model.hidden_size=32", "model.num_heads=4": "model.num_heads=2",
          "model.layer_pattern=LLLN": "model.layer_pattern=LN", "data.mqar.settings=[[256, 16]]":
          "data.mqar.settings=[[32, 4]]", "data.mqar.train_examples=4096": "data.mqar.train_examples=256",
-         "model.options.moe_intermediate_size=128": "model.options.moe_intermediate_size=32",
+         "model.options.moe.intermediate_size=128": "model.options.moe.intermediate_size=32",
          "model.recipe=hybrid-gdn-340m": "model.hidden_size=64", "data.text.max_files=400": "data.text.max_files=20",
          "data.tokens_per_batch=8192": "data.tokens_per_batch=256", "schedule.steps=30": "schedule.steps=6",
          "run.dtype=bf16": "run.dtype=fp32"}

@@ -15,7 +15,8 @@ are that class's fields (:data:`SECTIONS`, :func:`section_fields`):
   read by ``llama_attention`` and ``liger``;
 * ``liger``, ``gsa``, ``mom``: the own fields of Liger Attention, Gated Slot Attention and the mixture of
   memories (a field the class spells ``liger_window`` beside MixerArgs's ``window`` is ``window`` in its section);
-* ``moe``: :class:`~linmem.layers.moe.MoEArgs` of ``mlp="moe"``, and the weights of its losses.
+* ``moe``: :class:`~linmem.layers.moe.MoEArgs` of ``mlp="moe"``, and the weights of its losses;
+* ``titans``: :class:`~linmem.layers.titans.TitansArgs`, Titans' momentum switch.
 
 A section keeps the defaults of the keys it is not given. Adding a field to one of these classes adds it to
 its section. Every field is validated on construction: a wrong type or value, an unknown field or section key
@@ -43,6 +44,7 @@ from transformers import GenerationConfig, PretrainedConfig
 from ..layers import MixerArgs, mixer_class, mixer_names
 from ..layers.base import check_bool, check_choice, check_float, check_int
 from ..layers.gsa import GSAArgs
+from ..layers.titans import TitansArgs
 from ..layers.liger import LigerArgs, PretrainedAttentionArgs
 from ..layers.moe import MoEArgs
 from ..layers.mom import MoMArgs
@@ -77,7 +79,7 @@ def pretrained_config_keys() -> frozenset[str]:
 #: the sections of mixer options: name -> the arguments class that declares (and validates) its keys
 SECTIONS: dict[str, type] = {
     "mixer": MixerArgs, "llama_attention": PretrainedAttentionArgs, "liger": LigerArgs, "gsa": GSAArgs,
-    "mom": MoMArgs, "moe": MoEArgs,
+    "mom": MoMArgs, "moe": MoEArgs, "titans": TitansArgs,
 }
 #: arguments the model sets itself (from its own fields and each layer's place), so no section has them
 MODEL_SET_ARGS = frozenset({"hidden_size", "num_heads", "norm_eps", "backend", "layer_idx", "num_layers", "init_std"})
@@ -192,7 +194,7 @@ class LinmemConfig(PretrainedConfig):
     """Configuration of :class:`~linmem.models.LinmemForCausalLM`.
 
     The mixers' options come in sections (see the module docstring): ``mixer``, ``llama_attention``, ``liger``,
-    ``gsa``, ``mom`` and ``moe``, each a dict of the keys it sets (the others keep their defaults).
+    ``gsa``, ``mom``, ``moe`` and ``titans``, each a dict of the keys it sets (the others keep their defaults).
 
     Example:
         >>> from linmem.models import LinmemConfig
@@ -229,6 +231,7 @@ class LinmemConfig(PretrainedConfig):
         gsa: Optional[dict[str, Any]] = None,
         mom: Optional[dict[str, Any]] = None,
         moe: Optional[dict[str, Any]] = None,
+        titans: Optional[dict[str, Any]] = None,
         output_router_logits: bool = False,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
@@ -257,6 +260,7 @@ class LinmemConfig(PretrainedConfig):
         self.gsa = section_values("gsa", gsa)  # memory="gsa": the slots
         self.mom = section_values("mom", mom)  # memory="mom": the mixture of memories and its loss weight
         self.moe = section_values("moe", moe)  # mlp="moe": the experts and the weights of their losses
+        self.titans = section_values("titans", titans)  # memory="titans": the momentum switch
         self.output_router_logits = output_router_logits  # also return every routed layer's router logits
         self.rms_norm_eps = rms_norm_eps  # epsilon of every RMSNorm
         self.initializer_range = initializer_range  # std of normal weight init

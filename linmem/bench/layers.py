@@ -3,6 +3,8 @@
 * MoM layer (Gated DeltaNet memories, M = 4, top-2, shared memory) forward+backward
   against the single-memory Gated DeltaNet layer of the same width, and against
   flash-linear-attention's MoM layer when fla ships one;
+* single memory mixers by name (``--parts mixers --mixers ttt,titans``) forward+backward, Titans
+  with and without its momentum (the momentum runs ``linmem.ops.titans``' chunked PyTorch form);
 * the MoE feed-forward with grouped GEMM (``torch._grouped_mm``) against the
   per-expert loop, same weights;
 * training tokens/s of a model recipe (default ``linear-moe-a0.3b-2b``) at sequence
@@ -22,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from . import BenchError
-from ..layers import MixerArgs, build_mixer
+from ..layers import MixerArgs, build_mixer, mixer_class, mixer_names
 from ..layers.moe import MoEArgs, MoEFeedForward
 from ..layers.mom import MoMArgs
 from ..models import LinmemForCausalLM, model_recipe
@@ -88,6 +90,43 @@ def _fla_mom_row(x: torch.Tensor, hidden: int, heads: int) -> dict:
     return row
 
 
+#: the options each bench row of a mixer is timed with besides its defaults (one row per entry)
+MIXER_VARIANTS: dict[str, tuple[dict, ...]] = {"titans": ({}, {"momentum": True})}
+
+
+def mixer_variants(names: list[str], hidden: int, heads: int) -> list[tuple[str, torch.nn.Module]]:
+    """(label, mixer) of every memory mixer in ``names`` and each of its :data:`MIXER_VARIANTS`, on the CPU.
+
+    Example:
+        >>> [label for label, _ in mixer_variants(["ttt", "titans"], 64, 2)]
+        ['ttt', 'titans', 'titans momentum=True']
+    """
+    unknown = [n for n in names if n not in mixer_names("memory")]
+    if unknown:
+        raise BenchError(f"--mixers: unknown memory mixers {unknown}; valid: {', '.join(mixer_names('memory'))}")
+    rows = []
+    for name in names:
+        for options in MIXER_VARIANTS.get(name, ({},)):
+            label = " ".join([name, *(f"{k}={v}" for k, v in options.items())])
+            args = mixer_class(name).args_class(hidden_size=hidden, num_heads=heads, **options)
+            rows.append((label, build_mixer(name, args)))
+    return rows
+
+
+def bench_mixers(names: list[str], tokens: int, seq_len: int, hidden: int, heads: int) -> list[dict]:
+    """Forward+backward of single memory mixers (bf16 autocast), one row per :func:`mixer_variants` entry."""
+    x = torch.randn(tokens // seq_len, seq_len, hidden, device="cuda", requires_grad=True)
+    rows = []
+    for label, mixer in mixer_variants(names, hidden, heads):
+        row = {"part": "mixers", "name": label, "B": x.shape[0], "T": seq_len, "D": hidden, "H": heads}
+        try:
+            row["fwdbwd_ms"] = cuda_time_ms(_fwd_bwd(mixer.cuda(), x))
+        except Exception as err:  # a mixer that cannot run these shapes says so in its row
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def bench_moe(tokens: int, hidden: int, experts: int, top_k: int, width: int) -> list[dict]:
     """Grouped GEMM vs per-expert loop for one MoE feed-forward, same weights, fwd+bwd."""
     x = torch.randn(1, tokens, hidden, device="cuda", requires_grad=True)
@@ -137,7 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     parser.add_argument("--recipe", default="linear-moe-a0.3b-2b", help="model recipe of the tokens/s rows")
     parser.add_argument("--seq-lens", default="2048,4096,8192,16384", help="sequence lengths of the tokens/s rows")
-    parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train")
+    parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train, mixers")
+    parser.add_argument("--mixers", default="gated_deltanet,ttt,titans",
+                        help="memory mixers of the mixers rows (D 1024, 8 heads of 128, T 2048)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -155,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     if "mom" in parts:
         rows += bench_mom(args.tokens, 2048, hidden=1024, heads=4)
+    if "mixers" in parts:
+        rows += bench_mixers(args.mixers.split(","), args.tokens, 2048, hidden=1024, heads=8)
     if "moe" in parts:
         rows += bench_moe(args.tokens, hidden=1024, experts=64, top_k=8, width=896)
     if "train" in parts:

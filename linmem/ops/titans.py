@@ -143,8 +143,9 @@ def titans_momentum_step(
     Example:
         >>> M, S = torch.zeros(3, 2, 4, 4), torch.zeros(3, 2, 4, 4)
         >>> gate = torch.full((3, 2), -0.1)
-        >>> o, _ = titans_momentum_step(torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), (M, S),
-        ...                             log_decay=gate, theta=gate.exp(), log_momentum=gate)
+        >>> with torch.no_grad():
+        ...     o, _ = titans_momentum_step(torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), (M, S),
+        ...                                 log_decay=gate, theta=gate.exp(), log_momentum=gate)
         >>> o.shape, bool(M.abs().sum() > 0)
         (torch.Size([3, 2, 4]), True)
     """

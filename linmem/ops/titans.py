@@ -181,9 +181,14 @@ def _reference(q, k, v, log_decay, theta, log_momentum, rho, scale, state):
     return o, state
 
 
+def _ratios(log: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """exp(log_t - log_s) for s <= t, exactly 0 elsewhere (exp is never taken of the other pairs): [.., C, C]."""
+    return torch.exp(torch.where(causal, log[..., :, None] - log[..., None, :], float("-inf")))
+
+
 def _chunked(q, k, v, log_decay, theta, log_momentum, rho, scale, state):
     """The chunked form over ``[B, T, ...]`` (see the module docstring): ``(o [B, T, H, V], (M, S))``."""
-    B, T, H, K = q.shape
+    T = q.shape[1]
     C = CHUNK_SIZE
     pad = -T % C
     n = (T + pad) // C
@@ -198,9 +203,8 @@ def _chunked(q, k, v, log_decay, theta, log_momentum, rho, scale, state):
     lA, lH = chunks(log_decay).cumsum(-1), chunks(log_momentum).cumsum(-1)  # [B, H, n, C]
     theta, rho = chunks(theta), chunks(rho)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = lambda log: torch.exp(torch.where(causal, log[..., :, None] - log[..., None, :], float("-inf")))  # noqa: E731
-    E = decay(lA) * rho[..., None, :]  # A_t / A_i rho_i, i <= t
-    Fm = decay(lH)  # H_i / H_j, j <= i
+    E = _ratios(lA, causal) * rho[..., None, :]  # A_t / A_i rho_i, i <= t
+    Fm = _ratios(lH, causal)  # H_i / H_j, j <= i
     D = E @ Fm  # [.., C, C], lower triangular
     c = (E @ lH.exp()[..., None])[..., 0]  # [.., C]
     A = lA.exp()

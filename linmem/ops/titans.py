@@ -27,7 +27,8 @@ so ``e`` solves the unit lower-triangular system ``(I + diag(theta) (D_{t-1,j} k
 theta (v - A_{t-1} k M_0 - c_{t-1} k S_0)``. Everything but ``(M_0, S_0)`` is computed for all chunks at
 once; a loop over the chunks carries the pair (four small matmuls per chunk). All ratios are exponentials
 of differences of cumulative log gates over ``i <= t``, so they stay in ``[0, 1]``. Packed sequences
-(``cu_seqlens``) run one after the other.
+(``cu_seqlens``, read on the host) run one after the other. It is plain PyTorch: no Triton kernel, and no
+custom op (``torch.compile`` breaks its graph at the host reads and traces the chunk loop unrolled).
 """
 
 from __future__ import annotations
@@ -95,8 +96,14 @@ def titans_momentum(
     for name, x in (("log_decay", log_decay), ("theta", theta), ("log_momentum", log_momentum), ("rho", rho)):
         if x is not None and x.shape != (B, T, H):
             raise ValueError(f"titans_momentum: `{name}` must be [B, T, H] = {[B, T, H]}, got {list(x.shape)}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"titans_momentum: `cu_seqlens` packs sequences along T and needs B == 1, got B = {B}")
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"titans_momentum: `q`, `k`, `v` must share one floating dtype, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        if B != 1 or not bounds or bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"titans_momentum: `cu_seqlens` must rise from 0 to T = {T} and pack sequences along T "
+                             f"(B == 1), got {bounds} with B = {B}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     acc = torch.promote_types(q.dtype, torch.float32)
     if initial_state is None:
@@ -113,7 +120,6 @@ def titans_momentum(
     if cu_seqlens is None:
         o, final = run(*inputs, scale, state)
     else:
-        bounds = cu_seqlens.tolist()
         outputs, finals = [], []
         for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             o, final = run(*(x[:, start:end] for x in inputs), scale, (state[0][n : n + 1], state[1][n : n + 1]))

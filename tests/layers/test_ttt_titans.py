@@ -228,6 +228,10 @@ def test_momentum_refuses_bad_arguments():
         titans_momentum(**inputs, backend="triton")
     with pytest.raises(ValueError, match="`theta` must be"):
         titans_momentum(**dict(inputs, theta=inputs["theta"][..., :1]))
+    with pytest.raises(TypeError, match="one floating dtype"):
+        titans_momentum(**dict(inputs, v=inputs["v"].float()))
+    with pytest.raises(ValueError, match="`cu_seqlens` must rise from 0 to T = 4"):
+        titans_momentum(**inputs, cu_seqlens=torch.tensor([0, 3, 2, 4]))
 
 
 # ----------------------------------------------------------------------------- the layer with momentum

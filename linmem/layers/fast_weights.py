@@ -43,7 +43,12 @@ XAVIER_GAIN = 2 ** -2.5
 
 
 def log_sigmoid_gate(logits: torch.Tensor) -> torch.Tensor:
-    """logσ(logits) in fp32 (fp64 for fp64 logits), saving only the logits for the backward."""
+    """logσ(logits) in fp32 (fp64 for fp64 logits), any shape, saving only the logits for the backward.
+
+    Example:
+        >>> log_sigmoid_gate(torch.zeros(2, dtype=torch.bfloat16))
+        tensor([-0.6931, -0.6931])
+    """
     acc = torch.promote_types(logits.dtype, torch.float32)
     return pointwise(logits, lambda x: F.logsigmoid(x.to(acc)), lambda x: torch.sigmoid(-x.to(acc)))
 

@@ -46,7 +46,13 @@ DT_RANGE = (1e-3, 1e-1)
 
 
 def s4d_real_a_log(channels: int, state: int, device: Optional[torch.device] = None) -> torch.Tensor:
-    """log of -A for S4D-Real's ``A[c, n] = -(n + 1)``: ``[channels, state]``."""
+    """log of -A for S4D-Real's ``A[c, n] = -(n + 1)``: ``[channels, state]``.
+
+    Example:
+        >>> -s4d_real_a_log(2, 3).exp()
+        tensor([[-1., -2., -3.],
+                [-1., -2., -3.]])
+    """
     return torch.arange(1, state + 1, dtype=torch.float32, device=device).log().expand(channels, state).clone()
 
 

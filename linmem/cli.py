@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,"
                                       "attention,fox,swa,fox_swa",
-                     help="memory ops of the unified recurrence and forgetting_attention's: 'attention' (causal), "
+                     help="memory ops of the unified recurrence ('gfw': a full [K, V] decay, as gfw and mamba "
+                          "give it; not timed unless named) and forgetting_attention's: 'attention' (causal), "
                           "'fox' (causal, forget gate), 'swa' (sliding window of --window keys), 'fox_swa' (both)")
     ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
     ops.add_argument("--peers", nargs="?", const="sdpa,flex,fla", default="",

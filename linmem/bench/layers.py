@@ -6,7 +6,9 @@
 * the MoE feed-forward with grouped GEMM (``torch._grouped_mm``) against the
   per-expert loop, same weights;
 * training tokens/s of a model recipe (default ``linear-moe-a0.3b-2b``) at sequence
-  lengths 2K..16K with a fixed number of tokens per step.
+  lengths 2K..16K with a fixed number of tokens per step;
+* (part ``mixers``, not run by default) forward+backward of single mixer layers named by
+  ``--mixers`` (default the Table-1 memories ``gfw,gateloop,mamba,s4`` beside ``gla`` and ``mamba2``).
 
 Times are medians of CUDA-event-timed repeats after a warm-up; every row is printed as
 one JSON line too, for BENCHMARKS.md.
@@ -88,6 +90,30 @@ def _fla_mom_row(x: torch.Tensor, hidden: int, heads: int) -> dict:
     return row
 
 
+#: the state sizes of the SSM papers (Mamba: N = 16 and an inner width of 2D; S4D: N = 64), per mixer
+SSM_SHAPES = {"mamba": lambda hidden, heads: dict(head_dim=16, expand_v=2 * hidden / (heads * 16)),
+              "s4": lambda hidden, heads: dict(head_dim=64)}
+
+
+def bench_mixers(tokens: int, seq_len: int, hidden: int, heads: int, names: list[str]) -> list[dict]:
+    """Forward+backward (bf16 autocast) of one layer of each registered mixer in ``names``: its defaults,
+    the papers' state sizes for the SSMs (:data:`SSM_SHAPES`)."""
+    x = torch.randn(tokens // seq_len, seq_len, hidden, device="cuda", requires_grad=True)
+    rows = []
+    for name in names:
+        row = {"part": "mixers", "name": name, "B": x.shape[0], "T": seq_len, "D": hidden}
+        try:
+            shape = SSM_SHAPES[name](hidden, heads) if name in SSM_SHAPES else {}
+            mixer = build_mixer(name, MixerArgs(hidden_size=hidden, num_heads=heads, **shape)).cuda()
+            row["fwdbwd_ms"] = cuda_time_ms(_fwd_bwd(mixer, x))
+        except Exception as err:  # a layer that cannot run these shapes (memory) says so in the table
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        finally:
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
 def bench_moe(tokens: int, hidden: int, experts: int, top_k: int, width: int) -> list[dict]:
     """Grouped GEMM vs per-expert loop for one MoE feed-forward, same weights, fwd+bwd."""
     x = torch.randn(1, tokens, hidden, device="cuda", requires_grad=True)
@@ -137,7 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     parser.add_argument("--recipe", default="linear-moe-a0.3b-2b", help="model recipe of the tokens/s rows")
     parser.add_argument("--seq-lens", default="2048,4096,8192,16384", help="sequence lengths of the tokens/s rows")
-    parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train")
+    parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train, mixers")
+    parser.add_argument("--mixers", default="gla,mamba2,gfw,gateloop,mamba,s4",
+                        help="registered mixers of the part 'mixers' (one layer each, D = 1024, 4 heads, T = 2048)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -157,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         rows += bench_mom(args.tokens, 2048, hidden=1024, heads=4)
     if "moe" in parts:
         rows += bench_moe(args.tokens, hidden=1024, experts=64, top_k=8, width=896)
+    if "mixers" in parts:
+        rows += bench_mixers(args.tokens, 2048, hidden=1024, heads=4, names=args.mixers.split(","))
     if "train" in parts:
         rows += bench_model(args.recipe, args.tokens, [int(t) for t in args.seq_lens.split(",")])
     for row in rows:

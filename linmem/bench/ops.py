@@ -52,7 +52,10 @@ MEMORY_OPS = {
     "deltanet": ("none", True, False),
     "gated_deltanet": ("scalar", True, False),
     "kda": ("vector", True, False),
+    "gfw": ("full", False, False),  # a [K, V] decay per token (gfw, mamba): the chunk backend only
 }
+#: the ops timed when none are named: all but the full decays, whose fp32 gates alone take B*T*H*K*V*4 bytes
+DEFAULT_OPS = tuple(op for op, (kind, _, _) in MEMORY_OPS.items() if kind != "full")
 #: peers timed on the inputs of a memory op: fla function name per op
 FLA_PEERS = {
     "mamba2": "chunk_simple_gla",
@@ -81,7 +84,7 @@ class BenchConfig:
     heads: int = 16  # H
     head_dim: int = 128  # K = V
     dtype: str = "bfloat16"  # activations; gates stay fp32
-    ops: tuple[str, ...] = tuple(MEMORY_OPS) + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
+    ops: tuple[str, ...] = DEFAULT_OPS + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
     peers: tuple[str, ...] = ()  # some of PEERS, measured in the same run
     window: int = 512  # keys a query sees in the windowed attention ops (swa, fox_swa)
@@ -166,7 +169,7 @@ def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     if delta:
         k = F.normalize(k.float(), dim=-1).to(dtype)
     args = {"q": leaf(q), "k": leaf(k), "v": leaf(v)}
-    gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D)}.get(kind)
+    gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D), "full": (B, T, H, D, D)}.get(kind)
     if gate is not None:
         args["log_decay"] = leaf(F.logsigmoid(torch.randn(*gate, device=device)) * (0.1 * gates))
     if delta:
@@ -209,7 +212,8 @@ def nominal_cost(op: str, B: int, T: int, H: int, D: int, act_bytes: int) -> tup
     C, K, V = 64, D, D
     fwd = 2 * C * (K + V) + 4 * K * V + (2 * C * K + 2 * C * (K + V) + 2 * K * V if delta else 0)
     flops = 3 * fwd * B * T * H
-    gate = {"none": 0, "constant": 0, "scalar": 4, "vector": 4 * K}[kind] + (act_bytes if delta else 0)
+    gate = {"none": 0, "constant": 0, "scalar": 4, "vector": 4 * K, "full": 4 * K * V}[kind]
+    gate += act_bytes if delta else 0
     per_token = (3 * D * act_bytes + gate)  # inputs
     fwd_bytes = per_token + D * act_bytes
     bwd_bytes = 2 * per_token + D * act_bytes

@@ -4,8 +4,9 @@ Structures", arXiv 2503.01496) and the softmax attention of the pretrained model
 ``llama_attention`` is softmax attention laid out as Llama, Mistral, Qwen2 and Qwen3 lay it out:
 q/k/v/o projections (q, k, v with biases for Qwen2, o with one for Llama's ``attention_bias``),
 GQA, Qwen3's RMSNorm of q and k over the head dim with one weight shared by the heads
-(``qk_norm``), RoPE with the checkpoint's frequency scaling (``rope_scaling_params``), and an
-optional ``window`` (Mistral's sliding window).
+(``qk_norm``), RoPE with the checkpoint's frequency scaling (``rope_scaling_params``; ``rope=False``
+leaves q and k unrotated, as the NoPE layers of some checkpoints), and an optional ``window`` (Mistral's
+sliding window).
 
 ``liger`` turns those same projections into Liger Attention, with no parameter of its own::
 
@@ -145,7 +146,7 @@ class PretrainedAttentionArgs(MixerArgs):
     def validate(self, owner: str = "llama_attention") -> None:
         super().validate(owner)
         PretrainedAttentionArgs.validate_options(self, owner)
-        if self.key_dim % 2:
+        if self.key_dim % 2 and self.rope is not False:
             raise ValueError(f"{owner}: RoPE needs an even head dim, got {self.key_dim}")
 
     def validate_options(self, owner: str = "llama_attention") -> None:
@@ -220,7 +221,8 @@ class _PretrainedProjections(Mixer):
         if args.qk_norm:
             self.q_norm = RMSNorm(K, eps=args.norm_eps)
             self.k_norm = RMSNorm(K, eps=args.norm_eps)
-        self.rope = RotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
+        if args.rope is not False:
+            self.rope = RotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] (before RoPE)."""
@@ -233,7 +235,10 @@ class _PretrainedProjections(Mixer):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor, cache: Optional[LayerState],
                position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it)."""
+        """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it);
+        q and k as they are with ``rope=False``."""
+        if self.args.rope is False:
+            return q, k
         if position_ids is None:
             position_ids = default_positions(hidden, cache, cu_seqlens)
         return self.rope.pair(q, k, position_ids)

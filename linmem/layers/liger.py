@@ -293,6 +293,9 @@ class PretrainedAttention(_PretrainedProjections):
         if args.forget_gate != "data_dependent":
             raise ValueError(f"{cls.name}: has no forget gate, so `forget_gate` = {args.forget_gate!r} would be "
                              f"ignored; forget gates belong to fox")
+        if args.prune_tolerance is not None:
+            raise ValueError(f"{cls.name}: has no forget gate, so `prune_tolerance` = {args.prune_tolerance} would "
+                             f"prune nothing; pruning belongs to fox")
 
     def forward(
         self,

@@ -235,6 +235,6 @@ def test_prune_tolerance_is_refused_by_name():
     for bad in (-0.1, 0.0, 1.0, True):
         with pytest.raises(ValueError, match="`prune_tolerance` must"):
             make("fox", prune_tolerance=bad)
-    for name, over in (("softmax", {}), ("swa", {"window": 4})):
+    for name, over in (("softmax", {}), ("swa", {"window": 4}), ("llama_attention", {})):
         with pytest.raises(ValueError, match=f"{name}: has no forget gate, so `prune_tolerance`"):
             make(name, prune_tolerance=0.01, **over)

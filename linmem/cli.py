@@ -162,7 +162,8 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         window=args.window, decode_batch=args.decode_batch, gates=args.gates,
+                         window=args.window, prune_tolerance=args.prune_tolerance,
+                         decode_batch=args.decode_batch, gates=args.gates,
                          breakdown=args.breakdown, accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
@@ -287,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "causality and window as block mask; CUDA), fla (flash-linear-attention's kernel of each "
                           "memory op and parallel_forgetting_attn for fox)")
     ops.add_argument("--window", type=int, default=512, help="keys a query sees in the ops swa and fox_swa")
+    ops.add_argument("--prune-tolerance", type=float, default=None,
+                     help="also time fox and fox_swa with adaptive computation pruning at this tolerance")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--gates", type=float, default=1.0,
                      help="log decays this many times the default: 10 and 100 send per-channel decays down the "

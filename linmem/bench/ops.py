@@ -14,6 +14,8 @@ Rows of an attention op (``attention``: causal; ``fox``: causal with the forget 
 ``swa``: a sliding window of ``--window`` keys; ``fox_swa``: the gate and the window):
 
 * ``linmem``: ``forgetting_attention`` (its flash kernels on CUDA);
+* ``linmem.pruned`` (gated ops, with ``--prune-tolerance eps``): the same with adaptive computation
+  pruning (``prune_tolerance=eps``), which skips the key tiles whose forget bias drops them;
 * ``torch.sdpa_causal`` (peer ``sdpa``): PyTorch SDPA, full causal, no gate, the kernel PyTorch
   picks (flash or cuDNN): the lower bound that every other row of the op states its ratio to;
 * ``torch.flex_<op>`` (peer ``flex``, CUDA only): ``torch.compile(flex_attention)`` with the
@@ -88,6 +90,7 @@ class BenchConfig:
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
     peers: tuple[str, ...] = ()  # some of PEERS, measured in the same run
     window: int = 512  # keys a query sees in the windowed attention ops (swa, fox_swa)
+    prune_tolerance: Optional[float] = None  # also time the gated attention ops pruned at this tolerance
     decode_batch: int = 64  # B of the decoding rows (0: none)
     gates: float = 1.0  # log decays this many times memory_inputs' default (10: past the one-reference bound)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
@@ -103,6 +106,9 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.peers: unknown {unknown}, expected some of {list(PEERS)}")
         if self.window < 1:
             raise ValueError(f"BenchConfig.window: expected a number of keys >= 1, got {self.window}")
+        if self.prune_tolerance is not None and not 0 < self.prune_tolerance < 1:
+            raise ValueError(f"BenchConfig.prune_tolerance: expected a softmax mass in (0, 1) or None, got "
+                             f"{self.prune_tolerance}")
 
 
 @dataclass
@@ -356,6 +362,10 @@ def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
     leaves = grad_leaves(args)
     rows = [_time_fwd_bwd(bench, lambda: forgetting_attention(**args, window=window), Row(op, "linmem", B, T),
                           leaves=leaves)]
+    if (eps := config.prune_tolerance) is not None and ATTENTION_OPS[op][0]:
+        pruned = lambda: forgetting_attention(**args, window=window, prune_tolerance=eps)  # noqa: E731
+        row = Row(op, "linmem.pruned", B, T, extra={"prune_tolerance": eps})
+        rows.append(_time_fwd_bwd(bench, pruned, row, leaves=leaves))
     sdpa = None
     if "sdpa" in config.peers:  # as shared/peers/bench_peers.py: PyTorch picks the kernel
         qt, kt, vt = (args[n].detach().transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
@@ -480,6 +490,7 @@ def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
     tok = r.B * r.T / (r.fwdbwd_ms * 1e-3) / 1e6 if not math.isnan(r.fwdbwd_ms) else math.nan
     fl = bw = math.nan
     notes = [f"window {r.extra['window']}"] if "window" in r.extra else []
+    notes += [f"prune tolerance {r.extra['prune_tolerance']:g}"] if "prune_tolerance" in r.extra else []
     ratios = [f"{name} {r.extra[f'{pass_}_vs_sdpa']:.2f}" for pass_, name in (("fwdbwd", "f+b"), ("fwd", "fwd"))
               if f"{pass_}_vs_sdpa" in r.extra]
     if ratios:

@@ -162,7 +162,8 @@ def _bench_ops(args: argparse.Namespace) -> int:
     config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
-                         window=args.window, decode_batch=args.decode_batch, gates=args.gates,
+                         window=args.window, prune_tolerance=args.prune_tolerance,
+                         decode_batch=args.decode_batch, gates=args.gates,
                          breakdown=args.breakdown, accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
@@ -276,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,"
                                       "attention,fox,swa,fox_swa",
-                     help="memory ops of the unified recurrence and forgetting_attention's: 'attention' (causal), "
+                     help="memory ops of the unified recurrence ('gfw': a full [K, V] decay, as gfw and mamba "
+                          "give it; not timed unless named) and forgetting_attention's: 'attention' (causal), "
                           "'fox' (causal, forget gate), 'swa' (sliding window of --window keys), 'fox_swa' (both)")
     ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
     ops.add_argument("--peers", nargs="?", const="sdpa,flex,fla", default="",
@@ -286,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "causality and window as block mask; CUDA), fla (flash-linear-attention's kernel of each "
                           "memory op and parallel_forgetting_attn for fox)")
     ops.add_argument("--window", type=int, default=512, help="keys a query sees in the ops swa and fox_swa")
+    ops.add_argument("--prune-tolerance", type=float, default=None,
+                     help="also time fox and fox_swa with adaptive computation pruning at this tolerance")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
     ops.add_argument("--gates", type=float, default=1.0,
                      help="log decays this many times the default: 10 and 100 send per-channel decays down the "

@@ -29,6 +29,10 @@ its longer contexts are not run), batch B = 8, weights bf16, under ``torch.infer
    of the last ``steps`` tokens over ``steps``. Static rows run one untimed ``generate()`` of the same
    size first (compilation, graph capture).
 
+``--prune-tolerance eps`` builds the FoX rows with adaptive computation pruning (``mixer.prune_tolerance``):
+their prefill (one call over its own keys) skips the key tiles the forget gates make negligible, while the
+decoding steps read the whole cache as before; the row's label says so.
+
 Out of memory reads "out of memory"; other errors their message; a peer that is not installed is
 skipped with the reason. The tables (ms/token (GB); prefill ms (GB); ``generate()`` ms/token) are
 printed and written as JSON (``decode.json``) and Markdown (``decode.md``) to ``--out`` with two plots,
@@ -79,9 +83,13 @@ class DecodeBenchConfig:
     dtype: str = "bfloat16"  # weights
     budget_s: Optional[float] = None  # start no cell after this many seconds
     device: str = "cuda"
+    prune_tolerance: Optional[float] = None  # FoX rows: adaptive computation pruning at this tolerance (None: off)
 
     def __post_init__(self) -> None:
         parse_keys(",".join(self.models), ARCHITECTURES, "model")
+        if self.prune_tolerance is not None and ("fox" not in self.models or not 0 < self.prune_tolerance < 1):
+            raise ValueError(f"prune_tolerance prunes the fox rows: a softmax mass in (0, 1) with fox among the "
+                             f"models, got {self.prune_tolerance} with models {','.join(self.models)}")
         if self.warmup < 0 or self.steps < 1 or self.batch < 1:
             raise ValueError(f"warmup >= 0, steps >= 1 and batch >= 1 expected, got warmup={self.warmup}, "
                              f"steps={self.steps}, batch={self.batch}")
@@ -117,11 +125,12 @@ class DecodeCell:
     wall_s: float = 0.0
 
 
-def row_label(key: str, cache: str) -> str:
+def row_label(key: str, cache: str, prune_tolerance: Optional[float] = None) -> str:
     spec = model_spec(key)
     if spec.family == "hf":
         return f"{spec.label}, {cache} cache"
-    return spec.label + (", static cache" if cache == "static" else "")
+    pruned = f", pruned at {prune_tolerance:g}" if key == "fox" and prune_tolerance is not None else ""
+    return spec.label + pruned + (", static cache" if cache == "static" else "")
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -251,7 +260,9 @@ def decode_cell(model: nn.Module, cell: DecodeCell, config: DecodeBenchConfig) -
 def _prepare_row(key: str, cache: str, config: DecodeBenchConfig) -> tuple[Optional[nn.Module], Optional[tuple]]:
     """``(model, stop)``: the row's model in eval mode, or None and ``(status, reason)`` for all its cells."""
     try:
-        model, _ = build_model(key, config.shape, device=config.device, dtype=getattr(torch, config.dtype))
+        pruned = {"prune_tolerance": config.prune_tolerance} if key == "fox" and config.prune_tolerance else None
+        model, _ = build_model(key, config.shape, device=config.device, dtype=getattr(torch, config.dtype),
+                               mixer=pruned)
     except ImportError as error:
         return None, ("skipped", unavailable_reason(error))
     except Exception as error:  # a model that cannot be built says so in its row
@@ -278,7 +289,7 @@ def run_decode(config: DecodeBenchConfig, report: Callable[[DecodeCell], None] =
         model, stop = (None, budget_stop) if over_budget() else _prepare_row(key, cache, config)
         for context in config.contexts:
             stop = stop or (budget_stop if over_budget() else None)
-            cell = DecodeCell(key, row_label(key, cache), cache, config.batch, context)
+            cell = DecodeCell(key, row_label(key, cache, config.prune_tolerance), cache, config.batch, context)
             if stop:
                 cell.status, cell.reason = stop
             else:
@@ -293,7 +304,7 @@ def run_decode(config: DecodeBenchConfig, report: Callable[[DecodeCell], None] =
         if cache == "static":
             torch._dynamo.reset()  # transformers compiles the static decoding step: its graphs hold the model
         free_memory(config.device)
-        row_done(row_label(key, cache), time.perf_counter() - row_start)
+        row_done(row_label(key, cache, config.prune_tolerance), time.perf_counter() - row_start)
     return cells
 
 
@@ -315,7 +326,8 @@ def tables(cells: list[DecodeCell], config: DecodeBenchConfig
         return f"{c.status} [{notes.index(note) + 1}]"
 
     header = ["model"] + [length_label(c) for c in config.contexts]
-    by_row = [(row_label(*row), [c for c in cells if (c.model, c.cache) == row]) for row in config.rows()]
+    by_row = [(row_label(*row, config.prune_tolerance), [c for c in cells if (c.model, c.cache) == row])
+              for row in config.rows()]
     by_row = [(label, row) for label, row in by_row if row]
     pad = lambda texts: texts + [""] * (len(config.contexts) - len(texts))  # noqa: E731
     parts = [
@@ -347,8 +359,8 @@ def plot(cells: list[DecodeCell], config: DecodeBenchConfig, env: dict, out: Pat
             points = [(c.context, value(c)) for c in cells if (c.model, c.cache) == row and c.status == "ok"
                       and value(c) is not None]
             if points:
-                label = row_label(*row) + (" (generate)" if any(c.ms_per_token is None for c in cells
-                                                                if (c.model, c.cache) == row) else "")
+                generate_only = any(c.ms_per_token is None for c in cells if (c.model, c.cache) == row)
+                label = row_label(*row, config.prune_tolerance) + (" (generate)" if generate_only else "")
                 ax.plot(*zip(*points), marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(config.contexts), [length_label(c) for c in config.contexts])
@@ -391,6 +403,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16, help="timed decoding steps")
     parser.add_argument("--generate-contexts", default="all",
                         help="contexts also timed through generate(): 'all', 'none' or a comma list")
+    parser.add_argument("--prune-tolerance", type=float, default=None,
+                        help="build the fox rows with adaptive computation pruning at this tolerance (mixer."
+                             "prune_tolerance): it prunes their prefill")
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
@@ -402,7 +417,7 @@ def config_from_args(args: argparse.Namespace) -> DecodeBenchConfig:
                              contexts=tuple(int(c) for c in args.contexts.split(",")), batch=args.batch,
                              warmup=args.warmup, steps=args.steps, generate_contexts=generate,
                              shape=shape_from_args(args), dtype=args.dtype, budget_s=args.budget_s,
-                             device=args.device)
+                             device=args.device, prune_tolerance=args.prune_tolerance)
 
 
 def run(args: argparse.Namespace, command: str) -> int:

@@ -8,7 +8,9 @@
 * the MoE feed-forward with grouped GEMM (``torch._grouped_mm``) against the
   per-expert loop, same weights;
 * training tokens/s of a model recipe (default ``linear-moe-a0.3b-2b``) at sequence
-  lengths 2K..16K with a fixed number of tokens per step.
+  lengths 2K..16K with a fixed number of tokens per step;
+* (part ``mixers``, not run by default) forward+backward of single mixer layers named by
+  ``--mixers`` (default the Table-1 memories ``gfw,gateloop,mamba,s4`` beside ``gla`` and ``mamba2``).
 
 Times are medians of CUDA-event-timed repeats after a warm-up; every row is printed as
 one JSON line too, for BENCHMARKS.md.
@@ -92,10 +94,14 @@ def _fla_mom_row(x: torch.Tensor, hidden: int, heads: int) -> dict:
 
 #: the options each bench row of a mixer is timed with besides its defaults (one row per entry)
 MIXER_VARIANTS: dict[str, tuple[dict, ...]] = {"titans": ({}, {"momentum": True})}
+#: the state sizes of the SSM papers (Mamba: N = 16 and an inner width of 2D; S4D: N = 64), per mixer
+SSM_SHAPES = {"mamba": lambda hidden, heads: dict(head_dim=16, expand_v=2 * hidden / (heads * 16)),
+              "s4": lambda hidden, heads: dict(head_dim=64)}
 
 
 def mixer_variants(names: list[str], hidden: int, heads: int) -> list[tuple[str, torch.nn.Module]]:
-    """(label, mixer) of every memory mixer in ``names`` and each of its :data:`MIXER_VARIANTS`, on the CPU.
+    """(label, mixer) of every memory mixer in ``names`` and each of its :data:`MIXER_VARIANTS`, on the CPU; the
+    SSMs at their papers' state sizes (:data:`SSM_SHAPES`).
 
     Example:
         >>> [label for label, _ in mixer_variants(["ttt", "titans"], 64, 2)]
@@ -106,9 +112,10 @@ def mixer_variants(names: list[str], hidden: int, heads: int) -> list[tuple[str,
         raise BenchError(f"--mixers: unknown memory mixers {unknown}; valid: {', '.join(mixer_names('memory'))}")
     rows = []
     for name in names:
+        shape = SSM_SHAPES[name](hidden, heads) if name in SSM_SHAPES else {}
         for options in MIXER_VARIANTS.get(name, ({},)):
             label = " ".join([name, *(f"{k}={v}" for k, v in options.items())])
-            args = mixer_class(name).args_class(hidden_size=hidden, num_heads=heads, **options)
+            args = mixer_class(name).args_class(hidden_size=hidden, num_heads=heads, **shape, **options)
             rows.append((label, build_mixer(name, args)))
     return rows
 
@@ -121,8 +128,10 @@ def bench_mixers(names: list[str], tokens: int, seq_len: int, hidden: int, heads
         row = {"part": "mixers", "name": label, "B": x.shape[0], "T": seq_len, "D": hidden, "H": heads}
         try:
             row["fwdbwd_ms"] = cuda_time_ms(_fwd_bwd(mixer.cuda(), x))
-        except Exception as err:  # a mixer that cannot run these shapes says so in its row
+        except Exception as err:  # a mixer that cannot run these shapes (memory) says so in its row
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        finally:
+            torch.cuda.empty_cache()
         rows.append(row)
     return rows
 
@@ -177,8 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="linear-moe-a0.3b-2b", help="model recipe of the tokens/s rows")
     parser.add_argument("--seq-lens", default="2048,4096,8192,16384", help="sequence lengths of the tokens/s rows")
     parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train, mixers")
-    parser.add_argument("--mixers", default="gated_deltanet,ttt,titans",
-                        help="memory mixers of the mixers rows (D 1024, 8 heads of 128, T 2048)")
+    parser.add_argument("--mixers", default="gla,mamba2,gfw,gateloop,mamba,s4,gated_deltanet,ttt,titans",
+                        help="memory mixers of the part 'mixers' (one layer each, D 1024, 8 heads, T 2048)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -177,6 +177,30 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def training_step(model: torch.nn.Module, mode: str, ids: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``model`` on the token ids ``ids`` [B, T] (its own loss, fused AdamW at lr 1e-4) in
+    ``mode`` (one of :data:`MODES`): compiled blocks are compiled here, a graph is captured by the second call.
+
+    Example:
+        >>> step = training_step(model, "graph", torch.randint(0, 32000, (8, 2048), device="cuda"))  # doctest: +SKIP
+        >>> step()  # doctest: +SKIP
+    """
+    if mode == "compiled":
+        apply_compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    graphed = GraphedMicroSteps(model, autocast_dtype=None) if mode == "graph" else None
+
+    def step() -> None:
+        if graphed is not None:
+            graphed({"input_ids": ids, "labels": ids}, 1.0)
+        else:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=graphed is None)
+
+    return step
+
+
 class _Refused(Exception):
     """A model that cannot run in the cell's mode (a CUDA graph on a CPU, of routed layers)."""
 
@@ -192,20 +216,8 @@ def _train(cell: TrainCell, config: TrainBenchConfig) -> None:
         refusal = graph_refusal(model, torch.device(config.device), world=1)
         if refusal is not None:
             raise _Refused(refusal)
-    if cell.mode == "compiled":
-        apply_compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, config.shape.vocab_size, (cell.B, cell.T), device=config.device)
-    graphed = GraphedMicroSteps(model, autocast_dtype=None) if cell.mode == "graph" else None
-
-    def step() -> None:
-        if graphed is not None:
-            graphed({"input_ids": ids, "labels": ids}, 1.0)
-        else:
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=graphed is None)
-
+    step = training_step(model, cell.mode, ids)
     warm, cell.steps_ms, cell.peak_GB = time_steps(step, config.warmup, config.steps, config.device,
                                                    peak_of_warmup=cell.mode == "graph")
     cell.step_ms = statistics.median(cell.steps_ms)

@@ -14,6 +14,8 @@ Rows of an attention op (``attention``: causal; ``fox``: causal with the forget 
 ``swa``: a sliding window of ``--window`` keys; ``fox_swa``: the gate and the window):
 
 * ``linmem``: ``forgetting_attention`` (its flash kernels on CUDA);
+* ``linmem.pruned`` (gated ops, with ``--prune-tolerance eps``): the same with adaptive computation
+  pruning (``prune_tolerance=eps``), which skips the key tiles whose forget bias drops them;
 * ``torch.sdpa_causal`` (peer ``sdpa``): PyTorch SDPA, full causal, no gate, the kernel PyTorch
   picks (flash or cuDNN): the lower bound that every other row of the op states its ratio to;
 * ``torch.flex_<op>`` (peer ``flex``, CUDA only): ``torch.compile(flex_attention)`` with the
@@ -52,7 +54,10 @@ MEMORY_OPS = {
     "deltanet": ("none", True, False),
     "gated_deltanet": ("scalar", True, False),
     "kda": ("vector", True, False),
+    "gfw": ("full", False, False),  # a [K, V] decay per token (gfw, mamba): the chunk backend only
 }
+#: the ops timed when none are named: all but the full decays, whose fp32 gates alone take B*T*H*K*V*4 bytes
+DEFAULT_OPS = tuple(op for op, (kind, _, _) in MEMORY_OPS.items() if kind != "full")
 #: peers timed on the inputs of a memory op: fla function name per op
 FLA_PEERS = {
     "mamba2": "chunk_simple_gla",
@@ -81,10 +86,11 @@ class BenchConfig:
     heads: int = 16  # H
     head_dim: int = 128  # K = V
     dtype: str = "bfloat16"  # activations; gates stay fp32
-    ops: tuple[str, ...] = tuple(MEMORY_OPS) + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
+    ops: tuple[str, ...] = DEFAULT_OPS + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
     peers: tuple[str, ...] = ()  # some of PEERS, measured in the same run
     window: int = 512  # keys a query sees in the windowed attention ops (swa, fox_swa)
+    prune_tolerance: Optional[float] = None  # also time the gated attention ops pruned at this tolerance
     decode_batch: int = 64  # B of the decoding rows (0: none)
     gates: float = 1.0  # log decays this many times memory_inputs' default (10: past the one-reference bound)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
@@ -100,6 +106,9 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.peers: unknown {unknown}, expected some of {list(PEERS)}")
         if self.window < 1:
             raise ValueError(f"BenchConfig.window: expected a number of keys >= 1, got {self.window}")
+        if self.prune_tolerance is not None and not 0 < self.prune_tolerance < 1:
+            raise ValueError(f"BenchConfig.prune_tolerance: expected a softmax mass in (0, 1) or None, got "
+                             f"{self.prune_tolerance}")
 
 
 @dataclass
@@ -166,7 +175,7 @@ def memory_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     if delta:
         k = F.normalize(k.float(), dim=-1).to(dtype)
     args = {"q": leaf(q), "k": leaf(k), "v": leaf(v)}
-    gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D)}.get(kind)
+    gate = {"constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, D), "full": (B, T, H, D, D)}.get(kind)
     if gate is not None:
         args["log_decay"] = leaf(F.logsigmoid(torch.randn(*gate, device=device)) * (0.1 * gates))
     if delta:
@@ -209,7 +218,8 @@ def nominal_cost(op: str, B: int, T: int, H: int, D: int, act_bytes: int) -> tup
     C, K, V = 64, D, D
     fwd = 2 * C * (K + V) + 4 * K * V + (2 * C * K + 2 * C * (K + V) + 2 * K * V if delta else 0)
     flops = 3 * fwd * B * T * H
-    gate = {"none": 0, "constant": 0, "scalar": 4, "vector": 4 * K}[kind] + (act_bytes if delta else 0)
+    gate = {"none": 0, "constant": 0, "scalar": 4, "vector": 4 * K, "full": 4 * K * V}[kind]
+    gate += act_bytes if delta else 0
     per_token = (3 * D * act_bytes + gate)  # inputs
     fwd_bytes = per_token + D * act_bytes
     bwd_bytes = 2 * per_token + D * act_bytes
@@ -352,6 +362,10 @@ def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
     leaves = grad_leaves(args)
     rows = [_time_fwd_bwd(bench, lambda: forgetting_attention(**args, window=window), Row(op, "linmem", B, T),
                           leaves=leaves)]
+    if (eps := config.prune_tolerance) is not None and ATTENTION_OPS[op][0]:
+        pruned = lambda: forgetting_attention(**args, window=window, prune_tolerance=eps)  # noqa: E731
+        row = Row(op, "linmem.pruned", B, T, extra={"prune_tolerance": eps})
+        rows.append(_time_fwd_bwd(bench, pruned, row, leaves=leaves))
     sdpa = None
     if "sdpa" in config.peers:  # as shared/peers/bench_peers.py: PyTorch picks the kernel
         qt, kt, vt = (args[n].detach().transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
@@ -476,6 +490,7 @@ def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
     tok = r.B * r.T / (r.fwdbwd_ms * 1e-3) / 1e6 if not math.isnan(r.fwdbwd_ms) else math.nan
     fl = bw = math.nan
     notes = [f"window {r.extra['window']}"] if "window" in r.extra else []
+    notes += [f"prune tolerance {r.extra['prune_tolerance']:g}"] if "prune_tolerance" in r.extra else []
     ratios = [f"{name} {r.extra[f'{pass_}_vs_sdpa']:.2f}" for pass_, name in (("fwdbwd", "f+b"), ("fwd", "fwd"))
               if f"{pass_}_vs_sdpa" in r.extra]
     if ratios:

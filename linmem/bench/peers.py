@@ -180,12 +180,13 @@ def _fla(arch: str, shape: ModelShape) -> nn.Module:
 
 
 def build_model(key: str, shape: ModelShape, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                activation_checkpointing: bool = False) -> tuple[nn.Module, str]:
+                activation_checkpointing: bool = False, mixer: Optional[dict] = None) -> tuple[nn.Module, str]:
     """``(model, note)``: the model of ``key`` built on ``device`` in ``dtype``; the note says what was asked
     and not done (activation checkpointing on a config without the option). Peers' import errors propagate.
 
     ``activation_checkpointing`` is set on linmem configs that have the ``activation_checkpointing`` field;
-    peers always run without it.
+    peers always run without it. ``mixer`` sets keys of a linmem config's ``mixer`` section (FoX's
+    ``prune_tolerance``); peers are built without it.
     """
     spec = model_spec(key)
     note = ""
@@ -196,8 +197,9 @@ def build_model(key: str, shape: ModelShape, *, device: str = "cuda", dtype: tor
             model = _fla(spec.arch, shape)
         else:
             from ..models import LinmemConfig, LinmemForCausalLM
+            from ..models.config import merge_fields
 
-            config = LinmemConfig(**linmem_config_kwargs(spec.arch, shape))
+            config = LinmemConfig(**merge_fields(linmem_config_kwargs(spec.arch, shape), {"mixer": mixer or {}}))
             if activation_checkpointing:
                 if hasattr(config, "activation_checkpointing"):
                     config.activation_checkpointing = True

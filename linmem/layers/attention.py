@@ -4,7 +4,9 @@ with a Forget Gate", arXiv 2503.02130).
 
     o_i = sum_{j <= i, i - W < j} softmax_j(q_i . k_j / sqrt(D) + c_i - c_j) v_j,    c_i = sum_{l <= i} log f_l
 
-``softmax`` and ``swa`` use RoPE and no forget gate (c = 0); FoX has no RoPE. ``window`` W
+``softmax`` and ``swa`` use RoPE and no forget gate (c = 0); FoX has no RoPE. ``rope``
+(``MixerArgs.rope``: None keeps these defaults, True or False forces it) gives any of them RoPE or
+takes it away, for the FoX paper's Table 3 ablations (FoX + RoPE, a Transformer without RoPE). ``window`` W
 (``MixerArgs.window``) makes any of them local; ``swa`` requires it. FoX's forget gate
 (``MixerArgs.forget_gate``, the variants of the paper's Fig. 7):
 
@@ -14,6 +16,12 @@ with a Forget Gate", arXiv 2503.02130).
 
 The per-head constants start at (and, fixed, stay at) b_h = -log(exp(1 / t_h) - 1), so that
 -1 / log f_h = t_h: decay times t_h spread log-uniformly over :data:`DECAY_TIME_RANGE` tokens.
+
+FoX's ``prune_tolerance`` eps (``MixerArgs.prune_tolerance``, None: off) turns on adaptive computation
+pruning (:func:`~linmem.ops.attention.forgetting_attention`): in a call that attends over its own keys
+only (training, a prefill into an empty cache without padding) the pairs whose forget bias lies below a
+bound are dropped, so that each query's dropped softmax weights sum to less than eps; the decoding calls
+over a cache (:func:`~linmem.ops.attention.cached_attention`) attend over every cached key.
 
 The FoX paper's "Pro" block options apply to every attention mixer (the paper's "Transformer
 (Pro)" baseline is ``softmax`` with them): ``qk_norm`` (per-head RMSNorm of q and k, before RoPE),
@@ -216,18 +224,21 @@ def attend_with_cache(
     cache: Optional[LayerState],
     token_mask: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
+    prune_tolerance: Optional[float] = None,
 ) -> torch.Tensor:
     """The attention of a call's queries q [B, T, H, K] over the cached and its new keys k, v
     [B, T, Hkv, K or V], with FoX's log forget gates [B, T, H] fp32 or None: o [B, T, H, V].
 
     A call whose keys are all its own and all present (no cache or an empty one, no padding) is plain
-    causal attention (:func:`forgetting_attention`, flash kernels or SDPA at any length); otherwise
+    causal attention (:func:`forgetting_attention`, flash kernels or SDPA at any length, pruned with
+    ``prune_tolerance``, see there); otherwise
     the keys carry a mask and FoX's cumulative forget values into :func:`cached_attention`, and the
     cache's buffers grow or are a ring of ``window`` slots (:func:`update_kv_cache`).
     """
     fresh = token_mask is None and (cache is None or cache.seen_tokens == 0)
     if cache is None and fresh:
-        return forgetting_attention(q, k, v, log_forget=log_forget, window=window, cu_seqlens=cu_seqlens)
+        return forgetting_attention(q, k, v, log_forget=log_forget, window=window, cu_seqlens=cu_seqlens,
+                                    prune_tolerance=prune_tolerance)
     B, T = q.shape[:2]
     present = token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     keys = {"k": k, "v": v, "key_mask": present}
@@ -239,7 +250,7 @@ def attend_with_cache(
         n = cache.seen_tokens
         keys, read_window = update_kv_cache(cache, keys, window)
     if fresh:
-        o = forgetting_attention(q, k, v, log_forget=log_forget, window=window)
+        o = forgetting_attention(q, k, v, log_forget=log_forget, window=window, prune_tolerance=prune_tolerance)
     else:
         o = cached_attention(q, keys["k"], keys["v"], key_mask=keys["key_mask"], cum_forget=keys.get("cum_forget"),
                              window=read_window, cu_seqlens=cu_seqlens)
@@ -260,11 +271,11 @@ def default_positions(
 
 class _Attention(Mixer):
     """Causal softmax attention with q/k/v/o projections (no bias), GQA, an optional window and the
-    "Pro" options; subclasses choose RoPE and the forget gate."""
+    "Pro" options; subclasses choose the forget gate and whether RoPE is on by default."""
 
     kind = "attention"
-    #: rotate q, k by position (softmax, swa)
-    rotary: bool = True
+    #: rotate q, k by position unless ``MixerArgs.rope`` says otherwise (softmax, swa)
+    rope_by_default: bool = True
     #: has a forget gate (fox)
     forgets: bool = False
 
@@ -274,6 +285,7 @@ class _Attention(Mixer):
         Hkv = args.num_kv_heads if args.num_kv_heads is not None else H
         self.num_kv_heads = Hkv
         self.window = args.window
+        self.rotary = args.rope if args.rope is not None else self.rope_by_default
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, Hkv * K, bias=False)
         self.v_proj = nn.Linear(D, Hkv * V, bias=False)
@@ -297,6 +309,9 @@ class _Attention(Mixer):
         if args.forget_gate != "data_dependent" and not cls.forgets:
             raise ValueError(f"{cls.name}: has no forget gate, so `forget_gate` = {args.forget_gate!r} would be "
                              f"ignored; forget gates belong to fox")
+        if args.prune_tolerance is not None and not cls.forgets:
+            raise ValueError(f"{cls.name}: has no forget gate, so `prune_tolerance` = {args.prune_tolerance} would "
+                             f"prune nothing; pruning belongs to fox")
 
     def forward(
         self,
@@ -384,7 +399,7 @@ class _Attention(Mixer):
     ) -> torch.Tensor:
         """:func:`attend_with_cache` with this layer's window: o [B, T, H, V]."""
         return attend_with_cache(q, k, v, log_forget, window=self.window, cache=cache, token_mask=token_mask,
-                                 cu_seqlens=cu_seqlens)
+                                 cu_seqlens=cu_seqlens, prune_tolerance=self.args.prune_tolerance)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> [B, T, D]."""
@@ -420,9 +435,9 @@ class SlidingWindowAttention(_Attention):
 
 @register_mixer("fox")
 class ForgettingAttention(_Attention):
-    """Forgetting Transformer: softmax attention biased by cumulative log forget gates, no RoPE."""
+    """Forgetting Transformer: softmax attention biased by cumulative log forget gates, no RoPE by default."""
 
-    rotary = False
+    rope_by_default = False
     forgets = True
 
     def __init__(self, args: MixerArgs) -> None:

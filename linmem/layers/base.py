@@ -124,11 +124,13 @@ class MixerArgs:
     gate_low_rank: int = 16  # GLA / RWKV low-rank gate projection rank
     window: Optional[int] = None  # attention: keys a query sees (required by swa; softmax and fox when set)
     rope_theta: float = 10000.0  # rotary base (softmax, swa)
+    rope: Optional[bool] = None  # attention: rotate q, k by position; None = the mixer's default (on, fox: off)
     qk_norm: bool = False  # attention: per-head RMS norm on q, k ("Pro")
     output_gate: bool = False  # attention: sigmoid output gate ("Pro")
     output_norm: bool = False  # attention: per-head output RMSNorm ("Pro")
     kv_shift: bool = False  # attention: data-dependent KV shift ("Pro")
     forget_gate: str = "data_dependent"  # fox: data_dependent, data_independent (learnt per head) or fixed
+    prune_tolerance: Optional[float] = None  # fox: softmax mass per query pruning may drop, in (0, 1); None = off
     norm_eps: float = 1e-6  # RMSNorm epsilon
     backend: str = "auto"  # linear_recurrence backend
     layer_idx: int = 0  # position in the stack
@@ -157,6 +159,10 @@ class MixerArgs:
             raise ValueError(f"{owner}: `layer_idx` must lie in [0, num_layers = {self.num_layers}), "
                              f"got {self.layer_idx}")
         check_bool(owner, "use_short_conv", self.use_short_conv, optional=True)
+        check_bool(owner, "rope", self.rope, optional=True)
+        check_float(owner, "prune_tolerance", self.prune_tolerance, minimum=0.0, optional=True)
+        if self.prune_tolerance is not None and self.prune_tolerance >= 1:
+            raise ValueError(f"{owner}: `prune_tolerance` must lie in (0, 1) or be None, got {self.prune_tolerance}")
         for name in ("qk_norm", "output_gate", "output_norm", "kv_shift"):
             check_bool(owner, name, getattr(self, name))
         check_float(owner, "expand_v", self.expand_v, minimum=0.0)

@@ -4,8 +4,9 @@ Structures", arXiv 2503.01496) and the softmax attention of the pretrained model
 ``llama_attention`` is softmax attention laid out as Llama, Mistral, Qwen2 and Qwen3 lay it out:
 q/k/v/o projections (q, k, v with biases for Qwen2, o with one for Llama's ``attention_bias``),
 GQA, Qwen3's RMSNorm of q and k over the head dim with one weight shared by the heads
-(``qk_norm``), RoPE with the checkpoint's frequency scaling (``rope_scaling_params``), and an
-optional ``window`` (Mistral's sliding window).
+(``qk_norm``), RoPE with the checkpoint's frequency scaling (``rope_scaling_params``; ``rope=False``
+leaves q and k unrotated, as the NoPE layers of some checkpoints), and an optional ``window`` (Mistral's
+sliding window).
 
 ``liger`` turns those same projections into Liger Attention, with no parameter of its own::
 
@@ -26,7 +27,14 @@ averages each KV head's key over n groups of consecutive channels (n = K: the ke
     hgrn2             log(gamma + (1 - gamma) sigmoid(P_K(k)))         per channel    1 - alpha_t
     rwkv6             -exp(P_K(k))                                     per channel    phi(k)
     gated_retention   logsigmoid(P_1(k)) / 16                          per head       phi(k)
+    mlstm             logsigmoid(P_1(k))                               per head       i_t phi(k), i_t = exp(P_1(k))
     gsa               logsigmoid(P_M(k)) / 16 over M slots             per slot       gated slot attention
+
+mLSTM (xLSTM, Beck et al. 2024) has a sigmoid forget gate and an exponential input gate, each a
+projection of the input; here both read the one pooled key g = P_1(k), as Liger's other gates do, so
+f_t = sigmoid(g) and i_t = exp(g) = f_t / (1 - f_t). xLSTM's normaliser state and max-stabiliser are
+left out (Liger's read-out has no normaliser); in their place i_t is capped at exp(g) <= 20 (the cap of
+``rwkv6``'s exp), so the write stays finite whatever the pretrained keys hold.
 
 ``gate_logit_normalizer`` = 16 (:data:`GATE_LOGIT_NORMALIZER`) is the one of GLA, fla and Liger's code:
 alpha = sigmoid(g)^(1/16), so decays sit near 1. For ``gla`` the gate and phi read the same key channel:
@@ -82,7 +90,7 @@ from .recurrent import RecurrenceArgs, activation_dtype, memory_with_cache, run_
 from .rotary import RotaryEmbedding
 
 #: the gated recurrences Liger Attention can build from a pretrained key (``liger_memory``)
-LIGER_MEMORIES = ("gla", "mamba2", "hgrn2", "rwkv6", "gated_retention", "gsa")
+LIGER_MEMORIES = ("gla", "mamba2", "hgrn2", "rwkv6", "gated_retention", "mlstm", "gsa")
 #: where the gate comes from (``liger_gate``): the pooled key, or a new random projection (Table 6 ablation)
 LIGER_GATES = ("pooled_key", "projection")
 #: phi of q and k in the recurrence (``liger_feature_map``)
@@ -145,7 +153,7 @@ class PretrainedAttentionArgs(MixerArgs):
     def validate(self, owner: str = "llama_attention") -> None:
         super().validate(owner)
         PretrainedAttentionArgs.validate_options(self, owner)
-        if self.key_dim % 2:
+        if self.key_dim % 2 and self.rope is not False:
             raise ValueError(f"{owner}: RoPE needs an even head dim, got {self.key_dim}")
 
     def validate_options(self, owner: str = "llama_attention") -> None:
@@ -173,7 +181,7 @@ class LigerArgs(PretrainedAttentionArgs):
     @property
     def gate_size(self) -> int:
         """Values the gate has per KV head: K (per channel), 1 (per head) or M (GSA's slots)."""
-        if self.liger_memory in ("mamba2", "gated_retention"):
+        if self.liger_memory in ("mamba2", "gated_retention", "mlstm"):
             return 1
         if self.liger_memory == "gsa":
             return self.num_slots if self.num_slots is not None else self.key_dim
@@ -220,7 +228,8 @@ class _PretrainedProjections(Mixer):
         if args.qk_norm:
             self.q_norm = RMSNorm(K, eps=args.norm_eps)
             self.k_norm = RMSNorm(K, eps=args.norm_eps)
-        self.rope = RotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
+        if args.rope is not False:
+            self.rope = RotaryEmbedding(K, args.rope_theta, args.rope_scaling_params)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] (before RoPE)."""
@@ -233,7 +242,10 @@ class _PretrainedProjections(Mixer):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor, cache: Optional[LayerState],
                position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it)."""
+        """RoPE of q and k at ``position_ids`` (default: tokens seen before the call + the index in it);
+        q and k as they are with ``rope=False``."""
+        if self.args.rope is False:
+            return q, k
         if position_ids is None:
             position_ids = default_positions(hidden, cache, cu_seqlens)
         return self.rope.pair(q, k, position_ids)
@@ -281,6 +293,9 @@ class PretrainedAttention(_PretrainedProjections):
         if args.forget_gate != "data_dependent":
             raise ValueError(f"{cls.name}: has no forget gate, so `forget_gate` = {args.forget_gate!r} would be "
                              f"ignored; forget gates belong to fox")
+        if args.prune_tolerance is not None:
+            raise ValueError(f"{cls.name}: has no forget gate, so `prune_tolerance` = {args.prune_tolerance} would "
+                             f"prune nothing; pruning belongs to fox")
 
     def forward(
         self,
@@ -437,6 +452,9 @@ class LigerAttention(_PretrainedProjections):
             return F.logsigmoid(gate[..., 0]) / GATE_LOGIT_NORMALIZER, self.phi(k)
         if kind == "rwkv6":
             return -torch.exp(gate.clamp_max(math.log(-MIN_LOG_DECAY))), self.phi(k)
+        if kind == "mlstm":  # forget gate sigmoid(g), input gate exp(g) scaling the write
+            input_gate = torch.exp(gate.clamp_max(math.log(-MIN_LOG_DECAY)))
+            return F.logsigmoid(gate[..., 0]), (input_gate * self.phi(k)).to(k.dtype)
         # hgrn2: alpha = gamma + (1 - gamma) sigmoid(g), the key is 1 - alpha = (1 - gamma) sigmoid(-g)
         gamma = self.args.layer_idx / self.args.num_layers
         log_decay = F.logsigmoid(gate) if gamma == 0 else torch.logaddexp(

@@ -5,12 +5,17 @@ width 1024 / 2048, Llama tokenizer of 32000 tokens) and FoX's 760M setting (arXi
 2503.02130: 24 layers, width 1536), and the Linear-MoE families (arXiv 2503.05447)
 A0.3B-2B (width 1024, 12 layers) and A1B-7B (width 2048, 16 layers), both with 64 SwiGLU
 experts of width 896 / 1024, 8 per token, pure (``L`` only) or hybrid (``LLLN`` repeated).
+MoM's own models (``mom-340m``, ``mom-1.3b`` and their ``-hybrid`` forms, ``LLLN`` repeated with
+softmax attention) route each token to 2 of 4 Gated DeltaNet memories plus a shared one.
 
 A recipe's name carries the paper's label (``nominal_params``; ``nominal_active_params`` for
 mixtures of experts); ``params`` / ``active_params`` are the parameters our model of that
 config really has (embeddings and an untied ``lm_head`` included), counted on the meta device
 (the tests check them). The labels differ from the counts by the papers' conventions (some
 leave out embeddings) and by our layers' parameterisation: ``gated_deltanet-340m`` has 394.9M.
+MoM's labels name the width and depth of the dense model they are compared with: each memory has
+its own key and value projections, so ``mom-340m`` has 597.1M parameters, 496.0M of them used per
+token, where the same model with one Gated DeltaNet memory per layer has 394.9M.
 Every mixer of a model has the same heads, so the hybrids have heads of 128: a head dim of the
 attention kernels (64 or 128), which serve packed batches that SDPA does not.
 """
@@ -43,6 +48,12 @@ def _sized(width: int, heads: int) -> dict[str, Any]:
     return dict(vocab_size=32000, hidden_size=width, num_heads=heads, layer_pattern="L" * 24)
 
 
+def _mom(width: int, heads: int, hybrid: bool) -> dict[str, Any]:
+    """MoM: 4 Gated DeltaNet memories per layer, top-2, and a shared memory; hybrids have ``LLLN`` x 6."""
+    return {**_sized(width, heads), "memory": "mom", "layer_pattern": "LLLN" * 6 if hybrid else "L" * 24,
+            "mom": {"memory": "gated_deltanet", "num_memories": 4, "top_k": 2, "shared_memory": True}}
+
+
 def _linear_moe(width: int, layers: int, expert_width: int, hybrid: bool) -> dict[str, Any]:
     """Linear-MoE: Gated DeltaNet memories (any rule fits: override ``memory``), 64 experts, top-8."""
     return dict(vocab_size=32000, hidden_size=width, num_heads=width // 128, memory="gated_deltanet",
@@ -67,6 +78,10 @@ MODEL_RECIPES: dict[str, ModelRecipe] = {
                                                      layer_pattern="N" * 24, attention="fox",
                                                      mixer=dict(qk_norm=True, output_gate=True, output_norm=True,
                                                                 kv_shift=True))),
+        ModelRecipe("mom-340m", 340, 597.1, _mom(1024, 4, hybrid=False)),
+        ModelRecipe("mom-1.3b", 1300, 2256.3, _mom(2048, 8, hybrid=False)),
+        ModelRecipe("mom-340m-hybrid", 340, 540.8, _mom(1024, 8, hybrid=True)),  # heads of 128, as hybrid-gdn-340m
+        ModelRecipe("mom-1.3b-hybrid", 1300, 2031.5, _mom(2048, 16, hybrid=True)),
         ModelRecipe("transformer-340m", 340, 369.1, {**_sized(1024, 16), "layer_pattern": "N" * 24}),
         ModelRecipe("linear-moe-a0.3b-2b", 2000, 2243.6, _linear_moe(1024, 12, 896, hybrid=False), 300, 393.9),
         ModelRecipe("linear-moe-a0.3b-2b-hybrid", 2000, 2240.3, _linear_moe(1024, 12, 896, hybrid=True), 300, 390.6),

@@ -72,6 +72,29 @@ def test_attention_rows_peers_ratios_and_errors_on_cpu(monkeypatch):
     assert "needs CUDA" in ops.format_row(by["swa", "torch.flex_swa"], config, None)
 
 
+def test_pruned_rows_time_the_gated_ops_with_prune_tolerance(monkeypatch):
+    """--prune-tolerance adds a linmem.pruned row to the gated ops only, calling forgetting_attention with the
+    tolerance; a tolerance outside (0, 1) is refused by name."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("prune_tolerance"))
+        return forgetting_attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "forgetting_attention", spy)
+    monkeypatch.setattr(ops, "_timer", lambda config: lambda fn, leaves=(): (fn(), 1.0)[1])
+    args = build_parser().parse_args(["bench", "ops", "--prune-tolerance", "0.001"])
+    assert args.prune_tolerance == 0.001
+    config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=tuple(ATTENTION_OPS),
+                         window=8, decode_batch=0, prune_tolerance=0.001)
+    rows = ops.run_ops(config, device="cpu")
+    pruned = [r for r in rows if r.impl == "linmem.pruned"]
+    assert sorted(r.op for r in pruned) == ["fox", "fox_swa"] and not any(r.error for r in pruned)
+    assert 0.001 in seen and "prune tolerance 0.001" in ops.format_row(pruned[0], config, None)
+    with pytest.raises(ValueError, match="BenchConfig.prune_tolerance: .* got 1.5"):
+        BenchConfig(prune_tolerance=1.5)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_builder_matches_the_reference_on_cpu():
     """FlexAttention's function (eager: forward only on CPU) is forgetting_attention's for every attention op, at

@@ -30,4 +30,5 @@ def test_the_mixers_part_and_its_default_list_are_options():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--parts", "mixers"])
-    assert args.mixers.split(",") == ["gated_deltanet", "ttt", "titans"]
+    assert args.mixers.split(",") == ["gla", "mamba2", "gfw", "gateloop", "mamba", "s4", "gated_deltanet", "ttt",
+                                      "titans"]

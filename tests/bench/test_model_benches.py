@@ -140,3 +140,19 @@ def test_unknown_names_are_refused_with_the_valid_ones():
         decode.main(["--peers", "fla-gpt"])
     with pytest.raises(ValueError, match="ascending"):
         decode.DecodeBenchConfig(contexts=(4096, 1024))
+
+
+def test_decode_bench_prunes_the_fox_rows(tmp_path):
+    """--prune-tolerance builds the fox rows with mixer.prune_tolerance (their label says so); it is refused
+    without fox or outside (0, 1)."""
+    assert decode.main(TINY + ["--models", "fox", "--contexts", "16", "--batch", "1", "--generate-contexts", "none",
+                               "--prune-tolerance", "0.01", "--out", str(tmp_path)]) == 0
+    cells = json.loads((tmp_path / "decode.json").read_text())["cells"]
+    own = next(c for c in cells if c["cache"] == "dynamic")
+    assert own["status"] == "ok" and own["label"] == "linmem fox, pruned at 0.01"
+    model, _ = peers.build_model("fox", peers.ModelShape(hidden_size=64, num_layers=1, vocab_size=128), device="meta",
+                                 mixer={"prune_tolerance": 0.01})
+    assert model.config.mixer["prune_tolerance"] == 0.01
+    for bad in ({"models": ("gla",), "prune_tolerance": 0.01}, {"models": ("fox",), "prune_tolerance": 2.0}):
+        with pytest.raises(ValueError, match="prune_tolerance prunes the fox rows"):
+            decode.DecodeBenchConfig(**bad)

@@ -10,6 +10,9 @@ import torch
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.layers import attention
 from linmem.layers.attention import DECAY_TIME_RANGE
+from linmem.ops.attention import cumulative_forget
+from linmem.ops.attention.reference import reference_attention
+from linmem.ops.fused import reference as fused_reference
 
 D, H = 32, 4
 TOL = 1e-4
@@ -68,9 +71,11 @@ def test_each_pro_option_changes_the_output(name, option):
 ALL_PRO = {o: True for o in PRO}
 CASES = [("fox", {}), *(("fox", {o: True}) for o in PRO), ("fox", {**ALL_PRO, "num_kv_heads": 2, "window": 5}),
          ("fox", {"forget_gate": "data_independent"}), ("fox", {"forget_gate": "fixed", **ALL_PRO}),
-         ("softmax", {**ALL_PRO, "num_kv_heads": 2}), ("swa", {**ALL_PRO, "window": 5})]
+         ("softmax", {**ALL_PRO, "num_kv_heads": 2}), ("swa", {**ALL_PRO, "window": 5}),
+         ("fox", {"rope": True, "num_kv_heads": 2}), ("softmax", {"rope": False}), ("swa", {"rope": False, "window": 5}),
+         ("fox", {"prune_tolerance": 0.01})]
 CASE_IDS = ["fox", *(f"fox-{o}" for o in PRO), "fox-all+gqa+window", "fox-data_independent", "fox-fixed+pro",
-            "softmax-pro+gqa", "swa-pro"]
+            "softmax-pro+gqa", "swa-pro", "fox-rope+gqa", "softmax-no-rope", "swa-no-rope", "fox-pruned"]
 
 
 @pytest.mark.parametrize("name, over", CASES, ids=CASE_IDS)
@@ -170,3 +175,66 @@ def test_bad_arguments():
         make("swa")
     with pytest.raises(ValueError, match="multiple of `num_kv_heads` = 3"):
         make("softmax", num_kv_heads=3)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.unflatten(-1, (heads, -1))
+
+
+@pytest.mark.parametrize("name, rope", [("softmax", None), ("softmax", True), ("softmax", False), ("swa", False),
+                                        ("fox", None), ("fox", False), ("fox", True)])
+@torch.no_grad()
+def test_rope_switch_is_the_reference_op_on_rotated_or_raw_q_k(name, rope):
+    """``rope`` (None: on for softmax and swa, off for fox) rotates q and k before the attention, and nothing else:
+    the mixer equals the reference attention op (with FoX's cumulative forget values) over q, k rotated by the
+    reference RoPE, or over q, k as projected."""
+    window = 5 if name == "swa" else None
+    m = make(name, rope=rope, num_kv_heads=2, window=window)
+    assert m.rotary == (rope if rope is not None else name != "fox") == hasattr(m, "rope")
+    x = torch.randn(2, 12, D)
+    q, k, v = _heads(m.q_proj(x), H), _heads(m.k_proj(x), 2), _heads(m.v_proj(x), 2)
+    if m.rotary:
+        q, k = fused_reference.rotary(q, k, torch.arange(12).expand(2, 12), 10000.0)
+    forget = cumulative_forget(m.log_forget(x)) if name == "fox" else None
+    o = reference_attention(q, k, v, scale=(D // H) ** -0.5, cum_forget=forget, window=window)
+    assert max_err(m(x), m.o_proj(o.flatten(2))) < TOL
+
+
+def test_rope_switch_keeps_the_defaults_and_is_checked():
+    x = torch.randn(1, 6, D)
+    with torch.no_grad():
+        for name in ("softmax", "fox"):
+            assert torch.equal(make(name)(x), make(name, rope=None)(x))
+        assert max_err(make("fox", rope=True)(x), make("fox")(x)) > 1e-3
+        assert max_err(make("softmax", rope=False)(x), make("softmax")(x)) > 1e-3
+    with pytest.raises(ValueError, match="`rope` must be True or False or None, got 1"):
+        make("fox", rope=1)
+    with torch.no_grad():
+        assert max_err(make("llama_attention", rope=False)(x), make("llama_attention")(x)) > 1e-3
+
+
+@torch.no_grad()
+def test_fox_prune_tolerance_moves_outputs_by_less_than_the_tolerance():
+    """mixer.prune_tolerance reaches forgetting_attention: on a long sequence with strong forget gates the pruned
+    attention output moves by less than 2 eps max|v| (the op's bound), it does move (pairs are dropped), a larger
+    tolerance moves it more, and a decoding step over a cache (which does not prune) continues the same layer."""
+    T, eps = 384, 1e-3
+    plain, pruned, loose = (make("fox", prune_tolerance=p) for p in (None, eps, 0.5))
+    for m in (plain, pruned, loose):
+        m.f_proj.bias.fill_(-2.0)  # forget gates near 0.12: the forget bias drops distant keys
+        m.o_proj.weight.copy_(torch.eye(D))  # the output is the attention output o
+    x = torch.randn(1, T, D)
+    bound = 2 * eps * float(plain.v_proj(x).abs().max())
+    exact = plain(x)
+    moved, moved_more = float((pruned(x) - exact).abs().max()), float((loose(x) - exact).abs().max())
+    assert 0 < moved < bound and moved_more > moved
+    assert max_err(decode(pruned, x[:, :40], prefill=30)[0], plain(x[:, :40])) < 1e-3
+
+
+def test_prune_tolerance_is_refused_by_name():
+    for bad in (-0.1, 0.0, 1.0, True):
+        with pytest.raises(ValueError, match="`prune_tolerance` must"):
+            make("fox", prune_tolerance=bad)
+    for name, over in (("softmax", {}), ("swa", {"window": 4}), ("llama_attention", {})):
+        with pytest.raises(ValueError, match=f"{name}: has no forget gate, so `prune_tolerance`"):
+            make(name, prune_tolerance=0.01, **over)

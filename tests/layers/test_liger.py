@@ -68,6 +68,38 @@ def loop_liger_gla(mixer, x: torch.Tensor) -> torch.Tensor:
     return mixer.o_proj(torch.stack(out, 1).flatten(2))
 
 
+def loop_liger_mlstm(mixer, x: torch.Tensor) -> torch.Tensor:
+    """The memory branch alone (liger_memory_weight=1): y_t = W_o phi(q_t) S_t with
+    S_t = f_t S_{t-1} + i_t phi(k_t)^T v_t, f_t = sigmoid(g_t), i_t = min(exp(g_t), 20), g_t = mean_k k_t."""
+    B, T = x.shape[:2]
+    q, k, v = mixer.project(x)
+    k, v = (x.repeat_interleave(H // HKV, dim=2) for x in (k, v))
+    state = x.new_zeros(B, H, D // H, v.shape[-1])
+    out = []
+    for t in range(T):
+        g = k[:, t].mean(-1)[..., None, None]  # [B, H, 1, 1]
+        write = torch.exp(g).clamp_max(20.0) * torch.softmax(k[:, t], -1)[..., None] * v[:, t, :, None, :]
+        state = torch.sigmoid(g) * state + write
+        out.append(torch.einsum("bhk,bhkv->bhv", torch.softmax(q[:, t], -1), state))
+    return mixer.o_proj(torch.stack(out, 1).flatten(2))
+
+
+def test_liger_mlstm_equals_the_token_loop_and_packs_sequences():
+    """Liger's mLSTM row against its token loop (keys shifted so that the input-gate cap binds on some tokens),
+    and packed sequences (cu_seqlens) as each alone."""
+    mixer = liger(liger_memory="mlstm", liger_memory_weight=1.0).double()
+    with torch.no_grad():
+        mixer.k_norm.weight.mul_(torch.linspace(0.0, 12.0, D // H, dtype=torch.float64))
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(mixer(x), loop_liger_mlstm(mixer, x)) < 1e-10
+        g = mixer.project(x)[1].mean(-1)
+        assert (g > math.log(20)).any() and (g < math.log(20)).any()
+        xs = [torch.randn(1, n, D, dtype=torch.float64) for n in (5, 1, 7)]
+        packed = mixer(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 5, 6, 13]))
+        assert rel_err(packed, torch.cat([mixer(x) for x in xs], 1)) < 1e-10
+
+
 def test_liger_gla_equals_the_token_loop():
     mixer = liger(liger_memory_weight=0.3).double()
     x = torch.randn(2, 9, D, dtype=torch.float64)
@@ -107,6 +139,7 @@ TABLE_1 = {
     "mamba2": lambda g: torch.exp(-F.softplus(g[..., 0])),
     "rwkv6": lambda g: torch.exp(-torch.exp(g)),
     "hgrn2": lambda g: 0.25 + 0.75 * torch.sigmoid(g),
+    "mlstm": lambda g: torch.sigmoid(g[..., 0]),
 }
 
 
@@ -119,6 +152,8 @@ def test_decays_follow_table_1_and_hgrn2_writes_one_minus_its_decay(memory):
     torch.testing.assert_close(log_decay.exp(), TABLE_1[memory](gate))
     if memory == "hgrn2":  # key = 1 - alpha
         torch.testing.assert_close(key, 1 - TABLE_1[memory](gate))
+    elif memory == "mlstm":  # the input gate exp(g), capped at 20, scales phi(k)
+        torch.testing.assert_close(key, torch.exp(gate).clamp_max(20.0) * torch.softmax(k, -1))
     else:
         torch.testing.assert_close(key, torch.softmax(k, -1))
     log_decay, _ = mixer.decay_and_key(50 * gate, k)

@@ -112,7 +112,7 @@ def test_balancing_loss_is_memories_times_sum_of_load_times_probability():
 
 
 def test_bad_arguments_name_the_valid_choices():
-    with pytest.raises(ValueError, match="valid: bayes, deltanet, gated_deltanet, gla"):
+    with pytest.raises(ValueError, match="valid: bayes, deltanet, gated_deltanet, gateloop, gfw, gla"):
         make("rwkv7")
     with pytest.raises(ValueError, match=r"`top_k` = 3 must lie in \[1, num_memories = 2\]"):
         make("gla", num_memories=2, top_k=3)

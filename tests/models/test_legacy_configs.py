@@ -68,7 +68,7 @@ def test_the_old_fields_of_the_fixtures_are_read():
 
 def test_every_section_key_has_an_old_flat_name_or_is_new():
     """The flat names cover what the flat config had; keys added with the sections have none."""
-    new = {("moe", "expert_backend"), ("titans", "momentum")}
+    new = {("moe", "expert_backend"), ("mixer", "rope"), ("mixer", "prune_tolerance"), ("titans", "momentum")}
     mapped = {place for places in FLAT_FIELDS.values() for place in places}
     assert {(name, key) for name in SECTIONS for key in section_fields(name)} - mapped == new
 

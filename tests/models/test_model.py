@@ -172,7 +172,8 @@ def test_auto_classes_build_linmem():
 @pytest.mark.parametrize("name", list(MODEL_RECIPES))
 def test_recipe_parameter_counts_on_meta_device(name):
     """A recipe's ``params`` (and ``active_params``) are what the model has; its name's label is the
-    paper's: within 25 % of the count (MoE labels leave out embeddings: 15 % total, 20 % active)."""
+    paper's: within 25 % of the count (MoE labels leave out embeddings: 15 % total, 20 % active; MoM's label
+    is the size of the same model with one memory per layer)."""
     recipe = MODEL_RECIPES[name]
     with torch.device("meta"):
         model = LinmemForCausalLM(recipe.build_config())
@@ -180,6 +181,10 @@ def test_recipe_parameter_counts_on_meta_device(name):
     print(f"\n{name}: {total:.1f}M parameters, {active:.1f}M active (label {recipe.nominal_params}M)")
     assert recipe.params == round(total, 1)
     assert recipe.active_params == (round(active, 1) if recipe.nominal_active_params else None)
+    if recipe.config.get("memory") == "mom":
+        with torch.device("meta"):
+            dense = LinmemForCausalLM(recipe.build_config(memory=recipe.config["mom"]["memory"]))
+        total = dense.num_all_parameters() / 1e6
     if recipe.nominal_active_params is None:
         assert 0.8 * recipe.nominal_params <= total <= 1.25 * recipe.nominal_params
     else:

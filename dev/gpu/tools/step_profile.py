@@ -27,34 +27,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from linmem.bench.peers import ModelShape, build_model
-from linmem.distributed import apply_compile
-from linmem.train.graphs import GraphedMicroSteps
+from linmem.bench.models import training_step
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
-
-def step_function(model, mode: str, ids: torch.Tensor):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    graphed = GraphedMicroSteps(model, autocast_dtype=None) if mode == "graph" else None
-    if mode == "compiled":
-        apply_compile(model)
-
-    def step() -> None:
-        if graphed is not None:
-            graphed({"input_ids": ids, "labels": ids}, 1.0)
-        else:
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=graphed is None)
-
-    return step
 
 
 def measure(key: str, mode: str, B: int, T: int, steps: int, ops_file: Path | None) -> dict:
     torch.manual_seed(0)
     model, _ = build_model(key, ModelShape(), device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, ModelShape().vocab_size, (B, T), device="cuda")
-    step = step_function(model, mode, ids)
+    step = training_step(model, mode, ids)
     start = time.perf_counter()
     for _ in range(3):  # compile, tune, capture
         step()

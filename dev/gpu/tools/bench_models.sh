@@ -8,12 +8,22 @@
 # cell, so a run cut short keeps what it measured; --budget-s stops starting cells past that many seconds.
 # Outputs: $OUT/env.txt, $OUT/models/{models.json,models.md}, $OUT/decode/{decode.json,decode.md,*.png},
 # $OUT/models.log, $OUT/decode.log. Extra arguments: MODELS_ARGS="..." and DECODE_ARGS="..." (appended, so
-# they override), e.g. MODELS_ARGS="--compile --models deltanet --seq-lens 2048,8192" for compiled rows.
+# they override), e.g. MODELS_ARGS="--modes eager,graph --warmup 2 --models deltanet --seq-lens 2048,8192".
+# fla autotunes its kernels on first use (minutes a model); Triton keeps the choices as *.autotune.json files in
+# TRITON_CACHE_DIR. They are saved to $OUT/autotune.tgz at the end, and AUTOTUNE=<that archive, carried with the
+# working tree> restores them first, so that a later call on the same image compiles only the chosen configs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 start=$SECONDS
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [[ -n ${AUTOTUNE:-} ]]; then
+  tar xzf "$AUTOTUNE" -C "$TRITON_CACHE_DIR" && echo "restored $(tar tzf "$AUTOTUNE" | wc -l) autotuning choices"
+fi
+save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -); }
+trap save_autotune EXIT
 if compgen -G ".whl/*.whl" > /dev/null; then  # fla's wheels, carried with the working tree
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi

@@ -141,13 +141,8 @@ class BayesianMemory(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> FilterArgs:
-        H = self.args.num_heads
-        heads = lambda x: rearrange(x, "b t (h d) -> b t h d", h=H)  # noqa: E731
-        q, k, v = (
-            heads(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=F.silu))
-            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
-                         ("v", self.project("v_proj", hidden, projected)))
-        )
+        q, k, v = self.convolved_qkv(hidden, cache=cache, cu_seqlens=cu_seqlens, projected=projected,
+                                     activation=F.silu)
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         dt = F.softplus(self.project("a_proj", hidden, projected).float() + self.dt_bias.float())
         log_decay = -torch.exp(self.A_log.float()) * dt  # [B, T, H]

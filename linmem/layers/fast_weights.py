@@ -83,12 +83,7 @@ class _GatedFastWeights(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H = self.args.num_heads
-        q, k, v = (
-            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d", h=H)
-            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
-                         ("v", self.project("v_proj", hidden, projected)))
-        )
+        q, k, v = self.convolved_qkv(hidden, cache=cache, cu_seqlens=cu_seqlens, projected=projected)
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=self.log_decay(hidden, projected))
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:

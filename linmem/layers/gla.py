@@ -69,11 +69,7 @@ class GatedLinearAttention(MemoryMixer):
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         H = self.args.num_heads
-        q, k, v = (
-            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d", h=H)
-            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
-                         ("v", self.project("v_proj", hidden, projected)))
-        )
+        q, k, v = self.convolved_qkv(hidden, cache=cache, cu_seqlens=cu_seqlens, projected=projected)
         gate = rearrange(self.project("gk_proj", hidden, projected), "b t (h k) -> b t h k", h=H)
         log_decay = pointwise(gate, gla_log_decay, gla_log_decay_derivative)  # [B, T, H, K] fp32
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay)

@@ -124,12 +124,7 @@ class LinearAttention(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        q, k, v = (
-            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens), "b t (h d) -> b t h d",
-                      h=self.args.num_heads)
-            for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
-                         ("v", self.project("v_proj", hidden, projected)))
-        )
+        q, k, v = self.convolved_qkv(hidden, cache=cache, cu_seqlens=cu_seqlens, projected=projected)
         q, k = self.feature_map(q), self.feature_map(k)
         if not self.feature_map.normalised:
             return RecurrenceArgs(q=q, k=k, v=v)

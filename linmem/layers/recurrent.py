@@ -187,6 +187,24 @@ class MemoryMixer(Mixer):
             return projected[name]
         return self.get_submodule(name)(hidden)
 
+    def convolved_qkv(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cache: Optional[LayerState],
+        cu_seqlens: Optional[torch.Tensor],
+        projected: Optional[dict[str, torch.Tensor]],
+        **conv: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, T, H, d]``: the ``q_proj``, ``k_proj`` and ``v_proj`` outputs (k and v through
+        :meth:`project`) through their short convolutions ``self.convs`` (``conv``: its keyword arguments, e.g.
+        ``activation``), split into heads."""
+        H = self.args.num_heads
+        inputs = (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
+                  ("v", self.project("v_proj", hidden, projected)))
+        return tuple(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, **conv).unflatten(-1, (H, -1))
+                     for n, x in inputs)
+
     def forward(
         self,
         hidden: torch.Tensor,

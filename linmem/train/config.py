@@ -113,8 +113,8 @@ class RunSection:
     compile_cache: Optional[str] = setting(None, "folder for torch.compile's caches (inductor, Triton), reused by "
                                            "later runs naming it; null: torch's defaults")
     cuda_graph: Optional[bool] = setting(None, "replay each micro-step's forward and backward from a CUDA graph, one "
-                                               "per batch shape; null: on CUDA on one process unless the model "
-                                               "routes tokens (MoE, MoM)")
+                                               "per batch shape; null: on CUDA on one process unless a layer "
+                                               "reads on the host (MoE, MoM, Titans' momentum)")
     log_every: int = setting(10, "steps between metric lines (and console lines when the progress bar is off)")
     eval_every: int = setting(0, "steps between evaluations (0 = only at the end)")
     save_every: int = setting(500, "steps between checkpoints (0 = only at the end)")
@@ -178,7 +178,8 @@ class TrainConfig:
             (self.schedule.warmup <= self.schedule.steps,
              f"schedule.warmup_steps ({self.schedule.warmup}) must be <= schedule.steps "
              f"({self.schedule.steps}): the learning rate would never reach optim.lr"),
-            (self.run.dtype in ("auto", "bf16", "fp32"), f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
+            (self.run.dtype in ("auto", "bf16", "fp32"),
+             f"run.dtype must be auto, bf16 or fp32, got {self.run.dtype!r}"),
             (self.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1"),
             (self.run.log_every >= 1, f"run.log_every must be >= 1, got {self.run.log_every}"),
             (self.run.eval_every >= 0, f"run.eval_every must be >= 0 (0: only at the end), got {self.run.eval_every}"),

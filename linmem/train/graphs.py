@@ -18,8 +18,9 @@ How it works (:class:`GraphedMicroSteps`):
 
 Clipping and the optimiser step run eagerly after the graphs (a few launches with fused AdamW). The kernels
 are the same as eager ones, so the losses are those of eager training (to the bit where the kernels are
-deterministic). Refused by name (:func:`graph_refusal`): a CPU device, several processes and routed layers
-(MoE, MoM: their tokens per expert are counted on the host). A model that reads a GPU value on the host
+deterministic). Refused by name (:func:`graph_refusal`): a CPU device, several processes, routed layers
+(MoE, MoM: their tokens per expert are counted on the host) and Titans' memory with momentum (its op reads
+packed sequences' bounds on the host). A model that reads a GPU value on the host
 anywhere else (``LINMEM_DEBUG=1``'s value checks, say) fails its capture with an error that names the option.
 
 Example:
@@ -37,6 +38,7 @@ import torch
 
 from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
+from ..layers.titans import TitansMemory
 
 logger = logging.getLogger("linmem.train")
 
@@ -53,6 +55,8 @@ def graph_refusal(model: torch.nn.Module, device: torch.device, world: int) -> O
     for name, module in model.named_modules():
         if isinstance(module, (MoEFeedForward, MixtureOfMemories)):
             return f"{name} routes tokens, and the tokens per expert are counted on the host"
+        if isinstance(module, TitansMemory) and module.args.momentum:
+            return f"{name} is Titans' memory with momentum, whose op reads packed sequences' bounds on the host"
     return None
 
 

@@ -51,6 +51,9 @@ def test_what_cannot_be_captured_is_refused_by_name(tmp_path):
                                          moe=dict(num_experts=2, intermediate_size=16)))
     assert "model.layers.0.mlp routes tokens" in graph_refusal(moe, torch.device("cuda"), world=1)
     assert "one process" in graph_refusal(moe, torch.device("cuda"), world=2)
+    titans = LinmemForCausalLM(LinmemConfig(vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="L",
+                                            memory="titans", titans={"momentum": True}))
+    assert "model.layers.0.mixer is Titans' memory with momentum" in graph_refusal(titans, torch.device("cuda"), 1)
     config = load_config(overrides=["data.mqar.vocab_size=32", "data.mqar.settings=[[16, 2]]", "model.hidden_size=16",
                                     "model.layer_pattern=N", "run.device=cpu", "run.cuda_graph=true",
                                     f"run.out_dir={tmp_path}"])

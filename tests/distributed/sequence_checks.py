@@ -49,20 +49,6 @@ def global_packing(world: int) -> tuple[int, list[int]]:
     return 24, [0, 4, 17, 20, 24]  # 4..16 spans rank 1 entirely (6 tokens per rank)
 
 
-def piece_sequences(cu: Optional[torch.Tensor], B: int, T: int, rank: int, world: int
-                    ) -> tuple[list[int], list[bool], dict]:
-    """This rank's local segments: the global sequence of each, whether each ends on this rank, and the
-    sequence-parallel op's packing arguments (``cu_seqlens``, ``prefix_length``; none for fixed-length rows)."""
-    if cu is None:
-        return list(range(B)), [rank == world - 1] * B, {}
-    lo = rank * (T // world)
-    local_cu, prefix = split_packing(cu, T, rank, world)
-    bounds = cu.tolist()
-    seq_of = [int(torch.searchsorted(cu[1:], lo + s, right=True)) for s in local_cu[:-1].tolist()]
-    ends_here = [lo + e in bounds for e in local_cu[1:].tolist()]
-    return seq_of, ends_here, dict(cu_seqlens=local_cu, prefix_length=prefix)
-
-
 def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool, dtype: torch.dtype = torch.float64) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -92,7 +78,14 @@ def recurrence_case(kind: str, rule: str, bonus: bool, varlen: bool, dtype: torc
     mine = {n: (x[:, lo:hi] if per_token(n, x) else x).clone().requires_grad_() for n, x in full.items()
             if n != "initial_state"}
     init = full["initial_state"].clone().requires_grad_()
-    seq_of, ends_here, kw = piece_sequences(cu, B, T, rank, world)
+    if varlen:
+        local_cu, prefix = split_packing(cu, T, rank, world)
+        starts = torch.tensor(bounds)
+        seq_of = [int(torch.searchsorted(starts[1:], lo + s, right=True)) for s in local_cu[:-1].tolist()]
+        ends_here = [lo + e in bounds for e in local_cu[1:].tolist()]
+        kw = dict(cu_seqlens=local_cu, prefix_length=prefix)
+    else:
+        seq_of, ends_here, kw = list(range(B)), [rank == world - 1] * B, {}
     o, S = sp_linear_recurrence(**mine, group=group, initial_state=init[seq_of], output_final_state=True,
                                 backend="chunk", **kw)
     done = torch.tensor(ends_here)
@@ -152,7 +145,14 @@ def bayes_case(varlen: bool, process_noise: bool) -> None:
     lo, hi = rank * L, (rank + 1) * L
     mine = {n: x[:, lo:hi].clone().requires_grad_() for n, x in full.items()}
     state = (M0.clone().requires_grad_(), P0.clone().requires_grad_())
-    seq_of, ends_here, kw = piece_sequences(cu, B, T, rank, world)
+    if varlen:
+        local_cu, prefix = split_packing(cu, T, rank, world)
+        starts = torch.tensor(bounds)
+        seq_of = [int(torch.searchsorted(starts[1:], lo + s, right=True)) for s in local_cu[:-1].tolist()]
+        ends_here = [lo + e in bounds for e in local_cu[1:].tolist()]
+        kw = dict(cu_seqlens=local_cu, prefix_length=prefix)
+    else:
+        seq_of, ends_here, kw = list(range(B)), [rank == world - 1] * B, {}
     o, var, (M, P) = sp_bayes_filter(**mine, group=dist.group.WORLD, initial_state=(state[0][seq_of],
                                      state[1][seq_of]), output_final_state=True, return_variance=True,
                                      backend="reference", **kw)

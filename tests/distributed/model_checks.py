@@ -22,7 +22,6 @@ HYBRIDS = [
     ("gla", "fox", {"kv_shift": True, "qk_norm": True}),
     ("mamba2", "softmax", {}),
     ("rwkv7", "swa", {}),
-    ("bayes", "swa", {}),
 ]
 
 
@@ -39,8 +38,7 @@ def model_checks() -> None:
         torch.manual_seed(0)
         model = LinmemForCausalLM(LinmemConfig(
             vocab_size=32, hidden_size=16, num_heads=2, layer_pattern="LNL", memory=memory, attention=attention,
-            mixer=dict(window=5, **extra),  # the Bayesian layer has no chunk backend
-            recurrence_backend="reference" if memory == "bayes" else "chunk")).double()
+            mixer=dict(window=5, **extra), recurrence_backend="chunk")).double()
         ref = model(ids, cu_seqlens=batch["cu_seqlens"], use_cache=False).logits
         global_lm_loss(ref, next_token_targets(ids, batch["cu_seqlens"]), None).backward()
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from linmem.distributed import (shard_sequence, sp_attention, sp_bayes_filter, sp_halo, sp_linear_recurrence,
-                                split_packing)
+from linmem.distributed import shard_sequence, sp_attention, sp_halo, sp_linear_recurrence, split_packing
 from linmem.layers.conv import causal_window
-from linmem.ops import bayes_filter, linear_recurrence
+from linmem.ops import linear_recurrence
 from linmem.ops.attention import forgetting_attention
 from tests.helpers import make_inputs, max_float, rel_err
 
@@ -111,69 +110,6 @@ def recurrence_checks(kinds=("none", "constant", "scalar", "vector", "full")) ->
         recurrence_case("scalar", "delta", True, varlen)
         recurrence_case("scalar", "delta", False, varlen, torch.bfloat16)
         recurrence_case("vector", "additive", False, varlen, torch.bfloat16)
-
-
-def bayes_case(varlen: bool, process_noise: bool) -> None:
-    """The Bayesian filter: outputs, variances, final (M, P) and every gradient, fixed-length and packed."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    H, K, V = 2, 4, 3
-    if varlen:
-        T, bounds = global_packing(world)
-        B, cu = 1, torch.tensor(bounds)
-    else:
-        B, T, cu = 2, 5 * world, None
-    N = B if cu is None else len(bounds) - 1
-    gen = torch.Generator().manual_seed(zlib.crc32(f"bayes{varlen}{process_noise}".encode()))
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    A = rand(N, H, K, K)
-    full = {"q": rand(B, T, H, K), "k": F.normalize(rand(B, T, H, K), dim=-1), "v": rand(B, T, H, V),
-            "log_decay": F.logsigmoid(rand(B, T, H) + 3), "obs_noise": 0.5 + torch.rand(B, T, H, generator=gen,
-                                                                                       dtype=torch.float64)}
-    if process_noise:
-        full["process_noise"] = 0.1 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    M0, P0 = rand(N, H, K, V), A @ A.transpose(-1, -2) / K + torch.eye(K, dtype=torch.float64)
-    w_o, w_var, w_M, w_P = rand(B, T, H, V), rand(B, T, H), rand(N, H, K, V), rand(N, H, K, K)
-    case = f"bayes/varlen={varlen}/process_noise={process_noise}/world={world}"
-
-    ref = {n: x.clone().requires_grad_() for n, x in full.items()}
-    ref_state = (M0.clone().requires_grad_(), P0.clone().requires_grad_())
-    o_ref, var_ref, (M_ref, P_ref) = bayes_filter(**ref, initial_state=ref_state, output_final_state=True,
-                                                  return_variance=True, cu_seqlens=cu, backend="reference")
-    ((o_ref * w_o).sum() + (var_ref * w_var).sum() + (M_ref * w_M).sum() + (P_ref * w_P).sum()).backward()
-
-    L = T // world
-    lo, hi = rank * L, (rank + 1) * L
-    mine = {n: x[:, lo:hi].clone().requires_grad_() for n, x in full.items()}
-    state = (M0.clone().requires_grad_(), P0.clone().requires_grad_())
-    if varlen:
-        local_cu, prefix = split_packing(cu, T, rank, world)
-        starts = torch.tensor(bounds)
-        seq_of = [int(torch.searchsorted(starts[1:], lo + s, right=True)) for s in local_cu[:-1].tolist()]
-        ends_here = [lo + e in bounds for e in local_cu[1:].tolist()]
-        kw = dict(cu_seqlens=local_cu, prefix_length=prefix)
-    else:
-        seq_of, ends_here, kw = list(range(B)), [rank == world - 1] * B, {}
-    o, var, (M, P) = sp_bayes_filter(**mine, group=dist.group.WORLD, initial_state=(state[0][seq_of],
-                                     state[1][seq_of]), output_final_state=True, return_variance=True,
-                                     backend="reference", **kw)
-    done = torch.tensor(ends_here)
-    loss = (o * w_o[:, lo:hi]).sum() + (var * w_var[:, lo:hi]).sum()
-    loss = loss + (M[done] * w_M[seq_of][done]).sum() + (P[done] * w_P[seq_of][done]).sum()
-    loss.backward()
-
-    _check("o", o, o_ref[:, lo:hi], case)
-    _check("var", var, var_ref[:, lo:hi], case)
-    _check("final M", M[done], M_ref[seq_of][done], case)
-    _check("final P", P[done], P_ref[seq_of][done], case)
-    for n, x in mine.items():
-        _check(f"d{n}", x.grad, ref[n].grad[:, lo:hi], case)
-    _check("d initial M", _summed(state[0].grad, state[0]), ref_state[0].grad, case)
-    _check("d initial P", _summed(state[1].grad, state[1]), ref_state[1].grad, case)
-
-
-def bayes_checks() -> None:
-    for varlen, process_noise in itertools.product((False, True), (False, True)):
-        bayes_case(varlen, process_noise)
 
 
 def attention_case(forget: bool, window: Optional[int], varlen: bool) -> None:
@@ -288,5 +224,4 @@ def all_sequence_checks() -> None:
     shard_checks()
     halo_checks()
     recurrence_checks()
-    bayes_checks()
     attention_checks()

@@ -1,7 +1,7 @@
 """Parallel training on CPU (gloo): 2 and 4 processes started from pytest, many checks per job.
 
-* sequence parallelism: the recurrence for every decay kind x rule (+ RWKV-6 bonus) and the Bayesian
-  filter, fixed-length and packed rows crossing ranks, softmax / sliding-window / FoX attention, the convolution halo:
+* sequence parallelism: the recurrence for every decay kind x rule (+ RWKV-6 bonus), fixed-length
+  and packed rows crossing ranks, softmax / sliding-window / FoX attention, the convolution halo:
   outputs, final states and every gradient equal the one-process run (fp64, error ratio < 1e-9);
 * expert parallelism: outputs, routing losses and every gradient equal the one-process MoE;
 * training: FSDP2 (+ expert and sequence parallelism, activation checkpointing) has the

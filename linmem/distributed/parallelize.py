@@ -33,6 +33,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..layers.bayes import BayesianMemory
 from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
@@ -70,6 +71,11 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
         raise ParallelConfigError(
             "parallel.sp > 1 cannot serve mixtures of memories (memory='mom'): their recurrences run over routed "
             "segments, not the batch's time axis; use sp = 1"
+        )
+    if config.sp > 1 and any(isinstance(b.mixer, BayesianMemory) for b in blocks):
+        raise ParallelConfigError(
+            "parallel.sp > 1 cannot serve the Bayesian memory (memory='bayes'): its covariance update is not affine "
+            "in the state a piece starts from, so the pieces of a sequence cannot be filtered apart; use sp = 1"
         )
 
 

@@ -5,6 +5,7 @@ own times summing to about 40)::
 
     python dev/gpu/tools/test_shards.py tests/ops/test_recurrence_triton.py --shards 10 --log-dir $OUT
     python dev/gpu/tools/test_shards.py tests/ops/test_recurrence_triton.py -k "vector and delta"
+    python dev/gpu/tools/test_shards.py tests -m gpu --shards 12 --log-dir $OUT   # every GPU test
 
 Run it from the repository root (the node ids are relative to it). The tests are collected once and dealt
 round-robin, so tests of one parametrisation spread over the shards. Exits 1 if any shard failed; each shard's
@@ -19,11 +20,13 @@ import sys
 from pathlib import Path
 
 
-def collect(path: str, keyword: str) -> list[str]:
-    """Node ids of the tests of ``path`` (matching ``keyword`` if given)."""
+def collect(path: str, keyword: str, marker: str) -> list[str]:
+    """Node ids of the tests of ``path`` (matching ``keyword`` and ``marker`` if given)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", path]
     if keyword:
         cmd += ["-k", keyword]
+    if marker:
+        cmd += ["-m", marker]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     return [line.strip() for line in out.splitlines() if "::" in line]
 
@@ -32,10 +35,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="a test file or folder")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression")
+    parser.add_argument("-m", dest="marker", default="", help="pytest -m expression")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--log-dir", default=".", help="folder of the shards' logs")
     args = parser.parse_args()
-    ids = collect(args.path, args.keyword)
+    ids = collect(args.path, args.keyword, args.marker)
     if not ids:
         print("no tests collected", file=sys.stderr)
         return 1

@@ -616,6 +616,45 @@ def test_gradients_when_only_the_output_is_used():
         assert rel_err(g, g_ref) < FP32_TOL, name
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
+    seen = {}
+
+    def pack(x):
+        seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("combo, varlen", [(("scalar", "delta", False), True), (("vector", "delta", False), False),
+                                           (("vector", "additive", True), False), (("none", "additive", False), True)],
+                         ids=lambda x: combo_id(x) if isinstance(x, tuple) else ("varlen" if x else "fixed"))
+def test_recomputed_states_equal_kept_ones(combo, varlen, settings):
+    """The backward that recomputes the chunk-start states (and the delta rule's T^T, W^T and corrected writes)
+    gives the gradients of the one that kept them, to the bit (the same kernels on the same inputs), from smaller
+    saved tensors."""
+    if varlen:
+        t, cu = packed(combo, [37, 64, 90], H=2, K=16, V=16)
+        kwargs = {"cu_seqlens": cu}
+    else:
+        t, kwargs = inputs(combo, B=2, T=100, H=2, K=16, V=16), {}
+    gen = seeded("recompute", combo)
+    do = torch.randn(t["v"].shape, generator=gen).to(DEVICE)
+    dS = torch.randn(t["initial_state"].shape, generator=gen).to(DEVICE)
+    leaves = {n: x.detach().requires_grad_(True) for n, x in t.items()}
+    results, saved = [], []
+    for keep in (True, False):
+        settings(KEEP_STATES=keep)
+        saved.append(_saved_bytes(lambda: linear_recurrence(**leaves, backend="triton", **kwargs)))
+        results.append(run("triton", t, do, dS, **kwargs))
+    for name in results[0][2]:
+        assert torch.equal(results[0][2][name], results[1][2][name]), name
+    assert saved[1] < saved[0]
+
+
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("constant", "additive", True)], ids=combo_id)
 def test_few_tokens_without_grad_use_the_recurrent_kernel(combo):
     """Up to 16 tokens without autograd: the fused recurrent kernel (decoding a few tokens)."""

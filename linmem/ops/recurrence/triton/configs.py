@@ -122,8 +122,14 @@ INTERPRETER_SMS = 132
 #: overflows
 MAX_SPAN = 150
 
+#: whether the forward keeps the chunk-start states for the backward, and for the delta rule also T^T, W^T and the
+#: corrected writes. Off (the default, as fla does), the backward recomputes them from the inputs: one more WY
+#: stage and forward pass per backward, for (K V / C) state-dtype bytes a token and head less (the delta rule's
+#: another 4 C + 2 K + 2 V): at 8 x 2K and 370M, 64-128 MB a layer (``dev/gpu/tools/saved_tensors.py``)
+KEEP_STATES = False
+
 #: the names :func:`override` may change
-SETTINGS = ("LAUNCH", "MAX_REGISTERS", "WY_FUSED", "RECURRENT_BV", "SEQUENTIAL", "BF16_FACTORS_MAX_K",
+SETTINGS = ("KEEP_STATES", "LAUNCH", "MAX_REGISTERS", "WY_FUSED", "RECURRENT_BV", "SEQUENTIAL", "BF16_FACTORS_MAX_K",
             "W_READ_TRANSPOSED", "NARROW_BF16_FACTORS", "SEQUENTIAL_WARPS", "NARROW_STAGES", "STATE_KB", "PAIR_SUB",
             "INTRA_ROWS", "BLOCK_SPAN", "CHUNK_SPAN", "INTERPRETER_SMS")
 #: how many times :func:`override` changed the settings (the launchers' plans are keyed on it)

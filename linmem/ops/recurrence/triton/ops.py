@@ -32,8 +32,8 @@ def _or_none(x: Tensor) -> Optional[Tensor]:
 
 
 def _saved_or_empty(saved: tuple, like: Tensor) -> tuple:
-    """The forward's saved tensors ``(G, hs, A, d, Tt, Wt, Qg, Kg)`` with absent ones empty (a custom op returns
-    tensors only)."""
+    """The forward's saved tensors ``(G, hs, A, d, Tt, Wt, Qg, Kg)`` with absent ones (not computed, or recomputed
+    by the backward: ``pipeline.kept``) empty (a custom op returns tensors only)."""
     return tuple(_or_empty(x, like) for x in saved)
 
 
@@ -51,7 +51,7 @@ def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
 def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
     s = configs.shapes_of(q, v, cu_seqlens)
     hN = q.new_empty(s.N, s.H, s.K, s.V, dtype=torch.float32) if output_final else q.new_empty(0)
-    saved = pipeline.saved_buffers(q, v, g, beta is not None, cu_seqlens)
+    saved = pipeline.kept(pipeline.saved_buffers(q, v, g, beta is not None, cu_seqlens))
     return (torch.empty_like(v), hN, *_saved_or_empty(saved, q))
 
 
@@ -62,7 +62,7 @@ def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Opt
                  dhN: Optional[Tensor], scale: float, decay: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
-    saved = (_or_none(G), hs, A, _or_none(d), _or_none(Tt), _or_none(Wt), _or_none(Qg), _or_none(Kg))
+    saved = (_or_none(G), _or_none(hs), A, _or_none(d), _or_none(Tt), _or_none(Wt), _or_none(Qg), _or_none(Kg))
     grads = pipeline.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
     return tuple(_or_empty(x, q) for x in grads)
 

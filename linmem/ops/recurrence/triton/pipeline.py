@@ -29,6 +29,11 @@ synchronisation, so a varlen batch costs no more host time than a fixed one. Tra
 products of transposed loads, never by transposing a product (a Hopper miscompilation of Triton 3.4-3.7.0 hits
 that pattern); the operands the backward needs transposed (the delta rule's T, fp32, and W, in the states' dtype)
 are stored transposed by the forward instead.
+
+What the backward reads that the forward computed is either saved or recomputed (``configs.KEEP_STATES``): by
+default the forward saves only the cumulative gates G and the scores A (and the per-channel delta rule's decayed
+q and k), and the backward first reruns the WY stage and the forward pass for the chunk-start states, the delta
+rule's T^T, W^T and corrected writes, into fresh buffers.
 """
 
 from __future__ import annotations
@@ -74,13 +79,41 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
             q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
 
 
+def kept(saved: tuple) -> tuple:
+    """What of the forward's ``(G, hs, A, d, Tt, Wt, Qg, Kg)`` is saved for the backward: all of it with
+    ``configs.KEEP_STATES``, else hs, d, Tt and Wt become None (the backward recomputes them)."""
+    if configs.KEEP_STATES:
+        return saved
+    G, _, A, _, _, _, Qg, Kg = saved
+    return G, None, A, None, None, None, Qg, Kg
+
+
+def recompute(plan: dict, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay: int) -> tuple:
+    """The chunk-start states hs and, for the delta rule, the corrected writes d, Tt and Wt, as :func:`chunk_forward`
+    made them, into fresh buffers: the WY stage (delta rule) and the forward pass again. G (and the per-channel delta
+    rule's Kg) are the forward's, read only; a scalar decay's WY stage rewrites G into a scratch copy."""
+    delta = beta is not None
+    _, hs, _, d, Tt, Wt, _, Kg_scratch = saved_buffers(q, v, g, delta, cu_seqlens)
+    factors = None
+    if delta:
+        scalar = decay == Decay.SCALAR
+        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if scalar else None,
+                             G=torch.empty_like(G) if scalar else G, Tt=Tt, Wt=Wt, Kg=Kg_scratch,
+                             cu_seqlens=cu_seqlens, decay=decay)
+    forward_pass(plan, s, k=Kg if Kg is not None else k, vu=factors.U if delta else v,
+                 W=factors.W if delta else None, G=G, hs=hs, d=d, h0=h0, hN=None, cu_seqlens=cu_seqlens,
+                 factors=factors, decay=decay)
+    return hs, d, Tt, Wt
+
+
 @on_inputs_device
 def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
     """Forward of the chunked recurrence.
 
     q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or [B, T, H, K] fp32; beta:
     [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or None. Returns ``(o, hN, saved)`` with ``saved =
-    (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
+    (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt None unless ``configs.KEEP_STATES``;
+    ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
     ``Tt``: T transposed per chunk [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states'
     dtype; ``Qg``, ``Kg``: the delta rule's queries and keys decayed by a per-channel decay, see
     :func:`saved_buffers`). Absent tensors reach the kernels as None.
@@ -102,7 +135,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
     o = torch.empty_like(v)
     chunk_output(plan, s, q=q, k=k, d=d if delta else v, v=v, G=G, u=u, hs=hs, A=A, o=o, Qg=Qg,
                  cu_seqlens=cu_seqlens, scale=scale, decay=decay)
-    return o, hN, (G, hs, A, d, Tt, Wt, Qg, Kg)
+    return o, hN, kept((G, hs, A, d, Tt, Wt, Qg, Kg))
 
 
 @on_inputs_device
@@ -119,6 +152,8 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     do = do.contiguous()
     dhN = dhN.contiguous() if dhN is not None else None
     plan = plan_for("backward", q, k, v, g, beta, u, h0, cu_seqlens, *saved, do, dhN, scale, decay)
+    if hs is None:
+        hs, d, Tt, Wt = recompute(plan, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay)
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None

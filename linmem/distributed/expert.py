@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..layers.moe import MoEFeedForward
 from ..ops.routing import RouterStats, combine, dispatch, grouped_linear, router_logits, top_k_routing
-from .collectives import all_reduce_sum, all_to_all, exchange_counts, group_size
+from .collectives import all_reduce_sum, all_to_all, exchange_counts, group_size, sum_gradients, sum_partials
 
 __all__ = ["ExpertParallelMoE", "expert_parallel", "global_router_stats"]
 
@@ -83,6 +83,7 @@ class ExpertParallelMoE(MoEFeedForward):
 
     ep_group: Optional[ProcessGroup]  # experts split over these ranks (None: every rank holds all)
     stats_group: Optional[ProcessGroup]  # balancing statistics over the tokens of these ranks
+    tp_group: Optional[ProcessGroup] = None  # every expert's hidden units split over these ranks (tensor parallel)
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         a = self.args
@@ -93,6 +94,9 @@ class ExpertParallelMoE(MoEFeedForward):
         self.router_stats = global_router_stats(logits, probs, experts, valid, self.stats_group)
         keep = None if valid is None else valid[:, None].expand_as(experts)
         d = dispatch(experts, num_groups=a.num_experts, keep=keep)
+        tp = self.tp_group
+        if tp is not None:  # the routing is every rank's alike; the experts' outputs are partial sums over tp
+            flat, weights = sum_gradients(flat, tp), sum_gradients(weights, tp)
         rows = flat[d.token]
         if self.ep_group is None:
             results = self.experts(rows, d.group_sizes)
@@ -101,6 +105,8 @@ class ExpertParallelMoE(MoEFeedForward):
         y = combine(results, d, weights).to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
+        if tp is not None:  # routed and shared experts' partial sums, summed once
+            y = sum_partials(y, tp)
         return y.view_as(x)
 
     def experts(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -278,7 +278,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
                 if placement.is_partial():
                     raise ValueError(f"clip_grad_norm_: expected gradients sharded or replicated, got placements "
                                      f"{grad.placements}")
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard, or _StridedShard (not is_shard() in torch 2.13)
                     groups += (grad.device_mesh.get_group(dim),)
             grad = grad.to_local()
         by_groups[groups].append(grad)

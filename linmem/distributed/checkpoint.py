@@ -95,13 +95,17 @@ def read_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[to
     process (no process group needed): DCP reshards.
     """
     state = _state(model, optimizer)
-    blocks = {part: _blockwise(values) for part, values in state.items()}
+    halves = {}  # the placements of the entries split by halves, to go back to after the load
+    for part, values in state.items():  # DCP loads into these very dicts (the values that are not tensors too)
+        blocks = _blockwise(values)
+        halves[part] = {name: values[name].placements for name in blocks}
+        values.update(blocks)
     with warnings.catch_warnings():  # one process loads without a process group, as intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load({part: {**values, **blocks[part]} for part, values in state.items()}, checkpoint_id=str(path))
-    for part, loaded in blocks.items():  # back to the halves' layout
-        for name, value in loaded.items():
-            state[part][name] = value.redistribute(placements=state[part][name].placements)
+        dcp.load(state, checkpoint_id=str(path))
+    for part, placements in halves.items():  # back to the halves' layout
+        for name, placement in placements.items():
+            state[part][name] = state[part][name].redistribute(placements=placement)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -2,7 +2,8 @@
 
 * every mixer kind it splits, in one model (the zoo): three training steps on tp = 2 and tp = 4 have the
   one-process losses (1e-7) and first gradients (1e-5, gathered whole), fp64;
-* a hybrid MoE model (Gated DeltaNet + softmax attention, shared expert): tp = 2 alone, dp = 2 x tp = 2 (FSDP2
+* a hybrid MoE model (Gated DeltaNet + softmax attention, shared expert): tp = 2 alone (with activation
+  checkpointing: the blocks recompute, collectives included, in the backward pass), dp = 2 x tp = 2 (FSDP2
   over the data ranks, 2-D with the TP DTensors) and sp = 2 x tp = 2 (the attention gathers the keys and values
   of its heads over the sequence ranks) have the one-process gradients, gradient norm and loss curve, and resume
   exactly from their DCP checkpoints;
@@ -32,7 +33,7 @@ from .trainer_checks import DENSE_RUN
 
 def _two_ranks(out: str) -> None:
     tensor_checks.zoo_checks()
-    training_checks.training_checks(ParallelConfig(tp=2), str(Path(out) / "tp"))
+    training_checks.training_checks(ParallelConfig(tp=2, activation_checkpointing=True), str(Path(out) / "tp"))
     tensor_checks.trainer_run(str(Path(out) / "trainer"))
 
 

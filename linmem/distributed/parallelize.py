@@ -87,9 +87,6 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
     refusal = tensor_parallel_refusal(model, config.tp)
     if refusal is not None:
         raise ParallelConfigError(refusal)
-    if config.tp > 1 and config.ep > 1:
-        raise ParallelConfigError(f"parallel.tp = {config.tp} with parallel.ep = {config.ep}: experts split both by "
-                                  "expert and by hidden unit are not supported; use tp = 1 or ep = 1")
     data = config.dp * config.sp
     if config.tp > 1 and data > 1 and any(not isinstance(b.mlp, MoEFeedForward) or b.mlp.shared is not None
                                           for b in blocks):
@@ -181,7 +178,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
             fully_shard(mlp.router, mesh=mesh.data, mp_policy=fp32, reshard_after_forward=reshard)
             if config.ep > 1:
                 if mlp.shared is not None:
-                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard,
+                                shard_placement_fn=split_halves)
                 fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
                 mlp.set_gradient_divide_factor(float(world))
                 # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1

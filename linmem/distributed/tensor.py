@@ -330,16 +330,21 @@ def _split(module: nn.Module, plan: Plan, mesh: DeviceMesh, *, reduce: bool) -> 
     module.forward = _TensorParallelForward(module.forward, params, group, output, reduce)
 
 
-def _tensor_parallel_experts(moe: nn.Module, mesh: DeviceMesh) -> None:
+def _tensor_parallel_experts(moe: nn.Module, mesh: ParallelMesh) -> None:
     """An expert-parallel MoE layer's experts split by hidden units (``gate_up: [E, 2F, D]`` by halves,
-    ``down: [E, D, F]`` by columns), its shared experts a region without sums (the layer sums once, routed
-    and shared outputs together), its router whole."""
+    ``down: [E, D, F]`` by columns) over ``mesh.tp``; experts already split over ``mesh.ep`` become DTensors on
+    the 2-D ``(ep, tp)`` mesh, split both ways. Its shared experts become a region without sums (the layer sums
+    once, routed and shared outputs together); its router stays whole."""
+    by_expert = isinstance(moe.gate_up, DTensor)
+    experts = mesh.root["ep", "tp"] if by_expert else mesh.tp
     for name, split in (("gate_up", Halves(1)), ("down", Heads(2))):
-        param = getattr(moe, name)
-        setattr(moe, name, nn.Parameter(distribute_tensor(param.detach(), mesh, tp_placements(split))))
-    moe.tp_group = mesh.get_group()
+        param = getattr(moe, name).detach()
+        full = param.full_tensor() if by_expert else param  # every rank the same weights (as before ep)
+        placements = [Shard(0), *tp_placements(split)] if by_expert else tp_placements(split)
+        setattr(moe, name, nn.Parameter(distribute_tensor(full, experts, placements)))
+    moe.tp_group = mesh.tp.get_group()
     if moe.shared is not None:
-        _split(moe.shared, _swiglu(), mesh, reduce=False)
+        _split(moe.shared, _swiglu(), mesh.tp, reduce=False)
 
 
 def apply_tp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
@@ -371,7 +376,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn
         if isinstance(block.mlp, MoEFeedForward):
             if not isinstance(block.mlp, ExpertParallelMoE):
                 raise TypeError("apply_tp: MoE layers must be made expert-parallel first (apply_expert_parallel)")
-            _tensor_parallel_experts(block.mlp, tp)
+            _tensor_parallel_experts(block.mlp, mesh)
         else:
             _split(block.mlp, _swiglu(), tp, reduce=True)
     return model

@@ -130,3 +130,24 @@ def trainer_run(out: str) -> None:
 
 #: the trainer test's run: 2 steps, a checkpoint (and model/) after each
 TRAINER_STEPS = ("schedule.steps=2", "run.save_every=1")
+
+
+def capacity_checks() -> None:
+    """A MoE model whose experts drop tokens past their capacity, split over every rank: the one-process loss and
+    gradients (the cap drops the same assignments on every rank)."""
+    tp = dist.get_world_size()
+    torch.manual_seed(0)
+    model = LinmemForCausalLM(LinmemConfig(**BASE, layer_pattern="L", mlp="moe", moe=dict(
+        num_experts=4, num_experts_per_tok=2, intermediate_size=16, capacity_factor=0.5))).double()
+    reference = copy.deepcopy(model)
+    config = ParallelConfig(tp=tp)
+    model = parallelize(model, build_mesh(config, "cpu"), config)
+    ids = batch(0)
+    loss = _loss(model, ids)
+    loss.backward()
+    ref = _loss(reference, ids)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) <= LOSS_TOL * abs(float(ref)), f"capacity, tp = {tp}: loss differs"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        err = rel_err(whole(p.grad), q.grad)
+        assert err < TOL, f"capacity, tp = {tp}: d{name} differs from one process ({err:.1e})"

@@ -4,9 +4,11 @@
   one-process losses (1e-7) and first gradients (1e-5, gathered whole), fp64;
 * a hybrid MoE model (Gated DeltaNet + softmax attention, shared expert): tp = 2 alone (with activation
   checkpointing: the blocks recompute, collectives included, in the backward pass), dp = 2 x tp = 2 (FSDP2
-  over the data ranks, 2-D with the TP DTensors) and sp = 2 x tp = 2 (the attention gathers the keys and values
-  of its heads over the sequence ranks) have the one-process gradients, gradient norm and loss curve, and resume
-  exactly from their DCP checkpoints;
+  over the data ranks, 2-D with the TP DTensors), sp = 2 x tp = 2 (the attention gathers the keys and values
+  of its heads over the sequence ranks) and dp = ep = 2 x tp = 2 (experts split by expert and by hidden unit, 2-D
+  DTensors on the (ep, tp) mesh; blocks kept gathered) have the one-process gradients, gradient norm and loss
+  curve, and resume exactly from their DCP checkpoints;
+* an MoE layer with a capacity factor (tokens dropped alike on every rank) against one process;
 * ``linmem train ... parallel.tp=2`` on 2 ranks has the loss curve of one process, and its checkpoint loads on
   one process with the weights it exported to ``model/``;
 * the mesh (tp innermost; the tensor-parallel ranks of one data rank take its batch) and the named errors.
@@ -33,6 +35,7 @@ from .trainer_checks import DENSE_RUN
 
 def _two_ranks(out: str) -> None:
     tensor_checks.zoo_checks()
+    tensor_checks.capacity_checks()
     training_checks.training_checks(ParallelConfig(tp=2, activation_checkpointing=True), str(Path(out) / "tp"))
     tensor_checks.trainer_run(str(Path(out) / "trainer"))
 
@@ -42,6 +45,7 @@ def _four_ranks(out: str) -> None:
     tensor_checks.zoo_checks()
     training_checks.training_checks(ParallelConfig(dp=2, tp=2), str(Path(out) / "dp_tp"))
     training_checks.training_checks(ParallelConfig(sp=2, tp=2), str(Path(out) / "sp_tp"))
+    training_checks.training_checks(ParallelConfig(dp=2, ep=2, tp=2, fsdp=False), str(Path(out) / "ep_tp"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,9 +102,9 @@ def test_model_errors() -> None:
         model = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 2}, memory=memory))
         with pytest.raises(ParallelConfigError, match=f"cannot split layer 0's mixer '{memory}': .*{reason}"):
             check_model(model, ParallelConfig(tp=2))
-    moe = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 2}, mlp="moe", moe=dict(num_experts=4)))
-    with pytest.raises(ParallelConfigError, match="parallel.tp = 2 with parallel.ep = 2"):
-        check_model(moe, ParallelConfig(dp=2, ep=2, tp=2))
+    moe = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 4}, mlp="moe", moe=dict(intermediate_size=18)))
+    with pytest.raises(ParallelConfigError, match="hidden units: layer 0's moe.intermediate_size is 18"):
+        check_model(moe, ParallelConfig(tp=4))
     dense = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 2}))
     with pytest.raises(ParallelConfigError, match=r"compiled blocks .* parallel.tp = 2"):
         check_model(dense, ParallelConfig(tp=2), compile_blocks=True)

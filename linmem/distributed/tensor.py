@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layers.base import Mixer
-from ..layers.moe import MoEFeedForward, SwiGLU
+from ..layers.moe import MoEFeedForward
 from ..layers.norms import RMSNorm
 from .collectives import all_reduce_sum, sum_gradients, sum_partials
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
@@ -229,15 +229,11 @@ def tensor_parallel_refusal(model: nn.Module, tp: int) -> Optional[str]:
         for what, count in (("heads", heads), ("KV heads", kv)):
             if count % tp:
                 return f"parallel.tp = {tp} must divide the {what} of every layer: layer {i} ({name}) has {count}"
-        widths = []
         mlp = block.mlp
-        if isinstance(mlp, MoEFeedForward):
-            widths.append(("moe.intermediate_size", mlp.args.intermediate_size))
-        elif isinstance(mlp, SwiGLU):
-            widths.append(("intermediate_size", mlp.down.weight.shape[1]))
-        for what, width in widths:
-            if width % tp:
-                return f"parallel.tp = {tp} must divide the feed-forward's hidden units: layer {i}'s {what} is {width}"
+        what, width = (("moe.intermediate_size", mlp.args.intermediate_size) if isinstance(mlp, MoEFeedForward)
+                       else ("intermediate_size", mlp.down.weight.shape[1]))  # a SwiGLU: down [D, F]
+        if width % tp:
+            return f"parallel.tp = {tp} must divide the feed-forward's hidden units: layer {i}'s {what} is {width}"
     return None
 
 

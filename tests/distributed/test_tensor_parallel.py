@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from linmem.distributed import ParallelConfig, ParallelConfigError, check_model
+from linmem.distributed.tensor import PLANS, REFUSED
+from linmem.layers import mixer_names
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.train import Trainer, load_config
 from linmem.train.checkpoint import load_checkpoint
@@ -85,6 +87,10 @@ def test_config_errors() -> None:
         ParallelConfig(dp=2, tp=2).validate(world_size=2)
     with pytest.raises(ParallelConfigError, match="parallel.tp must be an int >= 1, got 0"):
         ParallelConfig(tp=0).validate()
+
+
+def test_every_mixer_is_planned_or_refused() -> None:
+    assert set(PLANS).isdisjoint(REFUSED) and set(PLANS) | set(REFUSED) == set(mixer_names())
 
 
 def test_model_errors() -> None:

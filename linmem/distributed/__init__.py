@@ -1,12 +1,13 @@
-"""Training on many ranks: data (FSDP2), sequence and expert parallelism, applied from outside.
+"""Training on many ranks: data (FSDP2), sequence, expert and tensor parallelism, applied from outside.
 
 Model code is written for one device; this package parallelises it (as torchtitan does):
 
-* :func:`build_mesh` / :class:`ParallelConfig`: the ``parallel`` section (``dp``, ``sp``, ``ep``,
+* :func:`build_mesh` / :class:`ParallelConfig`: the ``parallel`` section (``dp``, ``sp``, ``ep``, ``tp``,
   ``fsdp``, ``activation_checkpointing``) and its device mesh;
-* :func:`parallelize`: expert-parallel MoE layers, activation checkpointing, regional compilation and FSDP2 per
-  block, one step each (:func:`apply_expert_parallel`, :func:`apply_activation_checkpointing`,
-  :func:`apply_compile`, :func:`apply_fsdp`; one process uses the middle two);
+* :func:`parallelize`: expert-parallel MoE layers, tensor parallelism, activation checkpointing, regional
+  compilation and FSDP2 per block, one step each (:func:`apply_expert_parallel`, :func:`apply_tp`,
+  :func:`apply_activation_checkpointing`, :func:`apply_compile`, :func:`apply_fsdp`; one process uses the
+  checkpointing and the compilation);
 * :class:`SequenceParallel` + :func:`sequence_parallel`: the handler the ops consult so that
   memory layers, attention layers and short convolutions run over sequences split between ranks;
   :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
@@ -34,6 +35,7 @@ _EXPORTS = {
     "parallelize": ("apply_activation_checkpointing", "apply_compile", "apply_expert_parallel", "apply_fsdp",
                     "check_model", "clip_grad_norm_", "compile_refusal", "parallelize"),
     "sequence": ("PieceLayout", "sp_halo", "sp_linear_recurrence"),
+    "tensor": ("apply_tp", "tensor_parallel_refusal"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -49,6 +51,7 @@ __all__ = [
     "apply_compile",
     "apply_expert_parallel",
     "apply_fsdp",
+    "apply_tp",
     "build_mesh",
     "check_model",
     "clip_grad_norm_",
@@ -69,6 +72,7 @@ __all__ = [
     "sp_halo",
     "sp_linear_recurrence",
     "split_packing",
+    "tensor_parallel_refusal",
     "write_shards",
 ]
 

@@ -6,6 +6,11 @@ trainer's own state (step, data position, RNG) is a JSON file that rank 0 writes
 A checkpoint directory appears under its final name only once complete (written to a temporary
 name, then renamed by rank 0 after every rank finished). :func:`export_pretrained` gathers the full
 weights to rank 0 and writes a folder that ``from_pretrained`` loads on one device.
+
+DCP records each rank's shard as one block of the global tensor. Under tensor parallelism a SwiGLU's
+``[gate; up]`` weight is split by halves (``_StridedShard`` on the ``tp`` mesh dimension: rank r holds block r
+of both halves, two blocks), so it and its optimizer state are written and read redistributed to plain shards
+(:func:`_blockwise`), and the files are those of any other layout.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["save_distributed", "load_distributed", "write_shards", "read_shards", "export_pretrained"]
 
@@ -56,13 +63,29 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict
     return {"model": model_state, "optim": optim_state}
 
 
+def _blockwise(state: dict[str, Any]) -> dict[str, DTensor]:
+    """The entries of a (flat) state dict split by halves over ``tp``, redistributed so that every rank holds one
+    block of the global tensor (each ``_StridedShard`` on the ``tp`` mesh dimension becomes a ``Shard``)."""
+    blocks = {}
+    for name, value in state.items():
+        if not isinstance(value, DTensor):
+            continue
+        dims = value.device_mesh.mesh_dim_names or ()
+        placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) and dims[i] == "tp" else p
+                           for i, p in enumerate(value.placements))
+        if placements != tuple(value.placements):
+            blocks[name] = value.redistribute(placements=placements)
+    return blocks
+
+
 def write_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Every rank writes its shards of ``model`` (and ``optimizer``) into the folder ``path`` (DCP).
 
     The files record global shapes: :func:`read_shards` loads them on any number of ranks, or on
     one process without a process group.
     """
-    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    state = _state(model, optimizer)
+    dcp.save({part: {**values, **_blockwise(values)} for part, values in state.items()}, checkpoint_id=str(path))
 
 
 def read_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -72,9 +95,17 @@ def read_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[to
     process (no process group needed): DCP reshards.
     """
     state = _state(model, optimizer)
+    halves = {}  # the placements of the entries split by halves, to go back to after the load
+    for part, values in state.items():  # DCP loads into these very dicts (the values that are not tensors too)
+        blocks = _blockwise(values)
+        halves[part] = {name: values[name].placements for name in blocks}
+        values.update(blocks)
     with warnings.catch_warnings():  # one process loads without a process group, as intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, checkpoint_id=str(path))
+    for part, placements in halves.items():  # back to the halves' layout
+        for name, placement in placements.items():
+            state[part][name] = state[part][name].redistribute(placements=placement)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

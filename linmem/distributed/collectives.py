@@ -1,4 +1,4 @@
-"""Collectives that autograd differentiates, for the sequence- and expert-parallel layers.
+"""Collectives that autograd differentiates, for the sequence-, expert- and tensor-parallel layers.
 
 Each is an ``autograd.Function`` whose backward is the transposed collective:
 
@@ -7,6 +7,11 @@ Each is an ``autograd.Function`` whose backward is the transposed collective:
 * all-to-all with variable row counts -> the all-to-all with the counts swapped;
 * all-reduce (sum) -> all-reduce (sum) of the gradients: every rank's copy of the sum
   feeds that rank's loss, so the gradient of an input is the sum of all of them.
+
+Tensor parallelism uses the two halves of the last (Megatron's f and g): :func:`sum_gradients` leaves a
+replicated tensor unchanged and sums its gradients over the ranks, which each computed from their own heads;
+:func:`sum_partials` sums the ranks' partial outputs and passes the gradient, the same on every rank, back
+unchanged.
 
 They run on any backend with these collectives (NCCL on GPU, gloo on CPU).
 """
@@ -100,6 +105,51 @@ class _AllReduceSum(torch.autograd.Function):
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The sum of ``x`` over the ranks, on every rank; differentiable (see the module docstring)."""
     return _AllReduceSum.apply(x, group)
+
+
+class _SumGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # noqa: D102
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def sum_gradients(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` unchanged; in the backward pass its gradient is summed over the ranks of ``group`` (Megatron's f).
+
+    For a tensor every rank holds alike (a layer's input, a replicated weight) that each rank uses for its own
+    share of the heads: each rank's gradient is a part, their sum the whole.
+    """
+    return _SumGradients.apply(x, group)
+
+
+class _SumPartials(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # noqa: D102
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return grad, None
+
+
+def sum_partials(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum over the ranks of ``group`` of their partial results ``x`` (Megatron's g); the gradient, the same
+    on every rank, passes back unchanged.
+
+    Example (on every rank of a 2-rank group):
+        >>> sum_partials(torch.full((2,), float(rank + 1)), group)  # doctest: +SKIP
+        tensor([3., 3.])
+    """
+    return _SumPartials.apply(x, group)
 
 
 class _Tie(torch.autograd.Function):

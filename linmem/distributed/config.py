@@ -1,11 +1,13 @@
 """The ``parallel`` configuration and the device mesh it builds.
 
-A run on ``world = dp * sp`` ranks: ``dp`` data-parallel ranks (each its own share of the global
+A run on ``world = dp * sp * tp`` ranks: ``dp`` data-parallel ranks (each its own share of the global
 batch) times ``sp`` sequence-parallel ranks (each a contiguous piece of every sequence of its
-share). Expert parallelism splits every MoE layer's experts over ``ep`` of the data-parallel ranks
-(``ep`` divides ``dp``). The mesh has the dimensions ``("edp", "sp", "ep")`` of sizes
-``(dp / ep, sp, ep)`` with ``dp = edp * ep``; FSDP shards the replicated parameters over all ranks
-and the experts over the ``edp * sp`` ranks that hold the same experts.
+share) times ``tp`` tensor-parallel ranks (each the same tokens and ``1/tp`` of every layer's heads
+and hidden units). Expert parallelism splits every MoE layer's experts over ``ep`` of the
+data-parallel ranks (``ep`` divides ``dp``). The mesh has the dimensions ``("edp", "sp", "ep", "tp")``
+of sizes ``(dp / ep, sp, ep, tp)`` with ``dp = edp * ep``, ``tp`` innermost (neighbouring ranks, the
+fastest links); FSDP shards the parameters over the ``edp * sp * ep`` ranks of one tensor-parallel
+index (every rank when ``tp = 1``) and the experts over the ``edp * sp`` ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ class ParallelConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    """How a run spreads over ranks (the ``parallel`` config section): ``dp * sp`` processes launched by torchrun."""
+    """How a run spreads over ranks (the ``parallel`` config section): ``dp * sp * tp`` processes launched by
+    torchrun."""
 
     dp: int = setting(1, "data-parallel ranks: each its own share of the global batch")
     sp: int = setting(1, "sequence-parallel ranks: each a contiguous piece of every sequence")
     ep: int = setting(1, "expert-parallel ranks (among the dp ranks): each 1/ep of every MoE layer's experts")
+    tp: int = setting(1, "tensor-parallel ranks: the same tokens, each 1/tp of every layer's heads and hidden units")
     fsdp: bool = setting(True, "shard parameters also between forward and backward (off: keep them gathered)")
     blocks_per_unit: int = setting(4, "consecutive blocks FSDP gathers as one unit: fewer hooks and copies, more "
                                       "gathered")
@@ -44,7 +48,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.sp
+        return self.dp * self.sp * self.tp
 
     def validate(
         self,
@@ -56,11 +60,11 @@ class ParallelConfig:
         """Refuse layouts that cannot run, before any work; returns self.
 
         Args:
-            world_size: the ranks launched (``torchrun --nproc-per-node``); must be ``dp * sp``.
+            world_size: the ranks launched (``torchrun --nproc-per-node``); must be ``dp * sp * tp``.
             seq_len: tokens per sequence (per packed row); ``sp`` must divide it.
             num_experts: experts per MoE layer; ``ep`` must divide it.
         """
-        for name in ("dp", "sp", "ep", "blocks_per_unit"):
+        for name in ("dp", "sp", "ep", "tp", "blocks_per_unit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
@@ -72,10 +76,11 @@ class ParallelConfig:
             raise ParallelConfigError(f"parallel.timeout_minutes must be a number > 0, got {timeout!r}")
         if world_size is not None and world_size != self.world_size:
             launch = (f": launch with torchrun --nproc-per-node {self.world_size} -m linmem.cli train ..., or set "
-                      "parallel.dp=1 parallel.sp=1 to train on one process") if world_size == 1 else ""
+                      "parallel.dp=1 parallel.sp=1 parallel.tp=1 to train on one process") if world_size == 1 else ""
+            product = (f"parallel.dp * parallel.sp = {self.dp} * {self.sp}" if self.tp == 1 else
+                       f"parallel.dp * parallel.sp * parallel.tp = {self.dp} * {self.sp} * {self.tp}")
             raise ParallelConfigError(
-                f"parallel.dp * parallel.sp = {self.dp} * {self.sp} = {self.world_size} must equal the number of "
-                f"processes launched, {world_size}{launch}"
+                f"{product} = {self.world_size} must equal the number of processes launched, {world_size}{launch}"
             )
         if self.dp % self.ep:
             raise ParallelConfigError(f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp} (expert-parallel "
@@ -93,11 +98,13 @@ class ParallelMesh:
     """The device meshes of a run (all cut from one root mesh, so DTensors on them compose)."""
 
     config: ParallelConfig
-    root: DeviceMesh  # ("edp", "sp", "ep")
+    root: DeviceMesh  # ("edp", "sp", "ep", "tp")
     dp: DeviceMesh  # data-parallel ranks (edp * ep): each its own batch share
     sp: DeviceMesh  # sequence-parallel ranks: pieces of the same sequences
     ep: DeviceMesh  # expert-parallel ranks: each holds 1/ep of the experts
-    data: DeviceMesh  # every rank (edp * ep * sp): where replicated parameters are sharded and averaged
+    tp: DeviceMesh  # tensor-parallel ranks: the same tokens, each 1/tp of the heads and hidden units
+    data: DeviceMesh  # the ranks of one tensor-parallel index (edp * sp * ep): where parameters are sharded and
+    #                   gradients averaged, and over which the loss is a mean (every rank when tp = 1)
     expert_data: DeviceMesh  # the ranks (edp * sp) holding the same experts: where experts are sharded
 
     @property
@@ -116,6 +123,9 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
         >>> mesh = build_mesh(ParallelConfig(dp=2, sp=2))  # doctest: +SKIP
         >>> mesh.sp.size(), mesh.data.size()  # doctest: +SKIP
         (2, 4)
+        >>> mesh = build_mesh(ParallelConfig(dp=2, tp=2))  # doctest: +SKIP
+        >>> mesh.tp.size(), mesh.data.size()  # doctest: +SKIP
+        (2, 2)
     """
     import torch
     import torch.distributed as dist
@@ -129,11 +139,12 @@ def build_mesh(config: ParallelConfig, device_type: Optional[str] = None) -> Par
     config.validate(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    # ep innermost: the experts' meshes (expert_data, ep) then keep the root's dimension order
-    root = init_device_mesh(device_type, (config.dp // config.ep, config.sp, config.ep),
-                            mesh_dim_names=("edp", "sp", "ep"))
+    # ep after edp and sp: the experts' meshes (expert_data, ep) then keep the root's dimension order; tp
+    # innermost, so that a tensor-parallel group is neighbouring ranks (one host, the fastest links)
+    root = init_device_mesh(device_type, (config.dp // config.ep, config.sp, config.ep, config.tp),
+                            mesh_dim_names=("edp", "sp", "ep", "tp"))
     return ParallelMesh(
-        config=config, root=root, dp=root["edp", "ep"]._flatten("dp"), sp=root["sp"], ep=root["ep"],
+        config=config, root=root, dp=root["edp", "ep"]._flatten("dp"), sp=root["sp"], ep=root["ep"], tp=root["tp"],
         data=root["edp", "sp", "ep"]._flatten("data"), expert_data=root["edp", "sp"]._flatten("expert_data"),
     )
 

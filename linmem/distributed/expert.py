@@ -17,6 +17,12 @@ log-sum-exp squares), so they equal the one-process values for the global batch;
 backward sums the ranks' gradients, which the data-parallel mean of gradients turns into the
 exact gradient of the global loss. Expert gradients arrive through the all-to-all's backward as
 sums over the ranks' tokens; FSDP divides them by the whole data world like every other gradient.
+Without expert parallelism a ``capacity_factor`` caps every expert at its share of this rank's tokens, as
+the layer does on one process for each of its micro-batches.
+
+Under tensor parallelism (``tp_group``, set by :mod:`linmem.distributed.tensor`) every expert's hidden units are
+split over the ``tp`` ranks, which route the same tokens alike: the experts' outputs are partial sums, summed
+once over ``tp`` with the shared experts' (the rows and the routing weights enter with their gradients summed).
 """
 
 from __future__ import annotations
@@ -31,8 +37,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..layers.moe import MoEFeedForward
-from ..ops.routing import RouterStats, combine, dispatch, grouped_linear, router_logits, top_k_routing
-from .collectives import all_reduce_sum, all_to_all, exchange_counts, group_size
+from ..ops.routing import (
+    RouterStats,
+    capacity_of,
+    combine,
+    dispatch,
+    grouped_linear,
+    limit_capacity,
+    router_logits,
+    top_k_routing,
+)
+from .collectives import all_reduce_sum, all_to_all, exchange_counts, group_size, sum_gradients, sum_partials
 
 __all__ = ["ExpertParallelMoE", "expert_parallel", "global_router_stats"]
 
@@ -83,6 +98,7 @@ class ExpertParallelMoE(MoEFeedForward):
 
     ep_group: Optional[ProcessGroup]  # experts split over these ranks (None: every rank holds all)
     stats_group: Optional[ProcessGroup]  # balancing statistics over the tokens of these ranks
+    tp_group: Optional[ProcessGroup] = None  # every expert's hidden units split over these ranks (tensor parallel)
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         a = self.args
@@ -93,6 +109,12 @@ class ExpertParallelMoE(MoEFeedForward):
         self.router_stats = global_router_stats(logits, probs, experts, valid, self.stats_group)
         keep = None if valid is None else valid[:, None].expand_as(experts)
         d = dispatch(experts, num_groups=a.num_experts, keep=keep)
+        if a.capacity_factor is not None:  # every expert on this rank (expert parallelism is dropless)
+            tokens = flat.shape[0] if valid is None else int(valid.sum())
+            d = limit_capacity(d, capacity_of(tokens, a.num_experts_per_tok, a.num_experts, a.capacity_factor))
+        tp = self.tp_group
+        if tp is not None:  # the routing is every rank's alike; the experts' outputs are partial sums over tp
+            flat, weights = sum_gradients(flat, tp), sum_gradients(weights, tp)
         rows = flat[d.token]
         if self.ep_group is None:
             results = self.experts(rows, d.group_sizes)
@@ -101,6 +123,8 @@ class ExpertParallelMoE(MoEFeedForward):
         y = combine(results, d, weights).to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
+        if tp is not None:  # routed and shared experts' partial sums, summed once
+            y = sum_partials(y, tp)
         return y.view_as(x)
 
     def experts(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,18 @@
-"""``parallelize(model, mesh, config)``: data, expert and (with the sequence handler) sequence parallelism
-applied to a single-device :class:`~linmem.models.LinmemForCausalLM` from outside.
+"""``parallelize(model, mesh, config)``: data, expert, tensor and (with the sequence handler) sequence
+parallelism applied to a single-device :class:`~linmem.models.LinmemForCausalLM` from outside.
 
 In order, on every block of the stack:
 
 1. MoE feed-forwards become :class:`~linmem.distributed.expert.ExpertParallelMoE` (experts split over
    ``ep`` ranks; balancing statistics over the global batch) whenever the run has several ranks;
-2. activation checkpointing (``torch.distributed._composable.checkpoint``: the block recomputes its
+2. tensor parallelism (:func:`~linmem.distributed.tensor.apply_tp`): the mixers' heads and the
+   feed-forwards' hidden units split over ``tp`` ranks, their parameters DTensors on the ``tp`` mesh;
+3. activation checkpointing (``torch.distributed._composable.checkpoint``: the block recomputes its
    activations in the backward pass; parameter names do not change), then, with ``compile_blocks``,
    ``torch.compile`` of the block;
-3. FSDP2 (``fully_shard``): the router in fp32 and, under expert parallelism, the shared experts
-   and the experts as units of their own (the experts sharded over the ranks holding the same
+4. FSDP2 (``fully_shard``) over the data ranks (those of one tensor-parallel index), 2-D with the
+   tensor-parallel DTensors inside as torchtitan does: the router in fp32 and, under expert parallelism,
+   the shared experts and the experts as units of their own (the experts sharded over the ranks holding the same
    experts, their gradients divided by the whole world like the others), then the block (or
    ``blocks_per_unit`` consecutive blocks as one unit: one gather, one reduce and one set of hooks for
    all of them, which spares host time, with more parameters gathered at once); the root
@@ -31,13 +34,15 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layers.bayes import BayesianMemory
 from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import expert_parallel
+from .tensor import apply_tp, tensor_parallel_refusal
 
 __all__ = [
     "parallelize",
@@ -54,7 +59,9 @@ __all__ = [
 def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: bool = False) -> None:
     """Refuse a model the layout cannot serve, before any work (named errors). ``compile_blocks`` on
     several ranks is tested for data parallelism of blocks without MoE feed-forwards only: sequence
-    parallelism and the experts' statistics put collectives inside the blocks, which are refused."""
+    and tensor parallelism and the experts' statistics put collectives inside the blocks, which are refused.
+    Tensor parallelism needs every layer's heads and hidden units divisible by ``tp`` and a mixer it can
+    split (:func:`~linmem.distributed.tensor.tensor_parallel_refusal`)."""
     blocks = _blocks(model)
     moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEFeedForward)]
     refusal = compile_refusal(model, config)
@@ -77,6 +84,16 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
             "parallel.sp > 1 cannot serve the Bayesian memory (memory='bayes'): its covariance update is not affine "
             "in the state a piece starts from, so the pieces of a sequence cannot be filtered apart; use sp = 1"
         )
+    refusal = tensor_parallel_refusal(model, config.tp)
+    if refusal is not None:
+        raise ParallelConfigError(refusal)
+    data = config.dp * config.sp
+    if config.tp > 1 and data > 1 and any(not isinstance(b.mlp, MoEFeedForward) or b.mlp.shared is not None
+                                          for b in blocks):
+        width = blocks[0].mlp_norm.weight.shape[0]
+        if width % data:  # FSDP shards a SwiGLU's [gate; up], split by halves over tp, along its input width
+            raise ParallelConfigError(f"parallel.tp = {config.tp} with dp * sp = {data} data ranks: the hidden size "
+                                      f"{width} must be a multiple of {data}")
 
 
 def compile_refusal(model: nn.Module, config: ParallelConfig) -> Optional[str]:
@@ -84,9 +101,10 @@ def compile_refusal(model: nn.Module, config: ParallelConfig) -> Optional[str]:
     several ranks serve data parallelism of blocks without MoE feed-forwards: sequence parallelism and the
     experts' statistics put collectives inside the blocks."""
     moe = sum(isinstance(b.mlp, MoEFeedForward) for b in _blocks(model))
-    if config.world_size > 1 and (config.sp > 1 or moe):
+    if config.world_size > 1 and (config.sp > 1 or config.tp > 1 or moe):
+        tp = f", parallel.tp = {config.tp}" if config.tp > 1 else ""
         return (f"compiled blocks (run.compile) on several ranks serve data parallelism of blocks without MoE "
-                f"feed-forwards only; got parallel.sp = {config.sp} and {moe} MoE layers: their collectives run "
+                f"feed-forwards only; got parallel.sp = {config.sp}{tp} and {moe} MoE layers: their collectives run "
                 "inside the blocks")
     return None
 
@@ -96,9 +114,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, config: Parallel
     :class:`~linmem.distributed.expert.ExpertParallelMoE`, its experts split over the ``ep`` ranks when
     ``config.ep > 1`` (else each rank keeps all), its balancing statistics over the global batch. Returns the model.
     """
-    if mesh.data.size() == 1:
+    if mesh.data.size() == 1 and config.tp == 1:
         return model
-    stats_group = mesh.data.get_group()
+    stats_group = mesh.data.get_group() if mesh.data.size() > 1 else None
     for block in _blocks(model):
         if isinstance(block.mlp, MoEFeedForward):
             expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
@@ -147,6 +165,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
     if world == 1:
         return model
     on_gpu = mesh.device_type == "cuda"
+    split_halves = _shard_halves_by_input if config.tp > 1 else None
     if param_dtype is None:
         param_dtype = torch.bfloat16 if on_gpu else torch.float32
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -159,7 +178,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
             fully_shard(mlp.router, mesh=mesh.data, mp_policy=fp32, reshard_after_forward=reshard)
             if config.ep > 1:
                 if mlp.shared is not None:
-                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard)
+                    fully_shard(mlp.shared, mesh=mesh.data, mp_policy=compute, reshard_after_forward=reshard,
+                                shard_placement_fn=split_halves)
                 fully_shard(mlp, mesh=mesh.expert_data, mp_policy=compute, reshard_after_forward=reshard)
                 mlp.set_gradient_divide_factor(float(world))
                 # WORKAROUND(torch 2.13, gloo): a size-1 FSDP group divides twice under a forced sum; force it for >1
@@ -168,18 +188,29 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
     for start in range(0, len(blocks), config.blocks_per_unit):  # one FSDP unit: its blocks' hooks run once
         unit = blocks[start:start + config.blocks_per_unit]
         fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh.data, mp_policy=compute,
-                    reshard_after_forward=reshard)
+                    reshard_after_forward=reshard, shard_placement_fn=split_halves)
     # the root (embeddings, final norm, head) stays gathered from forward to backward, which starts with it
     fully_shard(model, mesh=mesh.data, mp_policy=compute, reshard_after_forward=False)
     return model
+
+
+def _shard_halves_by_input(param: nn.Parameter) -> Optional[Shard]:
+    """FSDP's shard of a parameter: a SwiGLU's [gate; up] weight, split by halves along its rows over tp, along
+    its input columns (FSDP's rows of a strided shard would not describe one block of the global tensor, which
+    DCP and ``full_tensor`` need); the others along their rows (None: FSDP's default)."""
+    if isinstance(param, DTensor) and isinstance(param.placements[-1], _StridedShard) and \
+            param.placements[-1].dim == 0:
+        return Shard(1)
+    return None
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelConfig] = None, *,
                 param_dtype: Optional[torch.dtype] = None, compile_blocks: bool = False) -> nn.Module:
     """Apply ``config`` to ``model`` in place (every rank, same initial weights); returns the model.
 
-    Validates, then applies in order :func:`apply_expert_parallel`, :func:`apply_activation_checkpointing`
-    (``config.activation_checkpointing``), :func:`apply_compile` (``compile_blocks``) and :func:`apply_fsdp`.
+    Validates, then applies in order :func:`apply_expert_parallel`, :func:`~linmem.distributed.tensor.apply_tp`,
+    :func:`apply_activation_checkpointing` (``config.activation_checkpointing``), :func:`apply_compile`
+    (``compile_blocks``) and :func:`apply_fsdp`.
 
     Args:
         model: a :class:`~linmem.models.LinmemForCausalLM` (or anything with ``model.layers`` of
@@ -199,12 +230,13 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Optional[ParallelC
         optimizer = torch.optim.AdamW(model.parameters())   # after parallelize: DTensor parameters
     """
     config = mesh.config if config is None else config.validate()
-    sizes = lambda c: (c.dp, c.sp, c.ep)  # noqa: E731
+    sizes = lambda c: (c.dp, c.sp, c.ep, c.tp)  # noqa: E731
     if sizes(config) != sizes(mesh.config):
-        raise ParallelConfigError(f"parallelize: config (dp, sp, ep) = {sizes(config)} differs from the mesh's "
+        raise ParallelConfigError(f"parallelize: config (dp, sp, ep, tp) = {sizes(config)} differs from the mesh's "
                                   f"{sizes(mesh.config)}")
     check_model(model, config, compile_blocks=compile_blocks)
     apply_expert_parallel(model, mesh, config)
+    apply_tp(model, mesh, config)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_blocks:
@@ -244,7 +276,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
                 if placement.is_partial():
                     raise ValueError(f"clip_grad_norm_: expected gradients sharded or replicated, got placements "
                                      f"{grad.placements}")
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard, or _StridedShard (not is_shard() in torch 2.13)
                     groups += (grad.device_mesh.get_group(dim),)
             grad = grad.to_local()
         by_groups[groups].append(grad)

@@ -341,14 +341,14 @@ class _Attention(Mixer):
         cu_seqlens: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V]."""
-        H, Hkv = self.args.num_heads, self.num_kv_heads
+        K, V = self.args.key_dim, self.args.value_dim
         k, v = self.k_proj(hidden), self.v_proj(hidden)
         if self.args.kv_shift:
             shift = dict(cache=cache, token_mask=token_mask, cu_seqlens=cu_seqlens)
             k = self.shift(k, self.k_shift_proj(hidden), "shift_k", **shift)
             v = self.shift(v, self.v_shift_proj(hidden), "shift_v", **shift)
-        q = rearrange(self.q_proj(hidden), "b t (h d) -> b t h d", h=H)
-        k, v = (rearrange(x, "b t (h d) -> b t h d", h=Hkv) for x in (k, v))
+        q, k = (rearrange(x, "b t (h d) -> b t h d", d=K) for x in (self.q_proj(hidden), k))
+        v = rearrange(v, "b t (h d) -> b t h d", d=V)
         if self.args.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
@@ -382,7 +382,7 @@ class _Attention(Mixer):
         if cache is not None:
             cache.set(key, newest.detach())
         a = torch.sigmoid(gate_logit.float())[..., None]  # [B, T, Hkv, 1]
-        split = lambda t: rearrange(t.float(), "b t (h d) -> b t h d", h=self.num_kv_heads)  # noqa: E731
+        split = lambda t: rearrange(t.float(), "b t (h d) -> b t h d", h=gate_logit.shape[-1])  # noqa: E731
         mixed = a * split(previous) + (1 - a) * split(x)
         return rearrange(mixed, "b t h d -> b t (h d)").to(x.dtype)
 
@@ -405,7 +405,7 @@ class _Attention(Mixer):
         """o [B, T, H, V] -> [B, T, D]."""
         gate = None
         if self.args.output_gate:
-            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+            gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", d=self.args.value_dim)
         if self.args.output_norm and gate is not None:  # one fused pass: RMSNorm(o) * sigmoid(gate)
             o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps, activation="sigmoid")
         elif self.args.output_norm:
@@ -460,6 +460,7 @@ class ForgettingAttention(_Attention):
         if gate == "data_dependent":
             logits = self.f_proj(hidden).float()  # [B, T, H]
         else:
-            bias = self.f_bias if gate == "data_independent" else decay_time_logits(self.args.num_heads, hidden.device)
+            bias = self.f_bias if gate == "data_independent" else \
+                decay_time_logits(self.args.num_heads, hidden.device)[self.heads]
             logits = bias.float().expand(B, T, -1)
         return F.logsigmoid(logits)

@@ -233,6 +233,10 @@ class Mixer(nn.Module, ABC):
     args_class: ClassVar[type[MixerArgs]] = MixerArgs
     #: the registered name (set by :func:`register_mixer`)
     name: ClassVar[str] = ""
+    #: the heads this module computes: all of them, or under tensor parallelism this rank's consecutive share
+    #: (set by :mod:`linmem.distributed.tensor`). The forward takes its head count from its tensors' shapes;
+    #: per-head constants that no parameter holds (fixed decays) are taken at these heads.
+    heads: slice = slice(None)
 
     def __init__(self, args: MixerArgs) -> None:
         super().__init__()

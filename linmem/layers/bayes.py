@@ -152,7 +152,7 @@ class BayesianMemory(MemoryMixer):
         return FilterArgs(q=q, k=k, v=v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
-        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", d=self.args.value_dim)
         return self.o_proj(rearrange(self.o_norm(o, gate), "b t h d -> b t (h d)"))
 
     # ---------------------------------------------------------------- the state: mean and covariance

@@ -64,7 +64,7 @@ class _DeltaRule(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H, K, V = self.args.num_heads, self.args.key_dim, self.args.value_dim
+        K, V = self.args.key_dim, self.args.value_dim
         q = self.q_proj(hidden)
         k, v = self.project("k_proj", hidden, projected), self.project("v_proj", hidden, projected)
         if self.use_short_conv:
@@ -74,7 +74,7 @@ class _DeltaRule(MemoryMixer):
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q, k = l2_norm(q, head_dim=K), l2_norm(k, head_dim=K)  # [B, T, H, K], unit norm per head
-        v = v.unflatten(-1, (H, V))
+        v = v.unflatten(-1, (-1, V))
         beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())  # [B, T, H]
         log_decay = None
         if self.gated:  # [B, T, H]

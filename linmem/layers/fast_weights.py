@@ -87,7 +87,7 @@ class _GatedFastWeights(MemoryMixer):
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=self.log_decay(hidden, projected))
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
-        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", d=self.args.value_dim)
         return self.o_proj(rearrange(self.o_norm(o, gate), "b t h d -> b t (h d)"))
 
 
@@ -112,9 +112,9 @@ class GatedFastWeights(_GatedFastWeights):
         self.beta_proj = Linear(D, H * V, bias=True, init=self.init)
 
     def log_decay(self, hidden: torch.Tensor, projected: Optional[dict[str, torch.Tensor]]) -> torch.Tensor:
-        H = self.args.num_heads
-        alpha = log_sigmoid_gate(rearrange(self.project("alpha_proj", hidden, projected), "b t (h k) -> b t h k", h=H))
-        beta = log_sigmoid_gate(rearrange(self.project("beta_proj", hidden, projected), "b t (h v) -> b t h v", h=H))
+        K, V = self.args.key_dim, self.args.value_dim
+        alpha = log_sigmoid_gate(rearrange(self.project("alpha_proj", hidden, projected), "b t (h k) -> b t h k", k=K))
+        beta = log_sigmoid_gate(rearrange(self.project("beta_proj", hidden, projected), "b t (h v) -> b t h v", v=V))
         return alpha[..., :, None] + beta[..., None, :]  # log(α^T β) = log α_k + log β_v
 
 
@@ -138,5 +138,5 @@ class GateLoop(_GatedFastWeights):
         self.a_proj = Linear(D, H * K, bias=True, init=self.init)
 
     def log_decay(self, hidden: torch.Tensor, projected: Optional[dict[str, torch.Tensor]]) -> torch.Tensor:
-        logits = rearrange(self.project("a_proj", hidden, projected), "b t (h k) -> b t h k", h=self.args.num_heads)
+        logits = rearrange(self.project("a_proj", hidden, projected), "b t (h k) -> b t h k", k=self.args.key_dim)
         return log_sigmoid_gate(logits)

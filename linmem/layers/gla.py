@@ -68,12 +68,11 @@ class GatedLinearAttention(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H = self.args.num_heads
         q, k, v = self.convolved_qkv(hidden, cache=cache, cu_seqlens=cu_seqlens, projected=projected)
-        gate = rearrange(self.project("gk_proj", hidden, projected), "b t (h k) -> b t h k", h=H)
+        gate = rearrange(self.project("gk_proj", hidden, projected), "b t (h k) -> b t h k", k=self.args.key_dim)
         log_decay = pointwise(gate, gla_log_decay, gla_log_decay_derivative)  # [B, T, H, K] fp32
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
-        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", d=self.args.value_dim)
         return self.o_proj(rearrange(self.o_norm(o, gate), "b t h d -> b t (h d)"))

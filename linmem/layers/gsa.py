@@ -131,13 +131,15 @@ class GatedSlotAttention(Mixer):
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         check_cache_and_varlen(cache, cu_seqlens)
-        H, Hkv = self.args.num_heads, self.num_kv_heads
+        a = self.args
         conv = dict(cache=cache, cu_seqlens=cu_seqlens)
         q = self.convs("q", self.q_proj(hidden), **conv)
         k = self.convs("k", self.k_proj(hidden), **conv)
         v = self.convs("v", self.v_proj(hidden), **conv)
-        q = rearrange(q, "b t (h d) -> b t h d", h=H)
-        k, v, f = (rearrange(x, "b t (h d) -> b t h d", h=Hkv) for x in (k, v, self.f_proj(hidden)))
+        q, k = (rearrange(x, "b t (h d) -> b t h d", d=a.key_dim) for x in (q, k))
+        v = rearrange(v, "b t (h d) -> b t h d", d=a.value_dim)
+        f = rearrange(self.f_proj(hidden), "b t (h d) -> b t h d", d=a.slots)
+        H, Hkv = q.shape[2], k.shape[2]  # all heads, or a tensor-parallel share
         q, k = q * torch.sigmoid(q), k * torch.sigmoid(k)  # swish feature map
         v = F.silu(v)
         log_decay = F.logsigmoid(f.float()) / GATE_LOGIT_NORMALIZER  # [B, T, Hkv, M]

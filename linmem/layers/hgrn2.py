@@ -85,10 +85,11 @@ class HGRN2(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        split = lambda x: rearrange(x, "b t (h d) -> b t h d", h=self.args.num_heads)  # noqa: E731
-        q = split(self.convs("q", self.q_proj(hidden), cache=cache, cu_seqlens=cu_seqlens, activation=F.silu))
-        i = split(self.convs("i", self.project("i_proj", hidden, projected), cache=cache, cu_seqlens=cu_seqlens))
-        logits, lb = split(self.project("f_proj", hidden, projected)), self.lower_bound
+        split = lambda x, d: rearrange(x, "b t (h d) -> b t h d", d=d)  # noqa: E731
+        K, V = self.args.key_dim, self.args.value_dim
+        q = split(self.convs("q", self.q_proj(hidden), cache=cache, cu_seqlens=cu_seqlens, activation=F.silu), K)
+        i = split(self.convs("i", self.project("i_proj", hidden, projected), cache=cache, cu_seqlens=cu_seqlens), V)
+        logits, lb = split(self.project("f_proj", hidden, projected), K), self.lower_bound
         log_forget = pointwise(logits, partial(hgrn2_log_forget, lower_bound=lb),
                                partial(_log_forget_derivative, lower_bound=lb))
         k = pointwise(logits, partial(_one_minus_forget, lower_bound=lb),

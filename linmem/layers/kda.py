@@ -70,17 +70,17 @@ class KimiDeltaAttention(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H, K, V = self.args.num_heads, self.args.key_dim, self.args.value_dim
+        K, V = self.args.key_dim, self.args.value_dim
         q, k, v = (
             self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=F.silu)
             for n, x in (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
                          ("v", self.project("v_proj", hidden, projected)))
         )
         q, k = l2_norm(q, head_dim=K), l2_norm(k, head_dim=K)  # [B, T, H, K], unit norm per head
-        v = v.unflatten(-1, (H, V))
+        v = v.unflatten(-1, (-1, V))
         beta = torch.sigmoid(self.project("b_proj", hidden, projected).float())  # [B, T, H]
-        f = self.project("f_proj", hidden, projected).unflatten(-1, (H, K))
-        log_decay = mamba2_log_decay(f, self.A_log, self.dt_bias.view(H, K))  # [B, T, H, K]
+        f = self.project("f_proj", hidden, projected).unflatten(-1, (-1, K))
+        log_decay = mamba2_log_decay(f, self.A_log, self.dt_bias.view(-1, K))  # [B, T, H, K]
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=log_decay, beta=beta)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:

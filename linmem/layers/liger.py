@@ -233,8 +233,9 @@ class _PretrainedProjections(Mixer):
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [B, T, D] -> q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] (before RoPE)."""
-        q = rearrange(self.q_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
-        k, v = (rearrange(p(hidden), "b t (h d) -> b t h d", h=self.num_kv_heads) for p in (self.k_proj, self.v_proj))
+        K, V = self.args.key_dim, self.args.value_dim
+        q, k = (rearrange(p(hidden), "b t (h d) -> b t h d", d=K) for p in (self.q_proj, self.k_proj))
+        v = rearrange(self.v_proj(hidden), "b t (h d) -> b t h d", d=V)
         if self.args.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -401,7 +402,7 @@ class LigerAttention(_PretrainedProjections):
     def gate_logits(self, hidden: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[B, T, Hkv, gate_size] fp32 (fp64 for fp64): the pooled key, or the random projection of the ablation."""
         if self.args.liger_gate == "projection":
-            gate = rearrange(self.gate_proj(hidden), "b t (h d) -> b t h d", h=self.num_kv_heads)
+            gate = rearrange(self.gate_proj(hidden), "b t (h d) -> b t h d", d=self.args.gate_size)
             return gate.to(_accumulation(gate))
         return pool_channels(k.to(_accumulation(k)), self.args.gate_size)
 
@@ -424,7 +425,7 @@ class LigerAttention(_PretrainedProjections):
     ) -> torch.Tensor:
         """The recurrent read-out o^mem [B, T, H, V] of q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V]."""
         a = self.args
-        groups = a.num_heads // self.num_kv_heads
+        groups = q.shape[2] // k.shape[2]
         gate = self.gate_logits(hidden, k)
         if groups > 1:
             k, v, gate = (repeat(x, "b t h d -> b t (h g) d", g=groups) for x in (k, v, gate))

@@ -78,13 +78,14 @@ class Mamba2(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H, N = self.args.num_heads, self.args.key_dim
-        z, xBC, dt = self.project("in_proj", hidden, projected).split([self.inner, self.inner + 2 * N, H], dim=-1)
+        H, N = self.A_log.shape[0], self.args.key_dim  # heads: all, or a tensor-parallel share
+        inner = H * self.args.value_dim
+        z, xBC, dt = self.project("in_proj", hidden, projected).split([inner, inner + 2 * N, H], dim=-1)
         if self.use_short_conv:
             xBC = self.conv(xBC, cache=cache, key="conv_xBC", cu_seqlens=cu_seqlens)
         else:
             xBC = F.silu(xBC)
-        x, B, C = xBC.split([self.inner, N, N], dim=-1)
+        x, B, C = xBC.split([inner, N, N], dim=-1)
         x = rearrange(x, "b t (h p) -> b t h p", h=H)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 inputs)
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc))  # [B, T, H]

@@ -75,7 +75,7 @@ class HeadGroupNorm(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, eps: float = GROUP_NORM_EPS, weight: float = 1.0) -> None:
         super().__init__()
-        self.num_heads, self.eps, self.initial_weight = num_heads, eps, float(weight)
+        self.eps, self.initial_weight = eps, float(weight)
         self.weight = nn.Parameter(torch.empty(num_heads * head_dim))
         self.bias = nn.Parameter(torch.empty(num_heads * head_dim))
         self.reset_parameters()
@@ -86,8 +86,8 @@ class HeadGroupNorm(nn.Module):
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, T, H, V] -> [B, T, H * V]."""
-        B, T = o.shape[:2]
+        B, T, H = o.shape[:3]  # H: all heads, or a tensor-parallel share (with the weight's share)
         acc = torch.promote_types(o.dtype, torch.float32)
         flat = rearrange(o, "b t h v -> (b t) (h v)").to(acc)
-        y = F.group_norm(flat, self.num_heads, self.weight.to(acc), self.bias.to(acc), self.eps)
+        y = F.group_norm(flat, H, self.weight.to(acc), self.bias.to(acc), self.eps)
         return y.view(B, T, -1).to(o.dtype)

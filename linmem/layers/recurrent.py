@@ -198,12 +198,12 @@ class MemoryMixer(Mixer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, T, H, d]``: the ``q_proj``, ``k_proj`` and ``v_proj`` outputs (k and v through
         :meth:`project`) through their short convolutions ``self.convs`` (``conv``: its keyword arguments, e.g.
-        ``activation``), split into heads."""
-        H = self.args.num_heads
+        ``activation``), split into heads (as many as the values' width holds: all, or a tensor-parallel share)."""
         inputs = (("q", self.q_proj(hidden)), ("k", self.project("k_proj", hidden, projected)),
                   ("v", self.project("v_proj", hidden, projected)))
-        return tuple(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, **conv).unflatten(-1, (H, -1))
-                     for n, x in inputs)
+        q, k, v = (self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, **conv) for n, x in inputs)
+        heads = v.shape[-1] // self.args.value_dim
+        return tuple(x.unflatten(-1, (heads, -1)) for x in (q, k, v))
 
     def forward(
         self,

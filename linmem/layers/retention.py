@@ -97,7 +97,7 @@ class _ConstantDecayAttention(MemoryMixer):
 
     @abstractmethod
     def head_log_decay(self, device: torch.device) -> torch.Tensor:
-        """[H] fp32 natural-log decays (<= 0)."""
+        """[H] fp32 natural-log decays (<= 0) of the heads this module computes (:attr:`heads`)."""
 
     def positional(
         self, q: torch.Tensor, k: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
@@ -113,12 +113,11 @@ class _ConstantDecayAttention(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        act = self.qk_activation
+        act, K, V = self.qk_activation, self.args.key_dim, self.args.value_dim
         k, v = self.project("k_proj", hidden, projected), self.project("v_proj", hidden, projected)
         q, k, v = (
-            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=a),
-                      "b t (h d) -> b t h d", h=self.args.num_heads)
-            for n, x, a in (("q", self.q_proj(hidden), act), ("k", k, act), ("v", v, None))
+            rearrange(self.convs(n, x, cache=cache, cu_seqlens=cu_seqlens, activation=a), "b t (h d) -> b t h d", d=d)
+            for n, x, a, d in (("q", self.q_proj(hidden), act, K), ("k", k, act, K), ("v", v, None, V))
         )
         q, k = self.positional(q, k, cache=cache, cu_seqlens=cu_seqlens)
         return RecurrenceArgs(q=q, k=k, v=v, log_decay=self.head_log_decay(hidden.device), scale=self.scale)
@@ -139,7 +138,7 @@ class Retention(_ConstantDecayAttention):
         self.o_norm = GatedRMSNorm(args.value_dim, eps=args.norm_eps)
 
     def head_log_decay(self, device: torch.device) -> torch.Tensor:
-        return retnet_log_decay(self.args.num_heads, device)
+        return retnet_log_decay(self.args.num_heads, device)[self.heads]
 
     def positional(
         self, q: torch.Tensor, k: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
@@ -149,7 +148,7 @@ class Retention(_ConstantDecayAttention):
         return self.rotary.pair(q, k, pos)
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
-        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", h=self.args.num_heads)
+        gate = rearrange(self.g_proj(hidden), "b t (h d) -> b t h d", d=self.args.value_dim)
         return self.o_proj(rearrange(self.o_norm(o, gate), "b t h d -> b t (h d)"))
 
 
@@ -165,7 +164,7 @@ class LightningAttention(_ConstantDecayAttention):
         self.o_norm = RMSNorm(args.num_heads * args.value_dim, eps=args.norm_eps)
 
     def head_log_decay(self, device: torch.device) -> torch.Tensor:
-        return lightning_log_decay(self.args.num_heads, self.args.layer_idx, self.args.num_layers, device)
+        return lightning_log_decay(self.args.num_heads, self.args.layer_idx, self.args.num_layers, device)[self.heads]
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         return self.o_proj(self.o_norm(rearrange(o, "b t h d -> b t (h d)")) * self.g_proj(hidden))

@@ -88,14 +88,15 @@ class RWKV6(MemoryMixer):
     def recurrence_inputs(
         self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
     ) -> RecurrenceArgs:
-        H = self.args.num_heads
+        K, V = self.args.key_dim, self.args.value_dim
         dx = token_shift(hidden, cache=cache, cu_seqlens=cu_seqlens) - hidden
         xx = hidden + dx * self.mu_x.to(hidden.dtype)
         xw, xk, xv, xr, xg = (hidden + dx * self.mix[name](xx) for name in MIXES)
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 inputs)
         log_decay = -torch.exp(self.decay(xw.to(acc)))  # [B, T, H * K]
-        r, k, v, log_decay = (rearrange(t, "b t (h d) -> b t h d", h=H) for t in (r, k, v, log_decay))
+        r, k, log_decay = (rearrange(t, "b t (h d) -> b t h d", d=K) for t in (r, k, log_decay))
+        v = rearrange(v, "b t (h d) -> b t h d", d=V)
         return RecurrenceArgs(q=r, k=k, v=v, log_decay=log_decay, bonus=self.bonus, scale=1.0,
                               extras={"xg": xg})
 

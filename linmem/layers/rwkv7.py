@@ -124,16 +124,16 @@ class RWKV7(MemoryMixer):
     def recurrence_inputs(
         self, hidden: torch.Tensor, *, cache: Optional[LayerState], cu_seqlens: Optional[torch.Tensor]
     ) -> RecurrenceArgs:
-        H, K = self.args.num_heads, self.args.key_dim
+        K, V = self.args.key_dim, self.args.value_dim
         dx = token_shift(hidden, cache=cache, cu_seqlens=cu_seqlens) - hidden
         xr, xw, xk, xv, xa, xg = (hidden + dx * self.mu[name].to(hidden.dtype) for name in MIXES)
-        heads = lambda t: rearrange(t, "b t (h d) -> b t h d", h=H)  # noqa: E731
-        r, k, v = heads(self.receptance(xr)), heads(self.key(xk)), heads(self.value(xv))
+        heads = lambda t, d=K: rearrange(t, "b t (h d) -> b t h d", d=d)  # noqa: E731
+        r, k, v = heads(self.receptance(xr)), heads(self.key(xk)), heads(self.value(xv), V)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # gates in fp32 (fp64 for fp64 inputs)
         log_decay = heads(-DECAY_SCALE * torch.sigmoid(self.decay(xw.to(acc))))  # in [-e^{-1/2}, 0]
         icl = heads(torch.sigmoid(self.icl_rate(xa)))  # in-context learning rate a_t
-        kappa = l2_norm(k * self.k_k.view(H, K).to(k.dtype), eps=NORMALIZE_EPS)  # the removal key, unit norm per head
-        k = k * (1 + (icl - 1) * self.k_a.view(H, K).to(k.dtype))
+        kappa = l2_norm(k * self.k_k.view(-1, K).to(k.dtype), eps=NORMALIZE_EPS)  # the removal key, unit norm per head
+        k = k * (1 + (icl - 1) * self.k_a.view(-1, K).to(k.dtype))
         return RecurrenceArgs(q=r, k=k, v=v, log_decay=log_decay, a=-(icl * kappa), b=kappa, scale=1.0,
                               extras={"g": self.gate(xg)})
 

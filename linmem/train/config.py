@@ -42,7 +42,7 @@ RESUMABLE_KEYS = (
     "run.keep_checkpoints", "run.tensorboard", "run.device", "run.compile", "run.compile_cache", "run.cuda_graph",
     "run.resume",
     "run.out_dir",
-    "parallel.dp", "parallel.sp", "parallel.ep", "parallel.fsdp", "parallel.blocks_per_unit",
+    "parallel.dp", "parallel.sp", "parallel.ep", "parallel.tp", "parallel.fsdp", "parallel.blocks_per_unit",
     "parallel.activation_checkpointing",
     "parallel.timeout_minutes", "schedule.grad_accum",
 )
@@ -140,7 +140,8 @@ class TrainConfig:
     optim: OptimSection = section(OptimSection, "AdamW")
     schedule: ScheduleSection = section(ScheduleSection, "steps, linear warm-up, cosine decay, accumulation")
     run: RunSection = section(RunSection, "where and how: output folder, device, logging, checkpoints")
-    parallel: ParallelConfig = section(ParallelConfig, "ranks under torchrun (dp * sp processes; 1 on one process)")
+    parallel: ParallelConfig = section(ParallelConfig, "ranks under torchrun (dp * sp * tp processes; 1 on one "
+                                                       "process)")
     lora: LoraSection = section(LoraSection, "LoRA fine-tuning of a saved model (model.pretrained)")
 
     def to_dict(self) -> dict[str, Any]:

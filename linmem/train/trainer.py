@@ -1,6 +1,6 @@
 """The trainer: AdamW with warm-up + cosine, clipping, accumulation, bf16 autocast on GPU,
 skip-and-count of non-finite steps, atomic checkpoints and exact resume, on one process or on
-the ranks of a torchrun launch (the ``parallel`` section: FSDP2, sequence and expert parallelism).
+the ranks of a torchrun launch (the ``parallel`` section: FSDP2, sequence, expert and tensor parallelism).
 
 A run owns its directory (:mod:`linmem.train.rundir`) while it trains: a second run there
 is refused, a different config is refused before anything is written, a finished run is
@@ -10,7 +10,8 @@ any rank stops every rank after the same step, and they save together.
 
 Under torchrun (``WORLD_SIZE`` > 1) each rank trains on its share of every step's global batch
 (:mod:`linmem.distributed`): data-parallel rank d takes the d-th of ``dp`` consecutive batches
-of the one batch source, sequence-parallel ranks a piece of each sequence; the loss is the mean
+of the one batch source, sequence-parallel ranks a piece of each sequence, and the tensor-parallel ranks
+of one data and sequence index the same piece (each computes its share of the heads); the loss is the mean
 over the global batch. Rank 0 alone writes the run directory (metrics, config, checkpoint
 records, ``model/``) and shows the progress bar; every rank writes its checkpoint shards and runs
 the evaluation. One process with ``schedule.grad_accum = dp`` sees the same data per step.
@@ -132,10 +133,11 @@ def check_launch(config: TrainConfig) -> int:
     """Refuse, before any work, a launch that ``config`` cannot run on; returns the number of processes.
 
     First what the config alone decides (:func:`~linmem.train.config.check_processes`: ``parallel.dp *
-    parallel.sp`` processes, 1 without torchrun; no saved model to fine-tune under torchrun). One process:
+    parallel.sp * parallel.tp`` processes, 1 without torchrun; no saved model to fine-tune under torchrun). One process:
     ``run.device`` must exist here and ``model.pretrained`` be a saved linmem model folder
     (:func:`check_pretrained`). Several (torchrun): ``sp`` must divide every training sequence and
-    ``ep`` the experts, the model must suit the layout (checked on the meta device), every rank takes its
+    ``ep`` the experts, the model must suit the layout (checked on the meta device: ``tp`` divides every layer's
+    heads and hidden units, its mixers can be split), every rank takes its
     own device (``run.device`` auto, cuda or cpu) and torchrun's environment must be there
     (:class:`~linmem.distributed.ParallelConfigError` or :class:`ConfigError`).
     """
@@ -454,7 +456,7 @@ class Trainer:
                 loss = loss + out.aux_loss
             loss = loss * (num_targets / step_targets)
             loss.backward()
-        self.tokens_seen += piece["input_ids"].numel() * self.ranks.world
+        self.tokens_seen += piece["input_ids"].numel() * mesh.data.size()  # the tp ranks share their tokens
         return loss.detach(), _router_metrics(out)
 
     def evaluate(self, progress: bool = False) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from linmem.distributed import (
     ParallelConfig,
@@ -111,7 +112,8 @@ class ParallelRun:
     def check_gradients(self, reference: Optional[dict[str, torch.Tensor]]) -> None:
         """Every parameter's gradient, gathered whole, against the one-process gradient (rank 0 compares)."""
         for name, p in self.model.named_parameters():
-            grad = p.grad.full_tensor()  # a collective: every rank takes part
+            # a collective: every rank takes part (under tensor parallelism alone the replicated ones are plain)
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             if reference is not None:
                 err = float((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30))
                 assert err < 1e-5, f"{self.config}: gradient of {name} differs from one process ({err:.1e})"
@@ -132,7 +134,7 @@ def _assert_curve(got: list[float], ref: list[float], what: str, tol: float = 1e
 
 def training_checks(config: ParallelConfig, out_dir: str) -> None:
     """Train STEPS steps (checkpoint after SAVE_AT) and resume from that checkpoint: the curve must be the
-    one-process curve, the resumed losses the same losses."""
+    one-process curve, the resumed losses the same losses. ``out_dir`` gets a checkpoint named by the world size."""
     out = Path(out_dir)
     ref, ref_grads = _reference()
     run = ParallelRun(config)

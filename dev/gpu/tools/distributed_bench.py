@@ -22,6 +22,10 @@ joins them into one table (efficiencies against the one-GPU rows) and ``distribu
   the ops by self CUDA time and by self CPU time to ``$OUT/profile_<mode>_<N>gpu_<model>_<seq>_fsdp<0|1>_unit<k>.txt``.
 * ep: the Linear-MoE A0.3B-2B recipe with its 64 experts split over the N GPUs (4 x 2048 tokens per GPU),
   FSDP2 units of ``--unit`` blocks.
+* tp: tensor parallelism x FSDP2 (``--tp-models``, the ~340M Gated DeltaNet and its hybrid): for every ``tp`` of
+  ``--tp-sizes`` that divides N and the model's heads, ``dp = N / tp`` data ranks of ``--tp-rows`` x 4096 tokens
+  (the ``tp`` ranks of a data rank share its tokens), FSDP2 units of ``--unit`` blocks; the one-GPU row is the
+  unsharded model on ``--tp-rows`` x 4096 tokens. The checks add a tensor-parallel hybrid model against one GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from linmem.distributed import (
@@ -185,6 +190,22 @@ def check_model() -> float:
     return worst_over_ranks(rel(got, ref[:, rank * L:(rank + 1) * L]))
 
 
+def check_tensor_parallel() -> float:
+    """The hybrid's logits with its heads and hidden units split over every GPU (tp = N), against one GPU, fp32."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    config = model_recipe(HYBRID).build_config(layer_pattern="LLLN", hidden_size=size(256, 64), num_heads=world * 2,
+                                               vocab_size=size(32000, 256), intermediate_size=size(512, 64))
+    reference = LinmemForCausalLM(config).to(DEV)
+    model = LinmemForCausalLM(config).to(DEV)
+    model.load_state_dict(reference.state_dict())
+    layout = ParallelConfig(tp=world)
+    model = parallelize(model, build_mesh(layout, DEV), layout)
+    ids = torch.randint(0, config.vocab_size, (2, size(1024, 32)), generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.no_grad():
+        return worst_over_ranks(rel(model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits))
+
+
 def run_checks() -> list[dict]:
     rows = []
     checks = [
@@ -194,6 +215,7 @@ def run_checks() -> list[dict]:
         ("attention causal bf16", lambda: check_attention(None), 5e-3),
         ("attention window 512 bf16", lambda: check_attention(512), 5e-3),
         ("expert-parallel MoE fp32", check_experts, 1e-4),
+        ("tensor-parallel hybrid model fp32", check_tensor_parallel, 1e-4),
     ]
     if layers_consult_hook():
         checks.append(("hybrid model, packed, fp32", check_model, 1e-4))
@@ -236,8 +258,13 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
     mesh = build_mesh(config)
     torch.manual_seed(0)
     model = parallelize(LinmemForCausalLM(model_config).to(DEV), mesh, config, compile_blocks=compiled)
-    # the trainer's optimizer: fused on GPU (one kernel launch, no DTensor dispatch per foreach op)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEV == "cuda", foreach=DEV == "cpu")
+    # the trainer's optimizer: fused on GPU (one kernel launch, no DTensor dispatch per foreach op), a group per
+    # device mesh (tensor parallelism alone leaves the replicated parameters plain tensors beside its DTensors)
+    by_mesh: dict = {}
+    for p in model.parameters():
+        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    optimizer = torch.optim.AdamW([{"params": group} for group in by_mesh.values()], lr=1e-4, fused=DEV == "cuda",
+                                  foreach=DEV == "cpu")
     group = mesh.data.get_group()
     dp_rank, sp_rank = mesh.dp.get_local_rank(), mesh.sp.get_local_rank()
     gen = torch.Generator().manual_seed(dp_rank)
@@ -259,8 +286,8 @@ def timed_training(name: str, config: ParallelConfig, model_config: LinmemConfig
         optimizer.zero_grad(set_to_none=True)
 
     row = {"mode": name, "model": model_config.name_or_path, "gpus": world, "config": str(config), "seq": seq,
-           "fsdp": config.fsdp, "blocks_per_unit": config.blocks_per_unit, "compiled": compiled,
-           "tokens_per_gpu": rows * seq // config.sp}
+           "fsdp": config.fsdp, "blocks_per_unit": config.blocks_per_unit, "compiled": compiled, "tp": config.tp,
+           "tokens_per_gpu": rows * seq // config.sp}  # a data rank's; its tp ranks share them
     try:
         for _ in range(warmup):
             step()
@@ -343,10 +370,24 @@ def run_timing(args) -> list[dict]:
     if args.modes == "all" or "ep" in args.modes:
         config = ParallelConfig(dp=world, ep=world, blocks_per_unit=args.unit)
         rows.append(timed_training("ep", config, recipe_config(MOE), 4, 2048, args.steps, profile=args.profile))
+    if args.modes == "all" or "tp" in args.modes:
+        for name in args.tp_models:
+            model_config = recipe_config(name)
+            sizes = [1] if world == 1 else [tp for tp in args.tp_sizes
+                                            if world % tp == 0 and model_config.num_heads % tp == 0]
+            for tp in sizes:
+                config = ParallelConfig(dp=world // tp, tp=tp, blocks_per_unit=args.unit)
+                rows.append(timed_training("tp", config, model_config, args.tp_rows, 4096, args.steps,
+                                           profile=args.profile))
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- table
+
+
+def tp_note(row: dict) -> str:
+    tp = row.get("tp", 1)
+    return f", tp {tp} x dp {row['gpus'] // tp}" if tp > 1 else ""
 
 
 def table(out: Path) -> None:
@@ -372,7 +413,8 @@ def table(out: Path) -> None:
                   f"{r['tokens_per_s_per_gpu']:>10,.0f} {eff:>6} {r['step_s']:>7.2f} {r['peak_gb']:>8.1f}  "
                   f"{'' if r.get('fsdp', True) else 'blocks kept gathered (fsdp=false)'}"
                   f"{f'units of {u} blocks' if (u := r.get('blocks_per_unit', 1)) > 1 else ''}"
-                  f"{'compiled blocks' if r.get('compiled') else ''}")
+                  f"{'compiled blocks' if r.get('compiled') else ''}"
+                  f"{tp_note(r)}")
         else:
             print(f"{r['mode']:6} {r.get('model', ''):22} {r.get('gpus', ''):>4} {r.get('seq', ''):>8}  "
                   f"{r['result']}")
@@ -382,7 +424,7 @@ def table(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    parser.add_argument("--modes", default="all", help="all, or a comma list of check, sp, dp, ep; table joins")
+    parser.add_argument("--modes", default="all", help="all, or a comma list of check, sp, dp, ep, tp; table joins")
     parser.add_argument("--pieces", type=int, nargs="+", default=[32768, 65536], help="sp: tokens per GPU")
     parser.add_argument("--sp-models", nargs="+", default=[GDN, HYBRID], help="sp: the recipes to time")
     parser.add_argument("--unit", type=int, default=ParallelConfig().blocks_per_unit,
@@ -390,6 +432,10 @@ def main() -> None:
     parser.add_argument("--dp-rows", type=int, default=8, help="dp: sequences of 4096 tokens per GPU")
     parser.add_argument("--dp-layouts", nargs="+", default=list(DP_LAYOUTS), choices=list(DP_LAYOUTS),
                         help="dp: the layouts to time (one GPU: every eager one is the unsharded model)")
+    parser.add_argument("--tp-models", nargs="+", default=[GDN, HYBRID], help="tp: the recipes to time")
+    parser.add_argument("--tp-sizes", type=int, nargs="+", default=[2, 4],
+                        help="tp: tensor-parallel sizes (those dividing the GPUs and the model's heads)")
+    parser.add_argument("--tp-rows", type=int, default=4, help="tp: sequences of 4096 tokens per data rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="a profiled step after each timed row (rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo): try the script")

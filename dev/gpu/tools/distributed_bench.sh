@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Parallel training on one host: checks, sequence-parallel weak scaling, data- and expert-parallel
-# throughput on 1, 2 and 4 GPUs (as many as the host has), one table at the end.
+# Parallel training on one host: checks, sequence-parallel weak scaling, data-, expert- and tensor-parallel
+# (x FSDP2) throughput on 1, 2 and 4 GPUs (as many as the host has), one table at the end.
 #   OUT=/path/to/logs dev/gpu/tools/distributed_bench.sh            (defaults: OUT=out, STEPS=3, COUNTS="1 2 4")
 # COUNTS picks the GPU counts to launch; the table joins every distributed_bench_N.json in $OUT, so the
 # one-GPU rows of an earlier run (about 200 s on an H100) can be copied into $OUT and COUNTS="2 4" run.

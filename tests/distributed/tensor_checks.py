@@ -1,0 +1,153 @@
+"""Checks run on every rank of a tensor-parallel job: the split model trains as one process does.
+
+The zoo is one model whose layers are every mixer kind tensor parallelism splits (with their options: short
+convolutions, GQA, the "Pro" attention options, biases, low-rank gates, per-head norms and constants), so one
+run covers them all: three AdamW steps with gradient clipping on the same batches, the losses and the first
+step's gradients (gathered whole with ``full_tensor``) against one process (rank 0 trains the reference), fp64.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from linmem.distributed import ParallelConfig, build_mesh, clip_grad_norm_, parallelize
+from linmem.layers import build_mixer, mixer_class
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from tests.helpers import rel_err
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+VOCAB, ROWS, T = 32, 2, 8
+# fp64 models keep some steps in fp32 (norm statistics, gates): gradients agree to ~1e-6, which AdamW's normalised
+# first update turns into losses that agree to ~1e-8
+LOSS_TOL, TOL = 1e-7, 1e-5
+BASE = dict(vocab_size=VOCAB, hidden_size=32, num_heads=4, intermediate_size=32, recurrence_backend="chunk")
+
+
+def kinds(tp: int) -> list[tuple[str, dict[str, Any]]]:
+    """Every mixer tensor parallelism splits, with config fields that exercise its split parameters."""
+    kv = dict(num_kv_heads=2) if tp <= 2 else {}  # GQA: 2 KV heads for 4 query heads
+    conv = dict(mixer=dict(use_short_conv=True))
+    return [
+        ("softmax", dict(mixer=dict(qk_norm=True, output_norm=True, output_gate=True, kv_shift=True, **kv))),
+        ("swa", dict(mixer=dict(window=3, **kv))),
+        ("fox", dict(mixer=dict(output_gate=True, qk_norm=True))),
+        ("fox", dict(mixer=dict(forget_gate="fixed"))),
+        ("fox", dict(mixer=dict(forget_gate="data_independent"))),
+        ("llama_attention", dict(mixer=dict(**kv), llama_attention=dict(qkv_bias=True, o_bias=True))),
+        ("liger", dict(mixer=dict(**kv), liger=dict(gate="projection", feature_map="learnable", window=3))),
+        ("gla", conv), ("gfw", conv), ("gateloop", conv), ("deltanet", {}), ("gated_deltanet", {}),
+        ("titans", dict(titans=dict(momentum=True))), ("ttt", {}), ("bayes", dict(recurrence_backend="auto")),
+        ("kda", {}), ("linear_attention", conv), ("retention", conv), ("lightning", {}), ("hgrn2", conv),
+        ("gsa", dict(mixer=dict(**kv), gsa=dict(num_slots=4))), ("mamba2", {}), ("rwkv6", {}), ("rwkv7", {}),
+    ]
+
+
+def zoo(tp: int) -> LinmemForCausalLM:
+    """One fp64 model whose layer i is the i-th of :func:`kinds` (each built from its own config's fields)."""
+    layers = kinds(tp)
+    n = len(layers)
+    torch.manual_seed(0)
+    model = LinmemForCausalLM(LinmemConfig(**BASE, layer_pattern="L" * n))
+    for i, (kind, fields) in enumerate(layers):
+        memory = mixer_class(kind).kind == "memory"
+        config = LinmemConfig(**{**BASE, **fields}, layer_pattern=("L" if memory else "N") * n,
+                              **{"memory" if memory else "attention": kind})
+        model.model.layers[i].mixer = build_mixer(kind, config.mixer_args(i))
+    return model.double()
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, T), generator=torch.Generator().manual_seed(10 + step))
+
+
+def whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient gathered whole (a collective for a DTensor: every rank takes part)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
+
+
+def _train(model: torch.nn.Module, clip) -> tuple[list[float], list[torch.Tensor]]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    losses, first = [], []
+    for step in range(STEPS):
+        loss = _loss(model, batch(step))
+        loss.backward()
+        if step == 0:
+            first = [whole(p.grad) for p in model.parameters()]
+        clip(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, first
+
+
+def zoo_checks() -> None:
+    """The zoo split over every rank (``tp`` = world): its losses and first gradients are one process's."""
+    tp = dist.get_world_size()
+    model = zoo(tp)
+    reference = copy.deepcopy(model)
+    config = ParallelConfig(tp=tp)
+    losses, grads = _train(parallelize(model, build_mesh(config, "cpu"), config), clip_grad_norm_)
+    if dist.get_rank() != 0:
+        return
+    ref_losses, ref_grads = _train(reference, torch.nn.utils.clip_grad_norm_)
+    case = f"tp = {tp}"
+    for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
+        assert abs(a - b) <= LOSS_TOL * abs(b), f"{case}: step {step} loss {a:.12f}, one process {b:.12f}"
+    for (name, _), grad, ref in zip(reference.named_parameters(), grads, ref_grads):
+        assert grad.shape == ref.shape, f"{case}: d{name} has shape {list(grad.shape)}, one process {list(ref.shape)}"
+        err = rel_err(grad, ref)
+        assert err < TOL, f"{case}: d{name} differs from one process ({err:.1e})"
+
+
+def mesh_checks() -> None:
+    """dp = 2 x tp = 2 on 4 ranks: a tensor-parallel group is two neighbouring ranks, the data ranks the others."""
+    mesh = build_mesh(ParallelConfig(dp=2, tp=2), "cpu")
+    rank = dist.get_rank()
+    assert (mesh.tp.size(), mesh.data.size(), mesh.dp.size()) == (2, 2, 2)
+    assert sorted(dist.get_process_group_ranks(mesh.tp.get_group())) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert sorted(dist.get_process_group_ranks(mesh.data.get_group())) == [rank % 2, rank % 2 + 2]
+    assert mesh.dp.get_local_rank() == rank // 2, "the tensor-parallel ranks of a data rank take its batch"
+
+
+def trainer_run(out: str) -> None:
+    """``linmem train ... parallel.tp=2`` on every rank (2 steps, a checkpoint after each)."""
+    from .trainer_checks import DENSE_RUN, train
+
+    assert train(Path(out), *DENSE_RUN, *TRAINER_STEPS, "parallel.tp=2") == 0
+
+
+#: the trainer test's run: 2 steps, a checkpoint (and model/) after each
+TRAINER_STEPS = ("schedule.steps=2", "run.save_every=1")
+
+
+def capacity_checks() -> None:
+    """A MoE model whose experts drop tokens past their capacity, split over every rank: the one-process loss and
+    gradients (the cap drops the same assignments on every rank)."""
+    tp = dist.get_world_size()
+    torch.manual_seed(0)
+    model = LinmemForCausalLM(LinmemConfig(**BASE, layer_pattern="L", mlp="moe", moe=dict(
+        num_experts=4, num_experts_per_tok=2, intermediate_size=16, capacity_factor=0.5))).double()
+    reference = copy.deepcopy(model)
+    config = ParallelConfig(tp=tp)
+    model = parallelize(model, build_mesh(config, "cpu"), config)
+    ids = batch(0)
+    loss = _loss(model, ids)
+    loss.backward()
+    ref = _loss(reference, ids)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) <= LOSS_TOL * abs(float(ref)), f"capacity, tp = {tp}: loss differs"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        err = rel_err(whole(p.grad), q.grad)
+        assert err < TOL, f"capacity, tp = {tp}: d{name} differs from one process ({err:.1e})"

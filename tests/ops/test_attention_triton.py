@@ -1,6 +1,7 @@
 """The "triton" backend of forgetting attention against the reference (outputs and the gradients of q, k, v
 and log_forget): flash forward and backward, windows, GQA, packed sequences, strong gates, pruning, the
-decoding kernel and torch.compile.
+decoding kernel and torch.compile, at every head dim the kernels take (32 to 256, 96 and 192 in padded tiles,
+q/k and v apart).
 
 On a machine without CUDA the kernels run through the Triton interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before triton is first imported) at small shapes, with the interpreter's small tiles (16 to
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from tests.helpers import rel_err, triton_kernels_device
 DEVICE = triton_kernels_device()
 
 from linmem.ops.attention import cached_attention, cumulative_forget, forgetting_attention  # noqa: E402
+from linmem.ops.attention import triton as triton_backend  # noqa: E402
 from linmem.ops.attention.reference import keys_per_query, logit_bound, prune_threshold  # noqa: E402
 
 FP32_TOL = 1e-4
@@ -66,7 +69,16 @@ def assert_close(got, ref, tol):
     dict(T=50, Hkv=2, window=7),  # window shorter than a tile: edge tiles masked, older tiles skipped
     dict(T=45, Hkv=1, window=20, forget=None),  # no forget gate
     dict(T=33, Hkv=2, DV=128),  # Dv != D
-], ids=["gqa", "window7", "plain-window20", "dv128"])
+    # the other head dims, each with a different mix of the features; 96 and 192 pad their tiles (masked columns),
+    # 192 and 256 split dkdv into a dk and a dv launch
+    dict(T=33, Hkv=1, D=32, DV=32),  # GQA, forget gate, causal
+    dict(T=40, Hkv=1, D=96, DV=96, window=7),  # GQA, forget gate, window
+    dict(T=37, Hkv=2, D=96, DV=96, forget=None),  # plain causal
+    dict(T=35, Hkv=1, D=192, DV=128, window=20),  # Dk != Dv, GQA, forget gate, window
+    dict(T=33, Hkv=1, D=256, DV=256),  # GQA, forget gate, causal
+    dict(T=30, Hkv=2, D=256, DV=256, window=9, forget=None),  # plain window
+], ids=["gqa", "window7", "plain-window20", "dv128", "d32-gqa", "d96-gqa-window7", "d96-plain",
+        "d192-dv128-gqa-window20", "d256-gqa", "d256-plain-window9"])
 def test_fp32_matches_the_reference(case):
     case = dict(case)
     window = case.pop("window", None)
@@ -85,11 +97,11 @@ def test_low_precision_matches_the_reference(dtype):
     assert_close(got, ref, LOW_TOL)
 
 
-@pytest.mark.parametrize("window", [None, 9])
-def test_varlen_matches_the_reference(window):
-    lengths = [5, 0, 37, 1, 20]
+@pytest.mark.parametrize("D, window", [(64, None), (64, 9), (96, 9), (256, None)])
+def test_varlen_matches_the_reference(D, window):
+    lengths = [5, 0, 37, 1, 20] if D == 64 else [5, 0, 21, 1, 9]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    x = make(T=sum(lengths), Hkv=1)
+    x = make(T=sum(lengths), Hkv=1, D=D, DV=D)
     got = run(forgetting_attention, x, window=window, cu_seqlens=cu, backend="triton")
     ref = run(forgetting_attention, widened(x, torch.float64), window=window, cu_seqlens=cu, backend="reference")
     assert_close(got, ref, FP32_TOL)
@@ -153,11 +165,14 @@ def test_pruning_skips_tiles():
     assert torch.isnan(o[:, :16]).all()  # the poison is real: the queries that see those keys get NaN
 
 
-@pytest.mark.parametrize("Tq, Tk, window", [(1, 70, None), (3, 70, 20), (1, 20, None), (2, 70, None)])
-def test_decoding_kernel_matches_the_reference(Tq, Tk, window):
+@pytest.mark.parametrize("Tq, Tk, window, D, DV", [
+    (1, 70, None, 64, 64), (3, 70, 20, 64, 64), (1, 20, None, 64, 64), (2, 70, None, 64, 64),
+    (2, 20, None, 32, 32), (1, 70, None, 96, 96), (1, 70, 20, 192, 128), (3, 70, None, 256, 256),
+])
+def test_decoding_kernel_matches_the_reference(Tq, Tk, window, D, DV):
     """A few new queries against a cache (padded rows, a key mask, cumulative forget values with a large offset):
-    the split-KV kernel with its combine (70 keys: two splits) or one split (20 keys)."""
-    x = make(T=Tk, H=4, Hkv=2, B=2)
+    the split-KV kernel with its combine (70 keys: two splits) or one split (20 keys), at every head dim."""
+    x = make(T=Tk, H=4, Hkv=2, B=2, D=D, DV=DV)
     c = cumulative_forget(x.pop("log_forget")) - 1e4  # a long history before the cache: cancels in c_i - c_j
     present = torch.ones(2, Tk, dtype=torch.bool, device=DEVICE)
     present[1, :7] = False
@@ -235,11 +250,56 @@ def test_compiles_without_graph_breaks():
 
 
 def test_unserved_head_dim_falls_back_with_a_logged_reason(caplog):
-    x = make(T=9, D=32, DV=32)
+    x = make(T=9, D=48, DV=48)
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
         o = forgetting_attention(**x, backend="triton")
-    assert "head dims D=32" in caplog.text
+    assert "head dims D=48, Dv=48" in caplog.text
     assert rel_err(o, forgetting_attention(**x, backend="reference")) < 1e-6
+
+
+def test_the_served_head_dims_and_the_fp32_limit_on_cuda():
+    """Every head dim of the set, q/k and v apart, is served; fp32 above 128 is refused on CUDA (its tiles spill)
+    with the reason, and served in the interpreter. Checked on stand-ins: the refusal reads shapes, dtype and device."""
+    def like(D, dtype, device):
+        return types.SimpleNamespace(shape=(1, 8, 2, D), dtype=dtype, device=torch.device(device))
+
+    for D, DV in [(32, 32), (96, 64), (192, 128), (256, 256), (128, 256)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            assert triton_backend.refusal(like(D, dtype, "cuda"), like(D, dtype, "cuda"), like(DV, dtype, "cuda")) \
+                is None
+    fp32 = [like(d, torch.float32, "cuda") for d in (128, 192, 256)]
+    assert triton_backend.refusal(fp32[0], fp32[0], fp32[0]) is None
+    reason = triton_backend.refusal(fp32[0], fp32[0], fp32[2])
+    assert reason.startswith("float32 at head dims D=128, Dv=256")
+    assert triton_backend.refusal(fp32[1], fp32[1], fp32[0]).startswith("float32 at head dims D=192, Dv=128")
+    assert "head dims D=80" in triton_backend.refusal(*[like(80, torch.bfloat16, "cuda")] * 3)
+    if DEVICE == "cpu":
+        assert triton_backend.refusal(*[like(256, torch.float32, "cpu")] * 3) is None
+
+
+def test_every_cuda_tile_fits_shared_memory():
+    """Each entry of the CUDA tile tables, at the widest inputs it serves (D = Dv = its head dim, bf16, decoding at
+    the most query rows ``cached_attention`` hands the kernel; fp32 at ``FP32_MAX_HEAD_DIM``), fits the shared
+    memory of one program on sm_90 by ``configs.shared_memory``'s estimate (an upper bound of Triton 3.6's
+    allocation, which ``dev/gpu/tools/fox_compile.py`` checks for every variant); the tables cover every served head
+    dim, and dkdv's query tiles nest in its key block."""
+    from linmem.ops.attention import DECODE_ROWS
+    from linmem.ops.attention.triton import configs
+
+    rows = max(16, 1 << (DECODE_ROWS - 1).bit_length())
+    for kernel, table in configs.TILES.items():
+        assert sorted(table) == list(triton_backend.HEAD_DIMS), kernel
+        for dim, t in table.items():
+            used = configs.shared_memory(kernel, t, dim, dim, 2, rows)
+            assert used <= configs.SHARED_MEMORY, (kernel, dim, t, used)
+            assert t.split is False or kernel == "dkdv", (kernel, dim, t)
+            if kernel == "dkdv":  # its diagonal query tiles end where the key block does
+                assert t.block_n % t.block_m == 0, (kernel, dim, t)
+    for kernel, t in configs.FP32_TILES.items():
+        dim = triton_backend.FP32_MAX_HEAD_DIM
+        assert configs.shared_memory(kernel, t, dim, dim, 4, rows) <= configs.SHARED_MEMORY, (kernel, t)
+    too_many = configs.Tiles(128, 64, 8, 3)  # 64 KB of q and dO, 3 x 64 KB of k and v at 256
+    assert configs.shared_memory("dq", too_many, 256, 256, 2) > configs.SHARED_MEMORY
 
 
 # ---------------------------------------------------------------- GPU, real shapes
@@ -249,29 +309,35 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.parametrize("window", [None, 512])
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_bf16_matches_the_reference(D, window):
-    x = make(T=2048, H=4, Hkv=2, D=D, DV=D, B=2, dtype=torch.bfloat16)
+@pytest.mark.parametrize("D, DV", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
+                                   (64, 256)])
+def test_gpu_bf16_matches_the_reference(D, DV, window):
+    """Every head dim at its CUDA tiles (``launch.TILES``: 96 and 192 padded, 192 and 256 with dkdv split)."""
+    x = make(T=2048, H=4, Hkv=2, D=D, DV=DV, B=2, dtype=torch.bfloat16)
     got = run(forgetting_attention, x, window=window, backend="triton")
     ref = run(forgetting_attention, widened(x, torch.float32), window=window, backend="reference")
     assert_close(got, ref, LOW_TOL)
 
 
 @gpu
-def test_gpu_fp32_varlen_and_pruning():
+@pytest.mark.parametrize("D, dtype", [(128, torch.float32), (96, torch.float32), (192, torch.bfloat16),
+                                      (256, torch.bfloat16)], ids=["fp32-d128", "fp32-d96", "bf16-d192", "bf16-d256"])
+def test_gpu_varlen_and_pruning(D, dtype):
     lengths = [700, 1, 0, 1300, 47]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    x = make(T=sum(lengths), H=4, Hkv=2, D=128, DV=128, forget=3.0)
+    x = make(T=sum(lengths), H=4, Hkv=2, D=D, DV=D, forget=3.0, dtype=dtype)
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
     for kw in (dict(cu_seqlens=cu), dict(cu_seqlens=cu, prune_tolerance=1e-3, window=1024)):
         got = run(forgetting_attention, x, backend="triton", **kw)
-        ref = run(forgetting_attention, widened(x, torch.float64), backend="reference", **kw)
-        assert_close(got, ref, FP32_TOL)
+        ref = run(forgetting_attention, widened(x, wide), backend="reference", **kw)
+        assert_close(got, ref, FP32_TOL if dtype == torch.float32 else LOW_TOL)
 
 
 @gpu
-def test_gpu_decoding_long_cache():
+@pytest.mark.parametrize("D", [32, 96, 128, 256])
+def test_gpu_decoding_long_cache(D):
     Tk = 20000
-    x = make(T=Tk, H=16, Hkv=4, D=128, DV=128, B=3, dtype=torch.bfloat16)
+    x = make(T=Tk, H=16, Hkv=4, D=D, DV=D, B=3, dtype=torch.bfloat16)
     c = cumulative_forget(x.pop("log_forget") * 0.01)
     present = torch.rand(3, Tk, device=DEVICE) > 0.1
     q = x.pop("q")[:, -1:]

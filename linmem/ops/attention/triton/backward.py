@@ -45,6 +45,7 @@ from .common import (
     sequence_rows,
     split_bias,
     tile,
+    tile_mask,
     tile_t,
     visible,
     whole_key_c,
@@ -55,7 +56,7 @@ from .common import (
 
 @triton.jit
 def dq_step(p, do, vT, k, delta, dq, drift, DT: tl.constexpr, HAS_FORGET: tl.constexpr):
-    """One key tile of dq: p [BM, BN] the probabilities, do [BM, DV], vT [DV, BN], k [BN, D]. Returns the new
+    """One key tile of dq: p [BM, BN] the probabilities, do [BM, BDV], vT [BDV, BN], k [BN, BD]. Returns the new
     (dq, drift): dq += dS K, drift += the row sums of dS."""
     ds = p * (dot(do, vT, DT) - delta[:, None])
     dq += dot(ds, k, DT)
@@ -66,11 +67,12 @@ def dq_step(p, do, vT, k, delta, dq, drift, DT: tl.constexpr, HAS_FORGET: tl.con
 
 @triton.jit
 def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
-              G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              QT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
+              G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
     """-> dq: [tokens, H, D], the corrected delta and u (for ``dkdv_kernel``'s query tiles of QT): [B, H, T] fp32
-    (the forward's tiles, masks and skips). Grid (N * H, query blocks), the last block first."""
+    (the forward's tiles, masks and skips). Grid (N * H, query blocks), the last block first. BD, BDV: the tiles'
+    widths, D and DV rounded up to powers of two (the padded columns masked)."""
     n, h, row0, _, Lk, p0, active = sequence_rows(last_first(1), tl.program_id(0), cu_seqlens, N, T, T, H, BM,
                                                   IS_VARLEN)
     if active:
@@ -80,14 +82,14 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
         DT = Q.dtype.element_ty
         r = tl.arange(0, BM)
         c = tl.arange(0, BN)
-        d = tl.arange(0, D)
-        dv = tl.arange(0, DV)
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
         pq = p0 + r
         valid = pq < Lk
         qrow = row0 + p0
-        q = tile(Q + qrow * (H * D) + h * D, r, valid, H * D, d)
-        do = tile(DO + qrow * (H * DV) + h * DV, r, valid, H * DV, dv)
-        o = tile(O + qrow * (H * DV) + h * DV, r, valid, H * DV, dv)
+        q = tile(Q + qrow * (H * D) + h * D, r, valid, H * D, d, D)
+        do = tile(DO + qrow * (H * DV) + h * DV, r, valid, H * DV, dv, DV)
+        o = tile(O + qrow * (H * DV) + h * DV, r, valid, H * DV, dv, DV)
         delta = total(do.to(tl.float32) * o.to(tl.float32), 1)
         lse = tl.load(LSE + lseq + h * T + pq, mask=valid, other=float("inf"))  # P = 0 past the end
         K_h = K + kvh * D  # the head's keys (row r at K_h + r Hkv D)
@@ -96,8 +98,6 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
         if HAS_FORGET:
             c_row = C + cseq + h * T
         KM_row = KM  # the sequence's key mask at position 0
-        if HAS_KEY_MASK:
-            KM_row = KM  # the sequence's key mask at position 0
         if HAS_KEY_MASK:
             KM_row = KM + row0
         qk_scale = scale * LOG2E
@@ -115,11 +115,11 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
             lo = first_key_tile(c_row, ref, lo, p0, delta_p, BN - 1, BN)
             c_last = tl.load(c_row + tl.minimum(p0 + BM, Lk) - 1)
             full = tl.maximum(full, first_key_tile(c_row, c_last, lo, p0, delta_p, 0, BN))
-        dq = tl.zeros([BM, D], tl.float32)
+        dq = tl.zeros([BM, BD], tl.float32)
         drift = tl.zeros([BM], tl.float32)  # row sums of dS: the exact delta minus the rounded one
         for s in range(full, p0, BN):  # seen whole by every query of the block
-            k = whole_tile(K_h + (row0 + s) * (Hkv * D), c, Hkv * D, d)
-            vT = whole_tile_t(V_h + (row0 + s) * (Hkv * DV), c, Hkv * DV, dv)
+            k = whole_tile(K_h + (row0 + s) * (Hkv * D), c, Hkv * D, d, D)
+            vT = whole_tile_t(V_h + (row0 + s) * (Hkv * DV), c, Hkv * DV, dv, DV)
             sc = dot(q, tl.trans(k), DT) * qk_scale
             if HAS_FORGET or HAS_KEY_MASK:
                 sc -= whole_key_c(c_row, KM_row, s + c, ref2, HAS_FORGET, HAS_KEY_MASK)[None, :]
@@ -130,8 +130,8 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
             s = tl.where(i < edge, lo + i * BN, p0 + (i - edge) * BN)
             pk = s + c
             kvalid = (pk >= 0) & (pk < Lk)
-            k = tile(K_h + (row0 + s) * (Hkv * D), c, kvalid, Hkv * D, d)
-            vT = tile_t(V_h + (row0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv)
+            k = tile(K_h + (row0 + s) * (Hkv * D), c, kvalid, Hkv * D, d, D)
+            vT = tile_t(V_h + (row0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv, DV)
             ck = key_c(c_row, KM_row, pk, kvalid, HAS_FORGET, HAS_KEY_MASK)
             sc = dot(q, tl.trans(k), DT) * qk_scale
             ok = visible(pq[:, None], pk[None, :], window, HAS_WINDOW)
@@ -145,7 +145,7 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
             p = exp2(tl.where(ok, sc, float("-inf")) - lse[:, None])
             dq, drift = dq_step(p, do, vT, k, delta, dq, drift, DT, HAS_FORGET)
         tl.store(DQ + qrow * (H * D) + h * D + r[:, None] * (H * D) + d[None, :],
-                 rounded(dq * scale, DQ.dtype.element_ty), mask=valid[:, None])
+                 rounded(dq * scale, DQ.dtype.element_ty), mask=tile_mask(valid, d, D))
         tl.store(DELTA + lseq + h * T + pq, delta + drift, mask=valid)
         if HAS_FORGET:  # the bias split at the first query of dkdv_kernel's query tile (on the grid of QT)
             u = split_bias(cq, tl.load(c_row + (pq // QT) * QT, mask=valid, other=0.0) * LOG2E) - lse
@@ -155,24 +155,31 @@ def dq_kernel(Q, K, V, C, KM, O, DO, LSE, DELTA, U, DQ, BOUND, cu_seqlens, scale
 
 
 @triton.jit
-def dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT: tl.constexpr, HAS_FORGET: tl.constexpr):
-    """One query tile of dk and dv: pT [BN, BM] the probabilities, qT [D, BM], doT [DV, BM], v [BN, DV], delta
-    [BM]. Returns the new (dk, dv, dc): dv += P^T dO, dk += dS^T Q, dc -= the column sums of dS."""
-    dval += dot(pT, tl.trans(doT), DT)
-    dsT = pT * (dot(v, doT, DT) - delta[None, :])
-    dk += dot(dsT, tl.trans(qT), DT)
-    if HAS_FORGET:
-        dc -= total(dsT, 1)
+def dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT: tl.constexpr, HAS_FORGET: tl.constexpr,
+              WITH_DK: tl.constexpr, WITH_DV: tl.constexpr):
+    """One query tile of dk and dv: pT [BN, BM] the probabilities, qT [BD, BM], doT [BDV, BM], v [BN, BDV], delta
+    [BM]. Returns the new (dk, dv, dc): with WITH_DV dv += P^T dO; with WITH_DK dk += dS^T Q and dc -= the column
+    sums of dS."""
+    if WITH_DV:
+        dval += dot(pT, tl.trans(doT), DT)
+    if WITH_DK:
+        dsT = pT * (dot(v, doT, DT) - delta[None, :])
+        dk += dot(dsT, tl.trans(qT), DT)
+        if HAS_FORGET:
+            dc -= total(dsT, 1)
     return dk, dval, dc
 
 
 @triton.jit
 def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqlens, scale, log_tol, window, N, T, H,
-                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
-    """-> dk: [tokens, H / G, D], dv: [tokens, H / G, DV], dc: [B, H, T] fp32 (minus the column sums of dS).
-    Grid (N * H / G, key blocks of BN), the first block (the most queries) first; BN a multiple of BM."""
+                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr, WITH_DK: tl.constexpr,
+                WITH_DV: tl.constexpr):
+    """-> dk: [tokens, H / G, D] and dc: [B, H, T] fp32 (minus the column sums of dS) with WITH_DK, dv: [tokens,
+    H / G, DV] with WITH_DV (both in one program, or each in its own launch: at wide heads the two [BN, BD]
+    accumulators of one program leave too few registers). Grid (N * H / G, key blocks of BN), the first block (the
+    most queries) first; BN a multiple of BM. BD, BDV: as in ``dq_kernel``."""
     Hkv = H // G
     n, kvh, row0, _, Lk, s0, active = sequence_rows(tl.program_id(1), tl.program_id(0), cu_seqlens, N, T, T, Hkv,
                                                     BN, IS_VARLEN)
@@ -181,13 +188,15 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqle
         DT = Q.dtype.element_ty
         c = tl.arange(0, BN)
         r = tl.arange(0, BM)
-        d = tl.arange(0, D)
-        dv = tl.arange(0, DV)
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
         pk = s0 + c
         kvalid = pk < Lk
         krow = row0 + s0
-        k = tile(K + krow * (Hkv * D) + kvh * D, c, kvalid, Hkv * D, d)
-        v = tile(V + krow * (Hkv * DV) + kvh * DV, c, kvalid, Hkv * DV, dv)
+        k = tile(K + krow * (Hkv * D) + kvh * D, c, kvalid, Hkv * D, d, D)
+        v = None  # the values enter dS only
+        if WITH_DK:
+            v = tile(V + krow * (Hkv * DV) + kvh * DV, c, kvalid, Hkv * DV, dv, DV)
         KM_row = KM  # the sequence's key mask at position 0
         if HAS_KEY_MASK:
             KM_row = KM + row0
@@ -204,8 +213,8 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqle
             seen = Lk
         whole_end = s0 + BN + (tl.maximum(seen - s0 - BN, 0) // BM) * BM
         whole_end = tl.where(s0 + BN <= Lk, whole_end, s0 + BN)
-        dk = tl.zeros([BN, D], tl.float32)
-        dval = tl.zeros([BN, DV], tl.float32)
+        dk = tl.zeros([BN, BD], tl.float32)
+        dval = tl.zeros([BN, BDV], tl.float32)
         for g in range(G):
             h = kvh * G + g
             c_row = C
@@ -225,8 +234,8 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqle
             dc = tl.zeros([BN], tl.float32)
             for t in range(s0 + BN, end, BM):  # every key of the block seen whole by every query of the tile
                 pq = t + r
-                qT = whole_tile_t(Q + (row0 + t) * (H * D) + h * D, r, H * D, d)
-                doT = whole_tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, H * DV, dv)
+                qT = whole_tile_t(Q + (row0 + t) * (H * D) + h * D, r, H * D, d, D)
+                doT = whole_tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, H * DV, dv, DV)
                 delta = tl.load(d_row + pq)
                 sT = dot(k, qT, DT) * qk_scale + tl.load(u_row + pq)[None, :]
                 if HAS_FORGET:  # the keys' part of the bias split at the tile's first query
@@ -234,14 +243,14 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqle
                 elif HAS_KEY_MASK:
                     sT -= ck[:, None]
                 pT = exp2(sT)
-                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET)
+                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET, WITH_DK, WITH_DV)
             edge = (tl.maximum(stop - end, 0) + BM - 1) // BM  # masked: the diagonal, then from `end` on
             for i in range(0, diag + edge):
                 t = tl.where(i < diag, s0 + i * BM, end + (i - diag) * BM)
                 pq = t + r
                 valid = pq < Lk
-                qT = tile_t(Q + (row0 + t) * (H * D) + h * D, r, valid, H * D, d)
-                doT = tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, valid, H * DV, dv)
+                qT = tile_t(Q + (row0 + t) * (H * D) + h * D, r, valid, H * D, d, D)
+                doT = tile_t(DO + (row0 + t) * (H * DV) + h * DV, r, valid, H * DV, dv, DV)
                 lse = tl.load(l_row + pq, mask=valid, other=float("inf"))  # P = 0 past the end
                 delta = tl.load(d_row + pq, mask=valid, other=0.0)
                 sT = dot(k, qT, DT) * qk_scale
@@ -254,10 +263,12 @@ def dkdv_kernel(Q, K, V, C, KM, DO, LSE, DELTA, U, DK, DVAL, DC, BOUND, cu_seqle
                 else:
                     sT -= ck[:, None]
                 pT = exp2(tl.where(ok, sT, float("-inf")) - lse[None, :])
-                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET)
-            if HAS_FORGET:
+                dk, dval, dc = dkdv_step(pT, qT, doT, v, delta, dk, dval, dc, DT, HAS_FORGET, WITH_DK, WITH_DV)
+            if HAS_FORGET and WITH_DK:
                 tl.store(DC + cseq + h * T + pk, dc, mask=kvalid)
-        tl.store(DK + krow * (Hkv * D) + kvh * D + c[:, None] * (Hkv * D) + d[None, :],
-                 rounded(dk * scale, DK.dtype.element_ty), mask=kvalid[:, None])
-        tl.store(DVAL + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :],
-                 rounded(dval, DVAL.dtype.element_ty), mask=kvalid[:, None])
+        if WITH_DK:
+            tl.store(DK + krow * (Hkv * D) + kvh * D + c[:, None] * (Hkv * D) + d[None, :],
+                     rounded(dk * scale, DK.dtype.element_ty), mask=tile_mask(kvalid, d, D))
+        if WITH_DV:
+            tl.store(DVAL + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :],
+                     rounded(dval, DVAL.dtype.element_ty), mask=tile_mask(kvalid, dv, DV))

@@ -7,7 +7,9 @@ values are contiguous. A sequence owns query rows ``[qbos, qbos + Lq)`` and key 
 ``[kbos, kbos + Lk)``; within it a token has a *position* ``p``: keys ``0 <= p < Lk``, queries
 ``Lk - Lq <= p < Lk`` (the queries are the newest keys, ``Lq == Lk`` in training). Masks and tile
 ranges are written in positions (int32). A tile is addressed by one 64-bit scalar pointer to its
-first row and 32-bit offsets within it. Query blocks of a varlen batch take the slots of the
+first row and 32-bit offsets within it. A tile spans the head dim rounded up to a power of two (the
+kernels' BD and BDV: 96 -> 128, 192 -> 256); its loads read the padded columns as zeros, which add
+nothing to any product, and its stores skip them, so no tensor is padded in memory. Query blocks of a varlen batch take the slots of the
 recurrence kernels (``first_slot(n) = bos // BM + n``): no host synchronisation.
 
 Scores live in log2 units, ``s = log2(e) (scale q.k + c_i - c_j)``, so every softmax exponential
@@ -107,28 +109,63 @@ def head_offsets(n, qrow0, krow0, Tq, Tk, H, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def tile(base, r, valid, stride, cols):
+def cols_mask(cols, NC: tl.constexpr):
+    """[C] whether each of ``cols`` (``arange(0, C)``, C the next power of two of the head dim NC) is a real
+    column; None when C == NC (nothing padded, nothing to mask)."""
+    if NC < cols.shape[0]:
+        ok = cols < NC
+    else:
+        ok = None
+    return ok
+
+
+@triton.jit
+def tile_mask(valid, cols, NC: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """[R, C] mask of a tile's rows ``valid`` and its real columns (:func:`cols_mask`); [C, R] if TRANSPOSED."""
+    if TRANSPOSED:
+        ok = valid[None, :]
+        if NC < cols.shape[0]:
+            ok = ok & (cols < NC)[:, None]
+    else:
+        ok = valid[:, None]
+        if NC < cols.shape[0]:
+            ok = ok & (cols < NC)[None, :]
+    return ok
+
+
+@triton.jit
+def tile(base, r, valid, stride, cols, NC: tl.constexpr):
     """[R, C] ``base[r * stride + cols]`` of a scalar pointer base: 32-bit offsets within the tile (one 64-bit
-    address per tile, not per element), 0 where not valid."""
-    return tl.load(base + r[:, None] * stride + cols[None, :], mask=valid[:, None], other=0.0)
+    address per tile, not per element), 0 where not valid and in the padded columns ``cols >= NC``."""
+    return tl.load(base + r[:, None] * stride + cols[None, :], mask=tile_mask(valid, cols, NC), other=0.0)
 
 
 @triton.jit
-def tile_t(base, r, valid, stride, cols):
+def tile_t(base, r, valid, stride, cols, NC: tl.constexpr):
     """The transposed tile: [C, R] ``base[r * stride + cols]``."""
-    return tl.load(base + r[None, :] * stride + cols[:, None], mask=valid[None, :], other=0.0)
+    return tl.load(base + r[None, :] * stride + cols[:, None], mask=tile_mask(valid, cols, NC, True), other=0.0)
 
 
 @triton.jit
-def whole_tile(base, r, stride, cols):
-    """:func:`tile` of rows that all exist: no mask."""
-    return tl.load(base + r[:, None] * stride + cols[None, :])
+def whole_tile(base, r, stride, cols, NC: tl.constexpr):
+    """:func:`tile` of rows that all exist: no mask but the padded columns'."""
+    ptrs = base + r[:, None] * stride + cols[None, :]
+    if NC < cols.shape[0]:
+        x = tl.load(ptrs, mask=(cols < NC)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
-def whole_tile_t(base, r, stride, cols):
-    """:func:`tile_t` of rows that all exist: no mask."""
-    return tl.load(base + r[None, :] * stride + cols[:, None])
+def whole_tile_t(base, r, stride, cols, NC: tl.constexpr):
+    """:func:`tile_t` of rows that all exist: no mask but the padded columns'."""
+    ptrs = base + r[None, :] * stride + cols[:, None]
+    if NC < cols.shape[0]:
+        x = tl.load(ptrs, mask=(cols < NC)[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit

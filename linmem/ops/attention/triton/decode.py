@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ...recurrence.triton.numerics import LOG2E, exp2, rounded, total
-from .common import NO_MAX, dot, row_max
+from .common import NO_MAX, cols_mask, dot, row_max, tile_mask
 
 #: the most splits (the combine kernel's block)
 MAX_SPLITS = 64
@@ -26,13 +26,14 @@ MAX_SPLITS = 64
 
 @triton.jit
 def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk, H,
-                  G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                  HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                  BR: tl.constexpr, BN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_KEY_MASK: tl.constexpr, SPLIT: tl.constexpr):
     """q: [B, Tq, H, D], k: [B, Tk, H / G, D], v: [B, Tk, H / G, DV], c: [B, Tk, H] fp32, key mask:
     [B, Tk] uint8 -> o: [B, Tq, H, DV], or with SPLIT the partials m, l: [S, B * H / G, BR] and
     acc: [S, B * H / G, BR, DV] fp32. Grid (S, B * H / G); split i reads keys [first + i chunk, + chunk).
-    Row r of a program is query token r % Tq of head (kv head) G + r // Tq."""
+    Row r of a program is query token r % Tq of head (kv head) G + r // Tq. BD, BDV: the tiles' widths, D and DV
+    rounded up to powers of two (the padded columns masked)."""
     split, bk = tl.program_id(0), tl.program_id(1)
     Hkv = H // G
     b = bk // Hkv
@@ -40,15 +41,15 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
     DT = Q.dtype.element_ty
     r = tl.arange(0, BR)
     c = tl.arange(0, BN)
-    d = tl.arange(0, D)
-    dv = tl.arange(0, DV)
+    d = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
     rvalid = r < G * Tq
     t = r % Tq
     h = kvh * G + r // Tq
     pq = Tk - Tq + t  # key position of each query
     qrow0 = b.to(tl.int64) * Tq
     krow0 = b.to(tl.int64) * Tk
-    q = tl.load(Q + qrow0 * (H * D) + (t * H + h)[:, None] * D + d[None, :], mask=rvalid[:, None], other=0.0)
+    q = tl.load(Q + qrow0 * (H * D) + (t * H + h)[:, None] * D + d[None, :], mask=tile_mask(rvalid, d, D), other=0.0)
     if HAS_FORGET:
         cq = tl.load(C + krow0 * H + pq * H + h, mask=rvalid, other=0.0)
     lo = split * chunk
@@ -58,15 +59,15 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
     qk_scale = scale * LOG2E
     m = tl.full([BR], NO_MAX, tl.float32)
     l = tl.zeros([BR], tl.float32)
-    acc = tl.zeros([BR, DV], tl.float32)
+    acc = tl.zeros([BR, BDV], tl.float32)
     for s in range(lo, hi, BN):
         pk = s + c
         kvalid = pk < hi
         krow = krow0 + s
-        kT = tl.load(K + krow * (Hkv * D) + kvh * D + c[None, :] * (Hkv * D) + d[:, None], mask=kvalid[None, :],
-                     other=0.0)
-        v = tl.load(V + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :], mask=kvalid[:, None],
-                    other=0.0)
+        kT = tl.load(K + krow * (Hkv * D) + kvh * D + c[None, :] * (Hkv * D) + d[:, None],
+                     mask=tile_mask(kvalid, d, D, True), other=0.0)
+        v = tl.load(V + krow * (Hkv * DV) + kvh * DV + c[:, None] * (Hkv * DV) + dv[None, :],
+                    mask=tile_mask(kvalid, dv, DV), other=0.0)
         sc = dot(q, kT, DT) * qk_scale
         if HAS_FORGET:
             ck = tl.load(C + krow * H + c[None, :] * H + h[:, None], mask=kvalid[None, :] & rvalid[:, None],
@@ -89,29 +90,30 @@ def decode_kernel(Q, K, V, C, KM, O, PM, PL, PACC, scale, window, chunk, Tq, Tk,
         part = (split * tl.num_programs(1) + bk).to(tl.int64) * BR
         tl.store(PM + part + r, m)
         tl.store(PL + part + r, l)
-        tl.store(PACC + part * DV + r[:, None] * DV + dv[None, :], acc)
+        tl.store(PACC + part * DV + r[:, None] * DV + dv[None, :], acc, mask=cols_mask(dv, DV))
     else:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(O + qrow0 * (H * DV) + (t * H + h)[:, None] * DV + dv[None, :], rounded(o, O.dtype.element_ty),
-                 mask=rvalid[:, None])
+                 mask=tile_mask(rvalid, dv, DV))
 
 
 @triton.jit
-def combine_kernel(PM, PL, PACC, O, splits, Tq, H, G: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr,
-                   BS: tl.constexpr):
+def combine_kernel(PM, PL, PACC, O, splits, Tq, H, G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+                   BR: tl.constexpr, BS: tl.constexpr):
     """Merge the partials of ``decode_kernel``: grid (B * H / G, G * Tq), one program per query row."""
     bk, r = tl.program_id(0), tl.program_id(1)
     Hkv = H // G
     i = tl.arange(0, BS)
-    dv = tl.arange(0, DV)
+    dv = tl.arange(0, BDV)
     ok = i < splits
     part = (i * tl.num_programs(0) + bk).to(tl.int64) * BR + r
     m = tl.load(PM + part, mask=ok, other=NO_MAX)
     w = exp2(m - row_max(m, 0))
     w = tl.where(ok, w, 0.0)
     l = total(w * tl.load(PL + part, mask=ok, other=0.0), 0)
-    acc = total(w[:, None] * tl.load(PACC + part[:, None] * DV + dv[None, :], mask=ok[:, None], other=0.0), 0)
+    acc = total(w[:, None] * tl.load(PACC + part[:, None] * DV + dv[None, :], mask=tile_mask(ok, dv, DV), other=0.0),
+                0)
     b = bk // Hkv
     h = (bk % Hkv) * G + r // Tq
     row = (b.to(tl.int64) * Tq + r % Tq) * H + h
-    tl.store(O + row * DV + dv, rounded(acc / tl.where(l > 0, l, 1.0), O.dtype.element_ty))
+    tl.store(O + row * DV + dv, rounded(acc / tl.where(l > 0, l, 1.0), O.dtype.element_ty), mask=cols_mask(dv, DV))

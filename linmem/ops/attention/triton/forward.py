@@ -33,6 +33,7 @@ from .common import (
     sequence_rows,
     split_bias,
     tile,
+    tile_mask,
     tile_t,
     visible,
     whole_tile,
@@ -54,12 +55,12 @@ def softmax_step(sc, shift, m, l, acc, v, DT: tl.constexpr):
 
 @triton.jit
 def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, window, N, Tq, Tk, H,
-                   G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
+                   G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_FORGET: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr, PRUNE: tl.constexpr):
     """q: [tokens, H, D], k: [tokens, H / G, D], v: [tokens, H / G, DV], c: [B, H, Tk] fp32, key mask:
     [B, Tk] uint8 -> o: [tokens, H, DV], lse: [B, H, Tq] fp32. Grid (N * H, query blocks), the last block
-    first."""
+    first. BD, BDV: the tiles' widths, D and DV rounded up to powers of two (the padded columns masked)."""
     n, h, qrow0, krow0, Lk, p0, active = sequence_rows(last_first(1), tl.program_id(0), cu_seqlens, N, Tq, Tk, H,
                                                        BM, IS_VARLEN)
     if active:
@@ -69,11 +70,11 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
         DT = Q.dtype.element_ty
         r = tl.arange(0, BM)
         c = tl.arange(0, BN)
-        d = tl.arange(0, D)
-        dv = tl.arange(0, DV)
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
         pq = p0 + r
         qvalid = pq < Lk
-        q = tile(Q + (qrow0 + p0) * (H * D) + h * D, r, qvalid, H * D, d)
+        q = tile(Q + (qrow0 + p0) * (H * D) + h * D, r, qvalid, H * D, d, D)
         K_h = K + kvh * D  # the head's keys (row r at K_h + r Hkv D)
         V_h = V + kvh * DV
         c_row = C  # the head's c at key position 0
@@ -100,10 +101,10 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
             full = tl.maximum(full, first_key_tile(c_row, c_last, lo, p0, delta, 0, BN))
         m = tl.full([BM], NO_MAX, tl.float32)
         l = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, DV], tl.float32)
+        acc = tl.zeros([BM, BDV], tl.float32)
         for s in range(full, p0, BN):  # seen whole by every query of the block
-            kT = whole_tile_t(K_h + (krow0 + s) * (Hkv * D), c, Hkv * D, d)
-            v = whole_tile(V_h + (krow0 + s) * (Hkv * DV), c, Hkv * DV, dv)
+            kT = whole_tile_t(K_h + (krow0 + s) * (Hkv * D), c, Hkv * D, d, D)
+            v = whole_tile(V_h + (krow0 + s) * (Hkv * DV), c, Hkv * DV, dv, DV)
             sc = dot(q, kT, DT) * qk_scale
             if HAS_FORGET or HAS_KEY_MASK:
                 sc -= whole_key_c(c_row, KM_row, s + c, ref2, HAS_FORGET, HAS_KEY_MASK)[None, :]
@@ -113,8 +114,8 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
             s = tl.where(i < edge, lo + i * BN, p0 + (i - edge) * BN)
             pk = s + c
             kvalid = (pk >= 0) & (pk < Lk)
-            kT = tile_t(K_h + (krow0 + s) * (Hkv * D), c, kvalid, Hkv * D, d)
-            v = tile(V_h + (krow0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv)
+            kT = tile_t(K_h + (krow0 + s) * (Hkv * D), c, kvalid, Hkv * D, d, D)
+            v = tile(V_h + (krow0 + s) * (Hkv * DV), c, kvalid, Hkv * DV, dv, DV)
             ck = key_c(c_row, KM_row, pk, kvalid, HAS_FORGET, HAS_KEY_MASK)  # +inf where no key
             sc = dot(q, kT, DT) * qk_scale
             ok = visible(pq[:, None], pk[None, :], window, HAS_WINDOW)
@@ -130,5 +131,5 @@ def forward_kernel(Q, K, V, C, KM, O, LSE, BOUND, cu_seqlens, scale, log_tol, wi
         l = tl.where(l > 0, l, 1.0)  # rows that see no key (a key mask), or past the sequence end (not stored)
         o = acc / l[:, None]
         tl.store(O + (qrow0 + p0) * (H * DV) + h * DV + r[:, None] * (H * DV) + dv[None, :],
-                 rounded(o, O.dtype.element_ty), mask=qvalid[:, None])
+                 rounded(o, O.dtype.element_ty), mask=tile_mask(qvalid, dv, DV))
         tl.store(LSE + lseq + h * Tq + pq, m + tl.log2(l), mask=qvalid)

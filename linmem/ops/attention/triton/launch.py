@@ -9,7 +9,7 @@ shape arithmetic: no host synchronisation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -17,55 +17,17 @@ import triton
 
 from ...recurrence.triton import configs as recurrence_configs
 from . import backward, decode, forward
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """The tile shape and launch of one kernel."""
-
-    block_m: int  # queries per tile
-    block_n: int  # keys per tile
-    warps: int  # warps per program
-    stages: int  # software-pipelining stages of the tile loop
-
-
-#: per kernel and head dim on CUDA. forward and dq: a program owns block_m queries and walks key tiles of
-#: block_n (block_m a multiple of block_n); dkdv: a program owns block_n keys and walks query tiles of block_m
-#: (block_n a multiple of block_m); decode: block_n keys per tile (block_m unused: the rows are the queries).
-#: Chosen from the sm_90 code (Triton 3.6, ``dev/gpu/tools/fox_compile.py``), to be confirmed by the timings of
-#: ``dev/gpu/tools/fox_bench.py --only variants``: at least 3 stages where shared memory allows (with 2, the loop waits
-#: for each tile's loads as it starts), no wgmma narrower than 64 on the shared-memory operand (dkdv's 64 keys x 32
-#: queries at 8 warps split into 64 x 16 products and moved P through shared memory each tile), and the fewest
-#: instructions per score element without spills in the loops. D = 128: dkdv 64 x 128 at 8 warps issues 25% fewer
-#: instructions per element than 32 x 128 but spills (56 bytes at 2 stages, 344 with GQA's loop over the group's
-#: heads, whose spills land in the tile loops); 32 x 128 spills in no loop.
-TILES: dict[str, dict[int, Tiles]] = {
-    "forward": {64: Tiles(64, 128, 4, 3), 128: Tiles(128, 64, 8, 3)},
-    "dq": {64: Tiles(128, 64, 8, 3), 128: Tiles(128, 64, 8, 3)},
-    "dkdv": {64: Tiles(64, 128, 8, 3), 128: Tiles(32, 128, 8, 3)},
-    "decode": {64: Tiles(16, 64, 4, 2), 128: Tiles(16, 64, 8, 2)},
-}
-#: per kernel for fp32 inputs (any head dim): fp32 tiles take twice the registers and shared memory
-FP32_TILES: dict[str, Tiles] = {
-    "forward": Tiles(32, 32, 4, 2), "dq": Tiles(64, 32, 4, 2), "dkdv": Tiles(16, 32, 4, 2),
-    "decode": Tiles(16, 32, 4, 2),
-}
-#: in the Triton interpreter (CPU tests): small tiles, so that short sequences cross several of them
-INTERPRETER_TILES: dict[str, Tiles] = {
-    "forward": Tiles(32, 16, 1, 1), "dq": Tiles(32, 16, 1, 1), "dkdv": Tiles(16, 32, 1, 1),
-    "decode": Tiles(16, 16, 1, 1),
-}
-#: streaming multiprocessors assumed in the interpreter (how many splits decoding takes)
-INTERPRETER_SMS = 4
+from .configs import FP32_TILES, INTERPRETER_SMS, INTERPRETER_TILES, TILES, Tiles
 
 
 def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
     """The tiles of ``kernel`` for these inputs (by dtype and the larger head dim on CUDA)."""
+    dim = max(q.shape[-1], v.shape[-1])
     if q.device.type != "cuda":
-        return INTERPRETER_TILES[kernel]
+        return replace(INTERPRETER_TILES[kernel], split=TILES[kernel][dim].split)
     if q.dtype == torch.float32:
         return FP32_TILES[kernel]
-    return TILES[kernel][max(q.shape[-1], v.shape[-1])]
+    return TILES[kernel][dim]
 
 
 def sm_count(device: torch.device) -> int:
@@ -82,6 +44,11 @@ def _grid(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], block: int, heads
         return (B * heads, triton.cdiv(T, block)), B
     N = cu_seqlens.shape[0] - 1
     return (heads, T // block + N), N
+
+
+def _widths(D: int, DV: int) -> dict:
+    """The head dims and the tiles' widths: the next powers of two, whose padded columns the kernels mask."""
+    return dict(D=D, DV=DV, BD=triton.next_power_of_2(D), BDV=triton.next_power_of_2(DV))
 
 
 def _flags(c, key_mask, cu_seqlens, window, tol) -> dict:
@@ -105,7 +72,7 @@ def attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale: float, win
     win, log_tol = _scalars(window, tol)
     forward.forward_kernel[grid](
         q, k, v, c, key_mask, o, lse, bound, cu_seqlens, scale, log_tol, win, N, Tq, Tk, H,
-        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
+        G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return o, lse
 
@@ -131,14 +98,15 @@ def backward_dq(q, k, v, c, key_mask, cu_seqlens, bound, o, lse, do, scale: floa
     grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
     backward.dq_kernel[grid](
         q, k, v, c, key_mask, o, do, lse, delta, u, dq, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, QT=tiles("dkdv", q, v).block_m,
+        G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n, QT=tiles("dkdv", q, v).block_m,
         **_flags(c, key_mask, cu_seqlens, window, tol), num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, delta, u
 
 
 def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, scale: float, window: Optional[int],
                   tol: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The second pass of the backward -> dk, dv and dc ([B, H, T] fp32, None without c)."""
+    """The second pass of the backward -> dk, dv and dc ([B, H, T] fp32, None without c): one launch, or with the
+    tiles' ``split`` one for dk and dc and one for dv."""
     B, T, H, D = q.shape
     Hkv, DV = k.shape[2], v.shape[-1]
     win, log_tol = _scalars(window, tol)
@@ -146,10 +114,13 @@ def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, sc
     dc = torch.empty_like(c) if c is not None else None
     cfg = tiles("dkdv", q, v)
     grid, N = _grid(q, cu_seqlens, cfg.block_n, Hkv)
-    backward.dkdv_kernel[grid](
-        q, k, v, c, key_mask, do, lse, delta, u, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-        G=H // Hkv, D=D, DV=DV, BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+    parts = [dict(WITH_DK=True, WITH_DV=False), dict(WITH_DK=False, WITH_DV=True)] if cfg.split else \
+        [dict(WITH_DK=True, WITH_DV=True)]
+    for part in parts:
+        backward.dkdv_kernel[grid](
+            q, k, v, c, key_mask, do, lse, delta, u, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
+            G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n,
+            **_flags(c, key_mask, cu_seqlens, window, tol), **part, num_warps=cfg.warps, num_stages=cfg.stages)
     return dk, dv, dc
 
 
@@ -181,15 +152,15 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
     win = window if window is not None else 0
     if splits == 1:
         decode.decode_kernel[(1, B * Hkv)](q, k, v, c, key_mask, o, None, None, None, scale, win, chunk, Tq, Tk, H,
-                                           G=G, D=D, DV=DV, BR=BR, BN=cfg.block_n, **flags, SPLIT=False,
+                                           G=G, **_widths(D, DV), BR=BR, BN=cfg.block_n, **flags, SPLIT=False,
                                            num_warps=cfg.warps, num_stages=cfg.stages)
         return o
     pm = q.new_empty(splits, B * Hkv, BR, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = q.new_empty(splits, B * Hkv, BR, DV, dtype=torch.float32)
     decode.decode_kernel[(splits, B * Hkv)](q, k, v, c, key_mask, o, pm, pl, pacc, scale, win, chunk, Tq, Tk, H,
-                                            G=G, D=D, DV=DV, BR=BR, BN=cfg.block_n, **flags, SPLIT=True,
+                                            G=G, **_widths(D, DV), BR=BR, BN=cfg.block_n, **flags, SPLIT=True,
                                             num_warps=cfg.warps, num_stages=cfg.stages)
-    decode.combine_kernel[(B * Hkv, G * Tq)](pm, pl, pacc, o, splits, Tq, H, G=G, DV=DV, BR=BR,
-                                             BS=decode.MAX_SPLITS)
+    decode.combine_kernel[(B * Hkv, G * Tq)](pm, pl, pacc, o, splits, Tq, H, G=G, DV=DV,
+                                             BDV=triton.next_power_of_2(DV), BR=BR, BS=decode.MAX_SPLITS)
     return o

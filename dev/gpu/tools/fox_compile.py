@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import types
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -58,8 +60,8 @@ SIZES_DIV16 = {"T", "Tq", "Tk", "H"}
 
 
 def load_kernels():
-    """The kernel modules (forward, backward, decode) imported as parts of ``linmem`` without running its package
-    ``__init__`` files (which import torch)."""
+    """The kernel modules (forward, backward, decode) and the launch configurations (configs) imported as parts of
+    ``linmem`` without running its package ``__init__`` files (which import torch)."""
     for name in ("linmem", "linmem.ops", "linmem.ops.attention", "linmem.ops.attention.triton", "linmem.ops.recurrence",
                  "linmem.ops.recurrence.triton"):
         if name not in sys.modules:
@@ -67,7 +69,7 @@ def load_kernels():
             package.__path__ = [str(ROOT.joinpath(*name.split(".")))]
             sys.modules[name] = package
     return {name: importlib.import_module(f"linmem.ops.attention.triton.{name}")
-            for name in ("forward", "backward", "decode")}
+            for name in ("forward", "backward", "decode", "configs")}
 
 
 def module_literal(path: Path, name: str, env: dict):
@@ -76,13 +78,6 @@ def module_literal(path: Path, name: str, env: dict):
     node = next(n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
                 and getattr(n.targets[0] if isinstance(n, ast.Assign) else n.target, "id", "") == name)
     return eval(compile(ast.Expression(node.value), str(path), "eval"), env)  # our own source: a literal
-
-
-def launch_tiles() -> dict:
-    """``launch.TILES`` and ``launch.FP32_TILES`` as (block_m, block_n, warps, stages) tuples."""
-    env = {"Tiles": lambda *a: tuple(a), "dict": dict, "int": int, "str": str}
-    return {"TILES": module_literal(KERNELS / "launch.py", "TILES", env),
-            "FP32_TILES": module_literal(KERNELS / "launch.py", "FP32_TILES", env)}
 
 
 def signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
@@ -166,67 +161,123 @@ def compile_one(kernel, dtype: str, constexprs: dict, warps: int, stages: int, a
             "loops": loops}
 
 
-def jobs(candidates: bool):
-    """(label, kernel, dtype, constexprs, (block_m, block_n, warps, stages)) of every variant to compile."""
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def jobs(candidates: bool, head_dims: list[int], all_variants: set[int]):
+    """(label, (kernel module, kernel name), dtype, constexprs, Tiles, decoding rows) of every variant to compile:
+    each kernel at each head dim of ``configs.TILES`` in bf16 (every flag set at ``all_variants``, the gated training
+    variant elsewhere; a split dkdv as its two launches), fp16 at 64, fp32 at 128 with ``FP32_TILES``; decoding at 16
+    and at the most rows (``cached_attention``'s ``DECODE_ROWS``), and the combine kernel."""
     mods = load_kernels()
-    kernels = {"forward": mods["forward"].forward_kernel, "dq": mods["backward"].dq_kernel,
-               "dkdv": mods["backward"].dkdv_kernel}
-    tiles = launch_tiles()
+    cfg = mods["configs"]
+    most_rows = _pow2(module_literal(ROOT / "linmem" / "ops" / "attention" / "__init__.py", "DECODE_ROWS", {}))
+    kernels = {"forward": ("forward", "forward_kernel"), "dq": ("backward", "dq_kernel"),
+               "dkdv": ("backward", "dkdv_kernel")}
     extra = {}
     if candidates:
         extra = module_literal(Path(__file__).with_name("fox_bench.py"), "TILE_CANDIDATES", {})
+    cases = [(D, "bf16") for D in head_dims] + [(64, "fp16"), (128, "fp32")]
     for name, kernel in kernels.items():
-        for D, dtype in ((128, "bf16"), (64, "bf16"), (64, "fp16"), (128, "fp32")):
-            cfgs = [tiles["FP32_TILES"][name] if dtype == "fp32" else tiles["TILES"][name][D]]
+        for D, dtype in cases:
+            if D not in head_dims:
+                continue
+            default = cfg.FP32_TILES[name] if dtype == "fp32" else cfg.TILES[name][D]
+            tiles = [default]
             if D == 128 and dtype == "bf16":
-                cfgs += [tuple(t) for t in extra.get(name, []) if tuple(t) != cfgs[0]]
-            variants = FLASH_VARIANTS if (D, dtype) in ((128, "bf16"), (128, "fp32")) else FLASH_VARIANTS[:1]
-            for flags, t in itertools.product(variants, cfgs):
-                if t != cfgs[0] and flags != FLASH_VARIANTS[0]:
+                tiles += [cfg.Tiles(*t) for t in extra.get(name, []) if cfg.Tiles(*t) != default]
+            variants = FLASH_VARIANTS if D in all_variants and dtype != "fp16" else FLASH_VARIANTS[:1]
+            for flags, t in itertools.product(variants, tiles):
+                if t != default and flags != FLASH_VARIANTS[0]:
                     continue  # candidates: the gated training variant only
                 const = {f: bool(flags.get(f)) for f in FLAGS}
-                const.update(G=flags["G"], D=D, DV=D, BM=t[0], BN=t[1])
+                const.update(G=flags["G"], D=D, DV=D, BD=_pow2(D), BDV=_pow2(D), BM=t.block_m, BN=t.block_n)
                 if name == "dq":
-                    const["QT"] = (tiles["FP32_TILES"]["dkdv"] if dtype == "fp32" else tiles["TILES"]["dkdv"][D])[0]
-                yield name, kernel, dtype, const, t
-    for D in (64, 128):
-        t = tiles["TILES"]["decode"][D]
-        for flags in DECODE_VARIANTS:
-            yield "decode", mods["decode"].decode_kernel, "bf16", dict(flags, G=4, D=D, DV=D, BR=16, BN=t[1]), t
-    yield "combine", mods["decode"].combine_kernel, "bf16", dict(G=4, DV=128, BR=16, BS=mods["decode"].MAX_SPLITS), \
-        (0, 0, 4, 1)
+                    const["QT"] = (cfg.FP32_TILES["dkdv"] if dtype == "fp32" else cfg.TILES["dkdv"][D]).block_m
+                if name != "dkdv":
+                    yield name, kernel, dtype, const, t, 16
+                    continue
+                parts = [(True, False), (False, True)] if t.split else [(True, True)]
+                for dk, dv in parts:
+                    label = name if not t.split else f"dkdv/{'dk' if dk else 'dv'}"
+                    yield label, kernel, dtype, dict(const, WITH_DK=dk, WITH_DV=dv), t, 16
+    for D in head_dims:
+        t = cfg.TILES["decode"][D]
+        for rows, flags in itertools.product((16, most_rows), DECODE_VARIANTS):
+            if rows != 16 and flags != DECODE_VARIANTS[-1]:
+                continue  # the most rows: the largest variant only
+            const = dict(flags, G=4, D=D, DV=D, BD=_pow2(D), BDV=_pow2(D), BR=rows, BN=t.block_n)
+            yield "decode", ("decode", "decode_kernel"), "bf16", const, t, rows
+    if 128 in head_dims:
+        t = cfg.FP32_TILES["decode"]
+        const = dict(DECODE_VARIANTS[-1], G=4, D=128, DV=128, BD=128, BDV=128, BR=most_rows, BN=t.block_n)
+        yield "decode", ("decode", "decode_kernel"), "fp32", const, t, most_rows
+    combine = dict(G=4, DV=max(head_dims), BDV=_pow2(max(head_dims)), BR=16, BS=mods["decode"].MAX_SPLITS)
+    yield "combine", ("decode", "combine_kernel"), "bf16", combine, cfg.Tiles(0, 0, 4, 1), 1
+
+
+def _compile(job, arch: int) -> dict:
+    """Compile one job (in a worker process) -> its row: the launch, the resources and Triton's allocation beside the
+    estimate of ``configs.shared_memory``."""
+    name, (module, fn), dtype, const, t, rows = job
+    mods = load_kernels()
+    cfg, kernel = mods["configs"], getattr(mods[module], fn)
+    t = cfg.Tiles(*t)
+    score_rows = rows if name == "decode" else t.block_m
+    elements = max(score_rows * t.block_n // (32 * t.warps), 1) if t.block_n else 1
+    row = {"kernel": name, "dtype": dtype, **const, "warps": t.warps, "stages": t.stages}
+    try:
+        row.update(compile_one(kernel, dtype, const, t.warps, t.stages, arch, elements))
+    except Exception as error:  # a variant that does not compile is the finding: report it and go on
+        row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        return row
+    if name != "combine":
+        row["estimate"] = cfg.shared_memory(name.split("/")[0], t, const["D"], const["DV"], 4 if dtype == "fp32" else 2,
+                                            rows)
+        if row["estimate"] < row["shared"]:
+            row["error"] = f"configs.shared_memory estimates {row['estimate']} bytes, Triton allocates {row['shared']}"
+    if row["shared"] > cfg.SHARED_MEMORY:
+        row["error"] = f"{row['shared']} bytes of shared memory, more than the {cfg.SHARED_MEMORY} of a program"
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--candidates", action="store_true", help="also the candidate tiles of fox_bench")
+    parser.add_argument("--head-dims", default="32,64,96,128,192,256", help="the head dims to compile (D = Dv)")
+    parser.add_argument("--all-variants", default="96,128,192,256",
+                        help="head dims compiled with every flag set (the others: the gated training variant)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="compilations in parallel")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    all_variants = {int(d) for d in args.all_variants.split(",") if d}
+    todo = [(*job[:4], dataclasses.astuple(job[4]), job[5]) for job in jobs(args.candidates, head_dims, all_variants)]
     results, failures = [], 0
-    for name, kernel, dtype, const, t in jobs(args.candidates):
-        BM, BN, warps, stages = t
-        rows = const.get("BR", BM)
-        elements = max(rows * BN // (32 * warps), 1) if BN else 1
-        row = {"kernel": name, "dtype": dtype, **const, "warps": warps, "stages": stages}
-        try:
-            row.update(compile_one(kernel, dtype, const, warps, stages, args.arch, elements))
-        except Exception as error:  # a variant that does not compile is the finding: report it and go on
-            failures += 1
-            row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-        results.append(row)
-        flags = ",".join(f.replace("HAS_", "").lower() for f in FLAGS + ("SPLIT",) if const.get(f)) or "plain"
-        flags += f",G={const['G']}" if const.get("G", 1) > 1 and name in ("forward", "dq", "dkdv") else ""
-        dim = const.get("D", const.get("DV"))
-        head = f"{name:16s} {dtype:4s} D={dim!s:<3} {BM}x{BN} w{warps} s{stages} {flags:36s}"
-        if "error" in row:
-            print(f"{head} {row['error']}", flush=True)
-            continue
-        loops = "; ".join(f"loop {i + 1}: {lp['per_element']}/elem wait {lp['wait']} bar {lp['barriers']} "
-                          f"sts {lp['shared_stores']} spill-ops {lp['spill_ops']}" for i, lp in enumerate(row["loops"]))
-        mma = ", ".join(f"{k} x{v}" for k, v in sorted(row["wgmma"].items()))
-        print(f"{head} regs={row['registers']} stack={row['stack']} smem={row['shared'] >> 10}K "
-              f"per-SM={row['programs_per_sm']} | {mma} | {loops}", flush=True)
+    with ProcessPoolExecutor(max(args.workers, 1)) as pool:
+        for job, row in zip(todo, pool.map(_compile, todo, itertools.repeat(args.arch))):
+            name, _, dtype, const, t, rows = job
+            t = load_kernels()["configs"].Tiles(*t)
+            results.append(row)
+            failures += "error" in row
+            flags = ",".join(f.replace("HAS_", "").lower() for f in FLAGS + ("SPLIT",) if const.get(f)) or "plain"
+            flags += f",G={const['G']}" if const.get("G", 1) > 1 and name.startswith(("forward", "dq", "dkdv")) else ""
+            flags += f",rows={rows}" if name == "decode" else ""
+            dim = const.get("D", const.get("DV"))
+            head = f"{name:10s} {dtype:4s} D={dim!s:<3} {t.block_m}x{t.block_n} w{t.warps} s{t.stages} {flags:36s}"
+            if "registers" not in row:
+                print(f"{head} {row['error']}", flush=True)
+                continue
+            loops = "; ".join(f"loop {i + 1}: {lp['per_element']}/elem wait {lp['wait']} bar {lp['barriers']} "
+                              f"sts {lp['shared_stores']} spill-ops {lp['spill_ops']}"
+                              for i, lp in enumerate(row["loops"]))
+            mma = ", ".join(f"{k} x{v}" for k, v in sorted(row["wgmma"].items()))
+            estimate = f" (estimate {row['estimate'] / 1024:.1f}K)" if "estimate" in row else ""
+            error = f" | {row['error']}" if "error" in row else ""
+            print(f"{head} regs={row['registers']} stack={row['stack']} smem={row['shared'] / 1024:.1f}K{estimate} "
+                  f"per-SM={row['programs_per_sm']} | {mma} | {loops}{error}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     print(f"{len(results)} variants, {failures} failed")

@@ -25,7 +25,7 @@ from ..layers.attention import REBASE_EVERY, rebase_forget
 
 #: a longer prompt runs through the model this many tokens at a time (when only its last logits are wanted). The
 #: first chunk's attention is plain causal attention (flash kernels or SDPA, O(T) memory at any head dim); a later
-#: chunk reads the cached keys through ``cached_attention``, whose kernels serve head dims 64 and 128 and whose
+#: chunk reads the cached keys through ``cached_attention``, whose kernels serve head dims 32 to 256 and whose
 #: reference, for other head dims, holds [B, H, chunk, keys] scores: hence chunks this long
 PREFILL_CHUNK = 32768
 

@@ -17,7 +17,7 @@ MoM's labels name the width and depth of the dense model they are compared with:
 its own key and value projections, so ``mom-340m`` has 597.1M parameters, 496.0M of them used per
 token, where the same model with one Gated DeltaNet memory per layer has 394.9M.
 Every mixer of a model has the same heads, so the hybrids have heads of 128: a head dim of the
-attention kernels (64 or 128), which serve packed batches that SDPA does not.
+attention kernels (32 to 256), which serve packed batches that SDPA does not.
 """
 
 from __future__ import annotations

@@ -4,12 +4,16 @@ padding inside the cache."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from linmem.layers import LayerState, MixerArgs, build_mixer
 from linmem.layers import attention
 from linmem.layers.attention import DECAY_TIME_RANGE
+from linmem.models import LinmemConfig, LinmemForCausalLM
+from linmem.ops import attention as attention_ops
 from linmem.ops.attention import cumulative_forget
 from linmem.ops.attention.reference import reference_attention
 from linmem.ops.fused import reference as fused_reference
@@ -238,3 +242,47 @@ def test_prune_tolerance_is_refused_by_name():
     for name, over in (("softmax", {}), ("swa", {"window": 4}), ("llama_attention", {})):
         with pytest.raises(ValueError, match=f"{name}: has no forget gate, so `prune_tolerance`"):
             make(name, prune_tolerance=0.01, **over)
+
+
+WIDTHS = [(1024, 4, None, "fox", {}), (1024, 16, None, "swa", {"window": 6}),
+          (1024, 8, 96, "softmax", {"num_kv_heads": 2})]
+
+
+@pytest.mark.parametrize("hidden, heads, head_dim, name, over", WIDTHS, ids=["4x256-fox", "16x64-swa", "8x96-gqa"])
+def test_head_dims_take_the_kernels_in_training_prefill_and_decoding(hidden, heads, head_dim, name, over, monkeypatch,
+                                                                     caplog):
+    """A model of width 1024 with 4 heads of 256, 16 of 64 or 8 of 96 sends every attention call to the Triton
+    kernels as ``backend="auto"`` does on CUDA: the flash kernels in training and in the prefill, the decoding
+    kernel for each step of a static cache; nothing falls back. On CPU the kernels run in the interpreter, and the
+    CUDA order of the backends stands in for the device."""
+    from types import SimpleNamespace
+
+    from tests.helpers import triton_kernels_device
+
+    if triton_kernels_device() == "cpu":
+        cuda_order = attention_ops._candidates
+        monkeypatch.setattr(attention_ops, "_candidates",
+                            lambda backend, q: cuda_order(backend, SimpleNamespace(device=torch.device("cuda"))))
+    calls = {"flash_attention": 0, "decode_attention": 0}
+    for fn in calls:
+        def spy(*args, _run=getattr(attention_ops._triton, fn), _name=fn):
+            calls[_name] += 1
+            return _run(*args)
+        monkeypatch.setattr(attention_ops._triton, fn, spy)
+    torch.manual_seed(0)
+    config = LinmemConfig(vocab_size=64, hidden_size=hidden, num_heads=heads, intermediate_size=64,
+                          layer_pattern="N", attention=name, mixer=dict(head_dim=head_dim, **over))
+    model = LinmemForCausalLM(config)
+    ids = torch.randint(1, 64, (2, 9))
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        model(ids, labels=ids).loss.backward()
+        assert calls == {"flash_attention": 1, "decode_attention": 0}
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # a left-padded row: the prefill attends with a key mask
+        with torch.no_grad():
+            out = model.eval().generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                        cache_implementation="static")
+    assert out.shape == (2, 12)
+    # the prefill (9 query rows per KV head, at most cached_attention's DECODE_ROWS) and two steps: decoding kernel
+    assert calls == {"flash_attention": 1, "decode_attention": 3}
+    assert "cannot serve" not in caplog.text, caplog.text

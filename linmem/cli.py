@@ -159,11 +159,12 @@ def _bench_ops(args: argparse.Namespace) -> int:
     from .bench.ops import BenchConfig, main
 
     shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(","))
-    config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+    head_dims = tuple(int(d) for d in args.head_dims.split(",") if d)
+    config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, head_dims=head_dims, dtype=args.dtype,
                          ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
                          peers=tuple(p for p in args.peers.split(",") if p),
                          window=args.window, prune_tolerance=args.prune_tolerance,
-                         decode_batch=args.decode_batch, gates=args.gates,
+                         decode_batch=args.decode_batch, decode_context=args.decode_context, gates=args.gates,
                          breakdown=args.breakdown, accuracy=args.accuracy)
     return main(config, json_path=args.json)
 
@@ -274,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--shapes", default="8x2048,4x4096,2x8192,1x16384", help="BxT pairs, comma-separated")
     ops.add_argument("--heads", type=int, default=16)
     ops.add_argument("--head-dim", type=int, default=128)
+    ops.add_argument("--head-dims", default="",
+                     help="time the attention ops at each of these head dims (comma-separated, e.g. "
+                          "32,64,96,128,192,256) instead of --head-dim; the memory ops stay at --head-dim")
     ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,"
                                       "attention,fox,swa,fox_swa",
@@ -291,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--prune-tolerance", type=float, default=None,
                      help="also time fox and fox_swa with adaptive computation pruning at this tolerance")
     ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
+    ops.add_argument("--decode-context", type=int, default=4096,
+                     help="keys in the KV cache of the attention ops' decoding rows (swa, fox_swa: the ring of "
+                          "--window slots)")
     ops.add_argument("--gates", type=float, default=1.0,
                      help="log decays this many times the default: 10 and 100 send per-channel decays down the "
                           "kernels' block and pairwise paths, as fast-forgetting channels of a trained model do")

@@ -22,9 +22,12 @@ Rows of an attention op (``attention``: causal; ``fox``: causal with the forget 
   forget bias ``c_i - c_j`` as its score_mod and causality and the window as its block mask;
 * ``fla.parallel_forgetting_attn`` (peer ``fla``, op ``fox``): fla's FoX kernel.
 
-Decoding rows time one ``linear_recurrence_step`` with its host work, as steps run back to back, and
-again replayed from a CUDA graph (the GPU work alone, which the state bandwidth is computed from);
-ceilings are measured in the same run. Times are medians of ``triton.testing.do_bench``.
+The attention ops run at each of ``--head-dims`` (default: ``--head-dim``), the ``D`` column.
+
+Decoding rows time one ``linear_recurrence_step`` (memory ops) or one ``cached_attention`` of a new token
+against a KV cache of ``--decode-context`` keys (attention ops, at each head dim) with its host work, as
+steps run back to back, and again replayed from a CUDA graph (the GPU work alone, which the state or cache
+bandwidth is computed from); ceilings are measured in the same run. Times are medians of ``triton.testing.do_bench``.
 ``--breakdown`` adds, for the first shape, the GPU time of every kernel of one forward+backward of
 each memory op and its fla peer (torch.profiler).
 """
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 
 from . import BenchError
 from ..ops import linear_recurrence, linear_recurrence_step
-from ..ops.attention import forgetting_attention
+from ..ops.attention import cached_attention, forgetting_attention
 
 #: the memory ops: (decay kind, delta rule, RWKV-6 bonus) of the unified recurrence
 MEMORY_OPS = {
@@ -85,6 +88,7 @@ class BenchConfig:
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES  # (B, T) pairs
     heads: int = 16  # H
     head_dim: int = 128  # K = V
+    head_dims: tuple[int, ...] = ()  # the attention ops' head dims (K = V), each timed in turn; () = (head_dim,)
     dtype: str = "bfloat16"  # activations; gates stay fp32
     ops: tuple[str, ...] = DEFAULT_OPS + tuple(ATTENTION_OPS)  # keys of MEMORY_OPS and ATTENTION_OPS
     backends: tuple[str, ...] = ("triton", "chunk")  # linear_recurrence backends to time
@@ -92,6 +96,7 @@ class BenchConfig:
     window: int = 512  # keys a query sees in the windowed attention ops (swa, fox_swa)
     prune_tolerance: Optional[float] = None  # also time the gated attention ops pruned at this tolerance
     decode_batch: int = 64  # B of the decoding rows (0: none)
+    decode_context: int = 4096  # keys in the KV cache of the attention ops' decoding rows (a window: the ring's)
     gates: float = 1.0  # log decays this many times memory_inputs' default (10: past the one-reference bound)
     breakdown: bool = False  # also print the time per kernel of each memory op at the first shape
     accuracy: bool = False  # also print each memory op's error ratios against float64 at the first shape
@@ -106,9 +111,18 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.peers: unknown {unknown}, expected some of {list(PEERS)}")
         if self.window < 1:
             raise ValueError(f"BenchConfig.window: expected a number of keys >= 1, got {self.window}")
+        if not all(isinstance(d, int) and d >= 1 for d in self.head_dims):
+            raise ValueError(f"BenchConfig.head_dims: expected head dims >= 1, got {self.head_dims}")
+        if self.decode_context < 1:
+            raise ValueError(f"BenchConfig.decode_context: expected a number of keys >= 1, got {self.decode_context}")
         if self.prune_tolerance is not None and not 0 < self.prune_tolerance < 1:
             raise ValueError(f"BenchConfig.prune_tolerance: expected a softmax mass in (0, 1) or None, got "
                              f"{self.prune_tolerance}")
+
+    @property
+    def attention_dims(self) -> tuple[int, ...]:
+        """The head dims the attention ops are timed at: ``head_dims``, or ``head_dim`` alone."""
+        return self.head_dims or (self.head_dim,)
 
 
 @dataclass
@@ -119,6 +133,7 @@ class Row:
     impl: str
     B: int
     T: int
+    D: int = 0  # head dim (K = V)
     fwd_ms: float = math.nan
     fwdbwd_ms: float = math.nan
     error: str = ""
@@ -261,21 +276,22 @@ def run_ops(config: BenchConfig, device: str = "cuda", report: Callable[[Row], N
                 leaves = grad_leaves(args)
                 for backend in config.backends:
                     fn = lambda args=args, backend=backend: linear_recurrence(**args, backend=backend)[0]  # noqa: E731
-                    add(_time_fwd_bwd(bench, fn, Row(op, backend, B, T), leaves=leaves))
+                    add(_time_fwd_bwd(bench, fn, Row(op, backend, B, T, D), leaves=leaves))
                 if "fla" in config.peers and op in FLA_PEERS:
-                    add(_fla_row(bench, FLA_PEERS[op], op, args, B, T))
+                    add(_fla_row(bench, FLA_PEERS[op], op, args, B, T, D))
                 del args, leaves
             elif op in ATTENTION_OPS:
-                for row in _attention_rows(bench, op, config, B, T, H, D, dtype, device):
-                    add(row)
+                for dim in config.attention_dims:
+                    for row in _attention_rows(bench, op, config, B, T, H, dim, dtype, device):
+                        add(row)
     if config.decode_batch:
         for row in decode_rows(config, device):
             add(row)
     return rows
 
 
-def _fla_row(bench, name: str, op: str, args: dict, B: int, T: int) -> Row:
-    row = Row(op, f"fla.{name}", B, T)
+def _fla_row(bench, name: str, op: str, args: dict, B: int, T: int, D: int) -> Row:
+    row = Row(op, f"fla.{name}", B, T, D)
     try:
         fn = _fla_call(name, args)
     except ImportError as error:
@@ -360,22 +376,22 @@ def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
     window = config.window if ATTENTION_OPS[op][1] else None
     args = attention_inputs(op, B, T, H, D, dtype, device)
     leaves = grad_leaves(args)
-    rows = [_time_fwd_bwd(bench, lambda: forgetting_attention(**args, window=window), Row(op, "linmem", B, T),
+    rows = [_time_fwd_bwd(bench, lambda: forgetting_attention(**args, window=window), Row(op, "linmem", B, T, D),
                           leaves=leaves)]
     if (eps := config.prune_tolerance) is not None and ATTENTION_OPS[op][0]:
         pruned = lambda: forgetting_attention(**args, window=window, prune_tolerance=eps)  # noqa: E731
-        row = Row(op, "linmem.pruned", B, T, extra={"prune_tolerance": eps})
+        row = Row(op, "linmem.pruned", B, T, D, extra={"prune_tolerance": eps})
         rows.append(_time_fwd_bwd(bench, pruned, row, leaves=leaves))
     sdpa = None
     if "sdpa" in config.peers:  # as shared/peers/bench_peers.py: PyTorch picks the kernel
         qt, kt, vt = (args[n].detach().transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
         fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
-        sdpa = _time_fwd_bwd(bench, fn, Row(op, "torch.sdpa_causal", B, T), leaves=(qt, kt, vt))
+        sdpa = _time_fwd_bwd(bench, fn, Row(op, "torch.sdpa_causal", B, T, D), leaves=(qt, kt, vt))
         rows.append(sdpa)
     if "flex" in config.peers:
-        rows.append(_flex_row(bench, op, args, window, B, T, device))
+        rows.append(_flex_row(bench, op, args, window, B, T, D, device))
     if "fla" in config.peers and op == "fox":
-        rows.append(_fla_fox_row(bench, args, B, T, device))
+        rows.append(_fla_fox_row(bench, args, B, T, D, device))
     for row in rows:
         if row is sdpa:
             continue
@@ -388,8 +404,8 @@ def _attention_rows(bench, op, config, B, T, H, D, dtype, device) -> list[Row]:
     return rows
 
 
-def _flex_row(bench, op: str, args: dict, window: Optional[int], B: int, T: int, device: str) -> Row:
-    row = Row(op, f"torch.flex_{op}", B, T)
+def _flex_row(bench, op: str, args: dict, window: Optional[int], B: int, T: int, D: int, device: str) -> Row:
+    row = Row(op, f"torch.flex_{op}", B, T, D)
     if torch.device(device).type != "cuda":
         row.error = "needs CUDA (FlexAttention has no backward on CPU)"
         return row
@@ -404,8 +420,8 @@ def _flex_row(bench, op: str, args: dict, window: Optional[int], B: int, T: int,
         return row
 
 
-def _fla_fox_row(bench, args: dict, B: int, T: int, device: str) -> Row:
-    row = Row("fox", "fla.parallel_forgetting_attn", B, T)
+def _fla_fox_row(bench, args: dict, B: int, T: int, D: int, device: str) -> Row:
+    row = Row("fox", "fla.parallel_forgetting_attn", B, T, D)
     try:
         fn = fla_forgetting_fn()
     except ImportError as error:
@@ -418,31 +434,58 @@ def _fla_fox_row(bench, args: dict, B: int, T: int, device: str) -> Row:
 
 
 def decode_rows(config: BenchConfig, device: str) -> list[Row]:
-    """One linear_recurrence_step per memory op at B = decode_batch against an fp32 state [B, H, K, V]."""
+    """One decoding step per op at B = decode_batch: a linear_recurrence_step of each memory op against an fp32 state
+    [B, H, K, V], and for each attention op and head dim a cached_attention of one new token against a KV cache of
+    ``decode_context`` keys (a window: its ring of ``window`` slots, passed in slot order as a static cache's step
+    does), a key mask and, for the gated ops, the cumulative forget values."""
     bench = _timer(config)
     dtype = getattr(torch, config.dtype)
     B, H, D = config.decode_batch, config.heads, config.head_dim
     rows = []
     for op in config.ops:
+        if op in ATTENTION_OPS:
+            rows += [_attention_decode_row(bench, op, config, dim, dtype, device) for dim in config.attention_dims]
         if op not in MEMORY_OPS:
             continue
         args = {n: x.detach() for n, x in memory_inputs(op, B, 1, H, D, dtype, device, config.gates).items()}
         step = {n: (x if n == "bonus" or (n == "log_decay" and x.dim() == 1) else x[:, 0]) for n, x in args.items()}
         state = torch.zeros(B, H, D, D, device=device)
         q, k, v = step.pop("q"), step.pop("k"), step.pop("v")
-        row = Row(op, "step", B, 1)
+        row = Row(op, "step", B, 1, D)
         fn = lambda: linear_recurrence_step(q, k, v, state, **step)[0]  # noqa: E731
-        with torch.no_grad():
-            _time_fwd_bwd(_back_to_back_ms, fn, row, backward=False)
-            if not row.error:
-                try:
-                    row.extra["graph_ms"] = _graphed_ms(bench, fn)
-                except Exception as error:  # a step that cannot be captured says so in the table
-                    row.error = f"CUDA graph: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        _time_step(bench, fn, row)
         gpu_ms = row.extra.get("graph_ms", row.fwd_ms)
         row.extra["state_TBps"] = 2 * state.numel() * 4 / (gpu_ms * 1e-3) / 1e12
         rows.append(row)
     return rows
+
+
+def _attention_decode_row(bench, op: str, config: BenchConfig, D: int, dtype: torch.dtype, device: str) -> Row:
+    """The decoding row of an attention op at head dim D (:func:`decode_rows`); ``cache_TBps``: the keys and values
+    read per step over the step's GPU time."""
+    gated, windowed = ATTENTION_OPS[op]
+    B, H = config.decode_batch, config.heads
+    keys = min(config.window, config.decode_context) if windowed else config.decode_context
+    q = torch.randn(B, 1, H, D, device=device, dtype=dtype)
+    k, v = (torch.randn(B, keys, H, D, device=device, dtype=dtype) for _ in range(2))
+    present = torch.ones(B, keys, dtype=torch.bool, device=device)
+    cum = F.logsigmoid(torch.randn(B, keys, H, device=device) + 3).cumsum(1) if gated else None
+    row = Row(op, "decode", B, 1, D, extra={"keys": keys})
+    _time_step(bench, lambda: cached_attention(q, k, v, key_mask=present, cum_forget=cum), row)
+    gpu_ms = row.extra.get("graph_ms", row.fwd_ms)
+    row.extra["cache_TBps"] = (k.numel() + v.numel()) * k.element_size() / (gpu_ms * 1e-3) / 1e12
+    return row
+
+
+def _time_step(bench, fn: Callable[[], object], row: Row) -> None:
+    """Fill a decoding row: the time per step back to back and, when the step can be captured, in a CUDA graph."""
+    with torch.no_grad():
+        _time_fwd_bwd(_back_to_back_ms, fn, row, backward=False)
+        if not row.error:
+            try:
+                row.extra["graph_ms"] = _graphed_ms(bench, fn)
+            except Exception as error:  # a step that cannot be captured says so in the table
+                row.error = f"CUDA graph: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
 
 def _back_to_back_ms(fn: Callable[[], object], steps: int = 100, rounds: int = 5) -> float:
@@ -479,7 +522,7 @@ def _graphed_ms(bench, fn: Callable[[], object]) -> float:
     return bench(graph.replay)
 
 
-TABLE_HEAD = (f"{'op':18s} {'impl':28s} {'B':>3s} {'T':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'Mtok/s':>7s} "
+TABLE_HEAD = (f"{'op':18s} {'impl':28s} {'B':>3s} {'T':>6s} {'D':>4s} {'fwd ms':>8s} {'f+b ms':>8s} {'Mtok/s':>7s} "
               f"{'%flop':>6s} {'%bw':>5s}  note")
 
 
@@ -500,12 +543,15 @@ def format_row(r: Row, config: BenchConfig, ceil: Optional[dict]) -> str:
         flops, nbytes = nominal_cost(r.op, r.B, r.T, config.heads, config.head_dim, act_bytes)
         fl = 100 * flops / (r.fwdbwd_ms * 1e-3) / (ceil["bf16_tflops"] * 1e12)
         bw = 100 * nbytes / (r.fwdbwd_ms * 1e-3) / (ceil["copy_TBps"] * 1e12)
-    if "state_TBps" in r.extra:
+    read = next((name for name in ("state", "cache") if f"{name}_TBps" in r.extra), None)
+    if read:
         graphed = f", {r.extra['graph_ms'] * 1e3:.1f} us in a CUDA graph" if "graph_ms" in r.extra else ""
-        note = f"{r.fwd_ms * 1e3:.1f} us/step back to back{graphed}, state {r.extra['state_TBps']:.2f} TB/s " + note
+        keys = f", {r.extra['keys']} keys" if "keys" in r.extra else ""
+        rate = f"{read} {r.extra[f'{read}_TBps']:.2f} TB/s "
+        note = f"{r.fwd_ms * 1e3:.1f} us/step back to back{graphed}{keys}, {rate}" + note
         if ceil:
-            note += f"({100 * r.extra['state_TBps'] / ceil['copy_TBps']:.0f}% of copy)"
-    return (f"{r.op:18s} {r.impl:28s} {r.B:3d} {r.T:6d} {r.fwd_ms:8.3f} {r.fwdbwd_ms:8.3f} {tok:7.2f} "
+            note += f"({100 * r.extra[f'{read}_TBps'] / ceil['copy_TBps']:.0f}% of copy)"
+    return (f"{r.op:18s} {r.impl:28s} {r.B:3d} {r.T:6d} {r.D:4d} {r.fwd_ms:8.3f} {r.fwdbwd_ms:8.3f} {tok:7.2f} "
             f"{fl:6.1f} {bw:5.1f}  {note}")
 
 

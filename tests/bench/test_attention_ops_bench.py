@@ -11,7 +11,7 @@ import torch
 from linmem.bench import ops
 from linmem.bench.ops import ATTENTION_OPS, BenchConfig, attention_inputs, flex_attention_fn
 from linmem.cli import build_parser
-from linmem.ops.attention import forgetting_attention
+from linmem.ops.attention import cached_attention, forgetting_attention
 
 
 def _ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -137,3 +137,41 @@ def test_flex_and_fla_peers_match_the_reference_on_cuda(op):
     for name, fn in peers.items():
         for got, want in zip(run(fn, torch.bfloat16), ref):
             assert _ratio(got, want) < 1e-2, name
+
+
+def test_head_dims_time_the_attention_ops_and_their_decoding_at_each_dim(monkeypatch):
+    """--head-dims times every attention op at each head dim (the D column), forward+backward and one decoding step
+    against a cache of --decode-context keys (a window's ring for swa), while the memory ops stay at --head-dim;
+    bad head dims and contexts are refused by name."""
+    args = build_parser().parse_args(["bench", "ops", "--head-dims", "32,96,256", "--decode-context", "40"])
+    assert args.head_dims == "32,96,256" and args.decode_context == 40
+    assert build_parser().parse_args(["bench", "ops"]).head_dims == "" and BenchConfig().attention_dims == (128,)
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(("decode", a[0].shape[-1], a[1].shape[1]))
+        return cached_attention(*a, **kw)
+
+    monkeypatch.setattr(ops, "cached_attention", spy)
+    monkeypatch.setattr(ops, "_timer", lambda config: lambda fn, leaves=(): (fn(), 1.0)[1])
+    monkeypatch.setattr(ops, "_back_to_back_ms", lambda fn: (fn(), 0.002)[1])
+    monkeypatch.setattr(ops, "_graphed_ms", lambda bench, fn: (fn(), 0.001)[1])
+    config = BenchConfig(shapes=((1, 16),), heads=2, head_dim=16, head_dims=(32, 96, 256), dtype="float32",
+                         ops=("linear_attention", "fox", "swa"), backends=("chunk",), window=8, decode_batch=2,
+                         decode_context=40)
+    rows = ops.run_ops(config, device="cpu")
+    timed = {(r.op, r.impl, r.D) for r in rows}
+    assert {(op, "linmem", d) for op in ("fox", "swa") for d in (32, 96, 256)} <= timed
+    assert ("linear_attention", "chunk", 16) in timed and ("linear_attention", "step", 16) in timed
+    decoding = [r for r in rows if r.impl == "decode"]
+    expected = sorted((op, d, 40 if op == "fox" else 8) for op in ("fox", "swa") for d in (32, 96, 256))
+    assert sorted((r.op, r.D, r.extra["keys"]) for r in decoding) == expected
+    assert set(seen) == {("decode", d, keys) for _, d, keys in expected}  # timed back to back and in a graph
+    assert not any(r.error for r in rows), [r.error for r in rows if r.error]
+    line = ops.format_row(decoding[0], config, None)
+    assert " 2.0 us/step back to back, 1.0 us in a CUDA graph" in line and "cache " in line and " TB/s" in line
+    assert f"{decoding[0].D:4d}" in line
+    with pytest.raises(ValueError, match="BenchConfig.head_dims: .* got \\(0,\\)"):
+        BenchConfig(head_dims=(0,))
+    with pytest.raises(ValueError, match="BenchConfig.decode_context: .* got 0"):
+        BenchConfig(decode_context=0)

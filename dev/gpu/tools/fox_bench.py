@@ -1,7 +1,7 @@
 """Forgetting attention on one GPU: correctness first, then fwd+bwd times beside the peers, in one run.
 
 1. Correctness of every kernel variant that is timed (gated, plain, window, packed sequences, key mask, pruning,
-   decoding; bf16 and fp32; head dims 64 and 128) against the reference at mid-size shapes. A variant that fails
+   decoding; bf16 and fp32; head dims 32 to 256) against the reference at mid-size shapes. A variant that fails
    is reported and not timed (Triton 3.4 to 3.7.0 miscompile some backward kernels on Hopper).
 2. Accuracy against fp64 (1 x 2048, H = 16, D = 128): the bf16 kernel (gated and plain) beside SDPA's own bf16
    result and beside the materialised bf16 bias handed to SDPA (what the op did before the kernel).
@@ -10,16 +10,17 @@
    fla is importable); sliding windows W = 512 ... 4096 (ours, gated) beside SDPA full causal; pruning on
    (tolerance 1e-3, half the heads forgetting strongly) with its measured error; peak memory of each.
 4. Decoding: one token against caches of 2K ... 32K keys, batch 8 (ours beside SDPA).
-5. ``variants`` (at (B, T) = (8, 2K), (2, 8K), (1, 32K), gated, bf16, D = 128): each kernel's own time (forward,
-   dq pass, dkdv pass) for every candidate tile of ``TILE_CANDIDATES`` (each checked against the reference first);
-   then fwd+bwd of SDPA flash causal, fla and ours (gated and plain) with the default tiles and with the fastest
-   tiles of this shape.
+5. ``variants`` (at (B, T) = (8, 2K), (2, 8K), (1, 32K), gated, bf16, D = 128 or ``--head-dim``): each kernel's
+   own time (forward, dq pass, dkdv pass) for every candidate tile of ``TILE_CANDIDATES`` (each checked against the
+   reference first); then fwd+bwd of SDPA flash causal, fla and ours (gated and plain) with the default tiles and
+   with the fastest tiles of this shape.
 
 One table is printed; everything is written as JSON to ``$OUT/fox_bench.json`` (or ``--out``). The checks of 1
 always run; ``--only`` picks among the other sections, ``--shapes`` the (B, T) of 3 and 5, so that each call stays
 within a time limit (the Triton and FlexAttention compilations of a fresh machine take minutes).
 
     python dev/gpu/tools/fox_bench.py [--quick] [--only accuracy,train,decode,variants] [--shapes 8x2048,1x32768]
+                                      [--head-dim 256]
 """
 
 from __future__ import annotations
@@ -49,13 +50,22 @@ SHAPES = [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]
 WINDOWS = [512, 1024, 2048, 4096]
 CACHES = [2048, 8192, 32768]
 PRUNE_TOLERANCE = 1e-3
-#: (block_m, block_n, warps, stages) timed by ``--only variants`` per kernel at D = 128 (the first: launch.TILES); the
-#: others compile for sm_90 with few or no spills (``fox_compile.py --candidates``): forward at 2 programs per SM and
-#: with 128 keys a tile; dq with 32 keys; dkdv with 64 queries a tile (2 or 3 stages) and at 2 programs per SM
+#: (block_m, block_n, warps, stages[, split]) timed by ``--only variants`` per head dim (``--head-dim``) and kernel
+#: (the first: launch.TILES); the others compile for sm_90 with few or no spills (``fox_compile.py --candidates``).
+#: D = 128: forward at 2 programs per SM and with 128 keys a tile; dq with 32 keys; dkdv with 64 queries a tile (2 or
+#: 3 stages) and at 2 programs per SM. D = 256: forward 128 x 64 at 2 stages and 64 x 32 at 4 warps; dq at 2 stages;
+#: dkdv split at 2 stages, and in one launch at 32 x 64 (spills in its loops)
 TILE_CANDIDATES = {
-    "forward": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-    "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
-    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)],
+    128: {
+        "forward": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+        "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)],
+    },
+    256: {
+        "forward": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+        "dq": [(128, 32, 8, 3), (128, 32, 8, 2)],
+        "dkdv": [(32, 128, 8, 3, True), (32, 128, 8, 2, True), (32, 64, 8, 3)],
+    },
 }
 VARIANT_SHAPES = [(8, 2048), (2, 8192), (1, 32768)]
 
@@ -204,6 +214,14 @@ def correctness() -> list[dict]:
         ("varlen window fp32 D64", torch.float32, 64, {"cu_seqlens": cu, "window": 100}),
         ("pruned bf16 D128", torch.bfloat16, 128, {"prune_tolerance": PRUNE_TOLERANCE, "strong": True}),
         ("pruned fp32 D128", torch.float32, 128, {"prune_tolerance": PRUNE_TOLERANCE, "strong": True}),
+        # the other head dims ("dims ...": a failure there does not stop the timings at D = 128)
+        ("dims gated bf16 D32", torch.bfloat16, 32, {}),
+        ("dims gated bf16 D96", torch.bfloat16, 96, {}),
+        ("dims gated fp32 D96", torch.float32, 96, {}),
+        ("dims gated bf16 D192", torch.bfloat16, 192, {}),
+        ("dims gated bf16 D256", torch.bfloat16, 256, {}),
+        ("dims window 300 fp16 D256", torch.float16, 256, {"window": 300}),
+        ("dims varlen bf16 D192", torch.bfloat16, 192, {"cu_seqlens": cu}),
     ]
     results = []
     for name, dtype, dim, kw in cases:
@@ -359,13 +377,13 @@ def decoding(reps: int) -> list[Row]:
 # ---------------------------------------------------------------- 5. variants: per-kernel times of candidate tiles
 
 
-def kernel_inputs(B: int, T: int) -> dict:
-    """Gated bf16 inputs at (B, T), H = 16, D = 128, and what each kernel reads: c head-major, o and lse of the
-    forward, a cotangent do."""
-    q, k, v = qkv(B, T)
+def kernel_inputs(B: int, T: int, dim: int) -> dict:
+    """Gated bf16 inputs at (B, T), H = 16, head dim ``dim``, and what each kernel reads: c head-major, o and lse of
+    the forward, a cotangent do."""
+    q, k, v = qkv(B, T, dim=dim)
     c = gates(B, T).cumsum(1)
-    x = dict(q=q, k=k, v=v, c=c.transpose(1, 2).contiguous(), scale=D ** -0.5,
-             do=torch.randn(B, T, H, D, device="cuda").to(torch.bfloat16))
+    x = dict(q=q, k=k, v=v, c=c.transpose(1, 2).contiguous(), scale=dim ** -0.5,
+             do=torch.randn(B, T, H, dim, device="cuda").to(torch.bfloat16))
     x["o"], x["lse"] = launch.attention_forward(q, k, v, x["c"], None, None, None, x["scale"], None, None)
     return x
 
@@ -383,40 +401,41 @@ def kernel_steps(x: dict) -> dict[str, Callable]:
     }
 
 
-def candidate_ok(kernel: str, tiles: tuple) -> dict:
-    """The gated bf16 check with ``tiles`` for ``kernel``, compiled as it is timed (B = 2, T = 1024, H = Hkv = 16,
-    D = 128: the sizes' divisibility by 16 and B > 1 select the same specialisation)."""
-    saved = launch.TILES[kernel][D]
-    launch.TILES[kernel][D] = launch.Tiles(*tiles)
+def candidate_ok(kernel: str, tiles: tuple, dim: int) -> dict:
+    """The gated bf16 check with ``tiles`` for ``kernel`` at head dim ``dim``, compiled as it is timed (B = 2,
+    T = 1024, H = Hkv = 16: the sizes' divisibility by 16 and B > 1 select the same specialisation)."""
+    saved = launch.TILES[kernel][dim]
+    launch.TILES[kernel][dim] = launch.Tiles(*tiles)
     try:
-        return _guarded(f"{kernel} {tiles}", lambda: check_case(f"{kernel} {tiles}", torch.bfloat16, D, T=1024,
+        return _guarded(f"{kernel} {tiles}", lambda: check_case(f"{kernel} {tiles}", torch.bfloat16, dim, T=1024,
                                                                 heads=H, kv_heads=H))
     finally:
-        launch.TILES[kernel][D] = saved
+        launch.TILES[kernel][dim] = saved
 
 
-def variants(shapes, reps: int) -> tuple[list[Row], dict]:
+def variants(shapes, reps: int, dim: int) -> tuple[list[Row], dict]:
     """Per shape: each kernel's time at each checked candidate tile (the others at their defaults) and the
     default's again (how far repeated timings drift); then fwd+bwd of the peers and ours at the default and the
-    fastest tiles."""
-    checks = {(kern, t): candidate_ok(kern, t) for kern, cands in TILE_CANDIDATES.items() for t in cands}
+    fastest tiles, all at head dim ``dim``."""
+    candidates = TILE_CANDIDATES[dim]
+    checks = {(kern, t): candidate_ok(kern, t, dim) for kern, cands in candidates.items() for t in cands}
     for (kern, t), check in checks.items():
         errs = " ".join(f"{n}={e:.1e}" for n, e in check.items() if isinstance(e, float) and n != "tol")
         print(f"check {kern} {t}: {'ok' if check.get('ok') else 'FAILED'} {errs} {check.get('error', '')}", flush=True)
-    defaults = {kern: launch.TILES[kern][D] for kern in TILE_CANDIDATES}
+    defaults = {kern: launch.TILES[kern][dim] for kern in candidates}
     rows, best = [], {}
     for B, T in shapes:
-        x = kernel_inputs(B, T)
+        x = kernel_inputs(B, T, dim)
         fastest = {}
-        for kern, cands in TILE_CANDIDATES.items():
+        for kern, cands in candidates.items():
             for t in cands:
                 name = f"{kern} {'x'.join(map(str, t))}" + (" (default)" if launch.Tiles(*t) == defaults[kern] else "")
                 if not checks[(kern, t)].get("ok"):
                     rows.append(Row("kernel", name, B, T, note="failed its check"))
                     continue
-                launch.TILES[kern][D] = launch.Tiles(*t)
+                launch.TILES[kern][dim] = launch.Tiles(*t)
                 row = run_row(Row("kernel", name, B, T), kernel_steps(x)[kern], reps)
-                launch.TILES[kern][D] = defaults[kern]
+                launch.TILES[kern][dim] = defaults[kern]
                 rows.append(row)
                 if row.ms is not None and (kern not in fastest or row.ms < fastest[kern][1]):
                     fastest[kern] = (t, row.ms)
@@ -424,7 +443,7 @@ def variants(shapes, reps: int) -> tuple[list[Row], dict]:
             rows.append(run_row(Row("kernel", again, B, T), kernel_steps(x)[kern], reps))
         best[f"{B}x{T}"] = {kern: t for kern, (t, _) in fastest.items()}
         del x
-        q, k, v = qkv(B, T)
+        q, k, v = qkv(B, T, dim=dim)
         log_f = gates(B, T)
         qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         sdpa = run_row(Row("fwd+bwd", "sdpa flash causal", B, T),
@@ -454,10 +473,10 @@ def variants(shapes, reps: int) -> tuple[list[Row], dict]:
                 fn = (lambda q, k, v, f: forgetting_attention(q, k, v, log_forget=f)) if gated else \
                     (lambda q, k, v: forgetting_attention(q, k, v))
                 for kern, t in tuned.items():
-                    launch.TILES[kern][D] = t
+                    launch.TILES[kern][dim] = t
             run_row(row, fwd_bwd(fn, leaves), reps)
-            for kern in TILE_CANDIDATES:
-                launch.TILES[kern][D] = defaults[kern]
+            for kern in candidates:
+                launch.TILES[kern][dim] = defaults[kern]
             if row.ms is not None and sdpa.ms is not None:
                 row.vs_sdpa = row.ms / sdpa.ms
             rows.append(row)
@@ -488,6 +507,8 @@ def main() -> None:
     parser.add_argument("--only", default="accuracy,train,decode",
                         help="sections after the checks: accuracy, train, decode, variants (comma-separated)")
     parser.add_argument("--shapes", help="(B, T) of the training and variant times, e.g. 8x2048,1x32768")
+    parser.add_argument("--head-dim", type=int, default=D, choices=sorted(TILE_CANDIDATES),
+                        help="head dim of the variants section (its candidate tiles: TILE_CANDIDATES)")
     parser.add_argument("--reps", type=int, help="timed repetitions per row (default 20, 5 with --quick)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "fox_bench.json")
     args = parser.parse_args()
@@ -534,7 +555,8 @@ def main() -> None:
         if {"gated", "plain"} & skip:
             print("variants not timed: the gated or plain checks failed", flush=True)
         else:
-            variant_rows, report["variants"] = variants(VARIANT_SHAPES if not args.shapes else shapes, reps)
+            variant_rows, report["variants"] = variants(VARIANT_SHAPES if not args.shapes else shapes, reps,
+                                                        args.head_dim)
             rows += variant_rows
     report["rows"] = [dataclasses.asdict(r) for r in rows]
     print(table(rows))

@@ -1,21 +1,24 @@
 """Compile the forgetting-attention kernels for a CUDA target without a GPU (and without torch), and report what
 each variant needs and what its loops of tiles do.
 
-Per variant: registers, stack bytes (spills), shared memory, programs per SM (by registers and shared memory), the
-wgmma shapes of the whole kernel (SS: both operands from shared memory, RS: the left one from registers). Per loop
-of tiles (innermost loops in code order; the flash kernels have two: the tiles seen whole, then the masked ones, and
-varlen and pruning add their short binary searches): SASS instructions per iteration and per score element of a thread, exp2s, the loads' pipelining (``wait``:
-how many groups of copies may still be in flight when an iteration starts; 0 = every iteration waits for the loads
-issued at the end of the previous one), block barriers, and stores to shared memory (layout changes inside the
-loop).
+Per variant: registers, stack bytes (spills), shared memory beside the estimate of ``configs.shared_memory``,
+programs per SM (by registers and shared memory), the wgmma shapes of the whole kernel (SS: both operands from
+shared memory, RS: the left one from registers). Per loop of tiles (innermost loops in code order; the flash
+kernels have two: the tiles seen whole, then the masked ones, and varlen and pruning add their short binary
+searches): SASS instructions per iteration and per score element of a thread, exp2s, the loads' pipelining
+(``wait``: how many groups of copies may still be in flight when an iteration starts; 0 = every iteration waits
+for the loads issued at the end of the previous one), block barriers, and stores to shared memory (layout changes
+inside the loop). A variant fails (exit status 1) if it does not compile, if Triton allocates more shared memory
+than the estimate says, or more than one program may take.
 
-    python dev/gpu/tools/fox_compile.py [--arch 90] [--candidates] [--out results.json]
+    python dev/gpu/tools/fox_compile.py [--arch 90] [--candidates] [--head-dims 32,...,256] [--workers N]
+                                        [--out results.json]
 
 Needs only triton, of the GPU image's version (``python -m venv /tmp/t36 && /tmp/t36/bin/pip install
-triton==3.6.0``): the kernel modules import nothing else, and the tiles are read from ``launch.py`` and
+triton==3.6.0``): the kernel modules and ``configs.py`` import nothing else, and the candidate tiles are read from
 ``fox_bench.py`` as text. Pointers and the sizes T, H are compiled as the JIT specialises them at the benchmark
 shapes (16-byte aligned, divisible by 16); without that no load is vectorised. ``--candidates`` adds the tiles that
-``fox_bench.py --only variants`` times (D = 128, bf16, gated).
+``fox_bench.py --only variants`` times (per head dim, bf16, gated).
 """
 
 from __future__ import annotations
@@ -185,8 +188,8 @@ def jobs(candidates: bool, head_dims: list[int], all_variants: set[int]):
                 continue
             default = cfg.FP32_TILES[name] if dtype == "fp32" else cfg.TILES[name][D]
             tiles = [default]
-            if D == 128 and dtype == "bf16":
-                tiles += [cfg.Tiles(*t) for t in extra.get(name, []) if cfg.Tiles(*t) != default]
+            if dtype == "bf16":
+                tiles += [cfg.Tiles(*t) for t in extra.get(D, {}).get(name, []) if cfg.Tiles(*t) != default]
             variants = FLASH_VARIANTS if D in all_variants and dtype != "fp16" else FLASH_VARIANTS[:1]
             for flags, t in itertools.product(variants, tiles):
                 if t != default and flags != FLASH_VARIANTS[0]:
@@ -245,7 +248,8 @@ def _compile(job, arch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
-    parser.add_argument("--candidates", action="store_true", help="also the candidate tiles of fox_bench")
+    parser.add_argument("--candidates", action="store_true",
+                        help="also the candidate tiles of fox_bench (TILE_CANDIDATES, per head dim)")
     parser.add_argument("--head-dims", default="32,64,96,128,192,256", help="the head dims to compile (D = Dv)")
     parser.add_argument("--all-variants", default="96,128,192,256",
                         help="head dims compiled with every flag set (the others: the gated training variant)")

@@ -254,12 +254,14 @@ def test_head_dims_take_the_kernels_in_training_prefill_and_decoding(hidden, hea
     """A model of width 1024 with 4 heads of 256, 16 of 64 or 8 of 96 sends every attention call to the Triton
     kernels as ``backend="auto"`` does on CUDA: the flash kernels in training and in the prefill, the decoding
     kernel for each step of a static cache; nothing falls back. On CPU the kernels run in the interpreter, and the
-    CUDA order of the backends stands in for the device."""
+    CUDA order of the backends stands in for the device; on CUDA the model runs in bf16 (its steps may replay from
+    a CUDA graph, so only the eager calls are counted)."""
     from types import SimpleNamespace
 
     from tests.helpers import triton_kernels_device
 
-    if triton_kernels_device() == "cpu":
+    device = triton_kernels_device()
+    if device == "cpu":
         cuda_order = attention_ops._candidates
         monkeypatch.setattr(attention_ops, "_candidates",
                             lambda backend, q: cuda_order(backend, SimpleNamespace(device=torch.device("cuda"))))
@@ -272,8 +274,8 @@ def test_head_dims_take_the_kernels_in_training_prefill_and_decoding(hidden, hea
     torch.manual_seed(0)
     config = LinmemConfig(vocab_size=64, hidden_size=hidden, num_heads=heads, intermediate_size=64,
                           layer_pattern="N", attention=name, mixer=dict(head_dim=head_dim, **over))
-    model = LinmemForCausalLM(config)
-    ids = torch.randint(1, 64, (2, 9))
+    model = LinmemForCausalLM(config).to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    ids = torch.randint(1, 64, (2, 9), device=device)
     with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
         model(ids, labels=ids).loss.backward()
         assert calls == {"flash_attention": 1, "decode_attention": 0}
@@ -283,6 +285,9 @@ def test_head_dims_take_the_kernels_in_training_prefill_and_decoding(hidden, hea
             out = model.eval().generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                         cache_implementation="static")
     assert out.shape == (2, 12)
-    # the prefill (9 query rows per KV head, at most cached_attention's DECODE_ROWS) and two steps: decoding kernel
-    assert calls == {"flash_attention": 1, "decode_attention": 3}
     assert "cannot serve" not in caplog.text, caplog.text
+    # the prefill (9 query rows per KV head, at most cached_attention's DECODE_ROWS) and two steps: decoding kernel
+    if device == "cpu":
+        assert calls == {"flash_attention": 1, "decode_attention": 3}
+    else:
+        assert calls["flash_attention"] == 1 and calls["decode_attention"] >= 1

@@ -56,6 +56,16 @@ def widened(x: dict, dtype) -> dict:
     return {n: t.to(dtype) for n, t in x.items()}
 
 
+def assert_served(caplog, x: dict) -> None:
+    """The kernels served the calls logged in ``caplog``; fp32 above ``FP32_MAX_HEAD_DIM`` on CUDA is refused by
+    name instead (the GPU tests run those head dims in bf16)."""
+    if DEVICE == "cuda" and x["q"].dtype == torch.float32 and \
+            max(x["q"].shape[-1], x["v"].shape[-1]) > triton_backend.FP32_MAX_HEAD_DIM:
+        assert "float32 at head dims" in caplog.text
+    else:
+        assert "cannot serve" not in caplog.text, caplog.text
+
+
 def assert_close(got, ref, tol):
     o, dx = got
     o_ref, dx_ref = ref
@@ -79,11 +89,13 @@ def assert_close(got, ref, tol):
     dict(T=30, Hkv=2, D=256, DV=256, window=9, forget=None),  # plain window
 ], ids=["gqa", "window7", "plain-window20", "dv128", "d32-gqa", "d96-gqa-window7", "d96-plain",
         "d192-dv128-gqa-window20", "d256-gqa", "d256-plain-window9"])
-def test_fp32_matches_the_reference(case):
+def test_fp32_matches_the_reference(case, caplog):
     case = dict(case)
     window = case.pop("window", None)
     x = make(**case)
-    got = run(forgetting_attention, x, window=window, backend="triton")
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        got = run(forgetting_attention, x, window=window, backend="triton")
+    assert_served(caplog, x)
     ref = run(forgetting_attention, widened(x, torch.float64), window=window, backend="reference")
     assert_close(got, ref, FP32_TOL)
 
@@ -98,11 +110,13 @@ def test_low_precision_matches_the_reference(dtype):
 
 
 @pytest.mark.parametrize("D, window", [(64, None), (64, 9), (96, 9), (256, None)])
-def test_varlen_matches_the_reference(D, window):
+def test_varlen_matches_the_reference(D, window, caplog):
     lengths = [5, 0, 37, 1, 20] if D == 64 else [5, 0, 21, 1, 9]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     x = make(T=sum(lengths), Hkv=1, D=D, DV=D)
-    got = run(forgetting_attention, x, window=window, cu_seqlens=cu, backend="triton")
+    with caplog.at_level(logging.DEBUG, logger="linmem.ops"):
+        got = run(forgetting_attention, x, window=window, cu_seqlens=cu, backend="triton")
+    assert_served(caplog, x)
     ref = run(forgetting_attention, widened(x, torch.float64), window=window, cu_seqlens=cu, backend="reference")
     assert_close(got, ref, FP32_TOL)
 
@@ -169,7 +183,7 @@ def test_pruning_skips_tiles():
     (1, 70, None, 64, 64), (3, 70, 20, 64, 64), (1, 20, None, 64, 64), (2, 70, None, 64, 64),
     (2, 20, None, 32, 32), (1, 70, None, 96, 96), (1, 70, 20, 192, 128), (3, 70, None, 256, 256),
 ])
-def test_decoding_kernel_matches_the_reference(Tq, Tk, window, D, DV):
+def test_decoding_kernel_matches_the_reference(Tq, Tk, window, D, DV, caplog):
     """A few new queries against a cache (padded rows, a key mask, cumulative forget values with a large offset):
     the split-KV kernel with its combine (70 keys: two splits) or one split (20 keys), at every head dim."""
     x = make(T=Tk, H=4, Hkv=2, B=2, D=D, DV=DV)
@@ -179,8 +193,10 @@ def test_decoding_kernel_matches_the_reference(Tq, Tk, window, D, DV):
     present[0, [3, 11, 12, Tk - 5]] = False
     q = x.pop("q")[:, -Tq:]
     kw = dict(key_mask=present, cum_forget=c, window=window)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="linmem.ops"):
         o = cached_attention(q, **x, **kw, backend="triton")
+    assert_served(caplog, dict(q=q, **x))
+    with torch.no_grad():
         ref = cached_attention(q.double(), **widened(x, torch.float64), **kw, backend="reference")
     assert rel_err(o, ref) < FP32_TOL
 

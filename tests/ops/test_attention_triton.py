@@ -328,7 +328,7 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("D, DV", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
                                    (64, 256)])
 def test_gpu_bf16_matches_the_reference(D, DV, window):
-    """Every head dim at its CUDA tiles (``launch.TILES``: 96 and 192 padded, 192 and 256 with dkdv split)."""
+    """Every head dim at its CUDA tiles (``configs.TILES``: 96 and 192 padded, 192 and 256 with dkdv split)."""
     x = make(T=2048, H=4, Hkv=2, D=D, DV=DV, B=2, dtype=torch.bfloat16)
     got = run(forgetting_attention, x, window=window, backend="triton")
     ref = run(forgetting_attention, widened(x, torch.float32), window=window, backend="reference")

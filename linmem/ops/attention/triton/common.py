@@ -9,8 +9,9 @@ values are contiguous. A sequence owns query rows ``[qbos, qbos + Lq)`` and key 
 ranges are written in positions (int32). A tile is addressed by one 64-bit scalar pointer to its
 first row and 32-bit offsets within it. A tile spans the head dim rounded up to a power of two (the
 kernels' BD and BDV: 96 -> 128, 192 -> 256); its loads read the padded columns as zeros, which add
-nothing to any product, and its stores skip them, so no tensor is padded in memory. Query blocks of a varlen batch take the slots of the
-recurrence kernels (``first_slot(n) = bos // BM + n``): no host synchronisation.
+nothing to any product, and its stores skip them, so no tensor is padded in memory. Query blocks of a
+varlen batch take the slots of the recurrence kernels (``first_slot(n) = bos // BM + n``): no host
+synchronisation.
 
 Scores live in log2 units, ``s = log2(e) (scale q.k + c_i - c_j)``, so every softmax exponential
 is one ``exp2``. The forget bias is a difference of two large numbers (``|c|`` grows with the

@@ -123,10 +123,11 @@ INTERPRETER_SMS = 132
 MAX_SPAN = 150
 
 #: whether the forward keeps the chunk-start states for the backward, and for the delta rule also T^T, W^T and the
-#: corrected writes. Off (the default, as fla does), the backward recomputes them from the inputs: one more WY
+#: corrected writes (the default). Off, the backward recomputes them from the inputs, as fla's does: one more WY
 #: stage and forward pass per backward, for (K V / C) state-dtype bytes a token and head less (the delta rule's
-#: another 4 C + 2 K + 2 V): at 8 x 2K and 370M, 64-128 MB a layer (``dev/gpu/tools/saved_tensors.py``)
-KEEP_STATES = False
+#: another 4 C + 2 K + 2 V): at 8 x 2K and 370M, 64-208 MB a layer (``dev/gpu/tools/saved_tensors.py``), 9-20% of
+#: a model's peak, for 8-17% of an eager training step's speed on an H200 (docs/kernels.md)
+KEEP_STATES = True
 
 #: the names :func:`override` may change
 SETTINGS = ("KEEP_STATES", "LAUNCH", "MAX_REGISTERS", "WY_FUSED", "RECURRENT_BV", "SEQUENTIAL", "BF16_FACTORS_MAX_K",

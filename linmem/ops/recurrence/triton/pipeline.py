@@ -30,10 +30,10 @@ products of transposed loads, never by transposing a product (a Hopper miscompil
 that pattern); the operands the backward needs transposed (the delta rule's T, fp32, and W, in the states' dtype)
 are stored transposed by the forward instead.
 
-What the backward reads that the forward computed is either saved or recomputed (``configs.KEEP_STATES``): by
-default the forward saves only the cumulative gates G and the scores A (and the per-channel delta rule's decayed
-q and k), and the backward first reruns the WY stage and the forward pass for the chunk-start states, the delta
-rule's T^T, W^T and corrected writes, into fresh buffers.
+What the backward reads that the forward computed is saved, or with ``configs.KEEP_STATES`` off recomputed: the
+forward then saves only the cumulative gates G and the scores A (and the per-channel delta rule's decayed q and
+k), and the backward first reruns the WY stage and the forward pass for the chunk-start states, the delta rule's
+T^T, W^T and corrected writes, into fresh buffers.
 """
 
 from __future__ import annotations

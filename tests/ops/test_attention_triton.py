@@ -66,12 +66,14 @@ def assert_served(caplog, x: dict) -> None:
         assert "cannot serve" not in caplog.text, caplog.text
 
 
-def assert_close(got, ref, tol):
+def assert_close(got, ref, tol, q_tol=None):
+    """Outputs and gradients within ``tol`` of the reference (dq within ``q_tol`` where given)."""
     o, dx = got
     o_ref, dx_ref = ref
     assert rel_err(o, o_ref) < tol, ("o", rel_err(o, o_ref))
     for name in dx_ref:
-        assert rel_err(dx[name], dx_ref[name]) < tol, (name, rel_err(dx[name], dx_ref[name]))
+        bound = q_tol if name == "q" and q_tol is not None else tol
+        assert rel_err(dx[name], dx_ref[name]) < bound, (name, rel_err(dx[name], dx_ref[name]))
 
 
 @pytest.mark.parametrize("case", [
@@ -343,10 +345,14 @@ def test_gpu_varlen_and_pruning(D, dtype):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     x = make(T=sum(lengths), H=4, Hkv=2, D=D, DV=D, forget=3.0, dtype=dtype)
     wide = torch.float64 if dtype == torch.float32 else torch.float32
+    # bf16: gates this steep (forget=3.0) leave a few keys per query, and dq (the bf16 dS times k) errs by 7-8e-3
+    # against the fp32 reference at every head dim, 64 and 128 included (the interpreter: 7.2e-3, 7.8e-3, 7.4e-3
+    # at 64, 128, 256 on a shorter batch; an H200: 7.7e-3 at 192 and 256); o, dk, dv and the gate's stay below 3e-3
+    q_tol = None if dtype == torch.float32 else 2 * LOW_TOL
     for kw in (dict(cu_seqlens=cu), dict(cu_seqlens=cu, prune_tolerance=1e-3, window=1024)):
         got = run(forgetting_attention, x, backend="triton", **kw)
         ref = run(forgetting_attention, widened(x, wide), backend="reference", **kw)
-        assert_close(got, ref, FP32_TOL if dtype == torch.float32 else LOW_TOL)
+        assert_close(got, ref, FP32_TOL if dtype == torch.float32 else LOW_TOL, q_tol)
 
 
 @gpu

@@ -156,17 +156,9 @@ def _linearize(args: argparse.Namespace) -> int:
 
 
 def _bench_ops(args: argparse.Namespace) -> int:
-    from .bench.ops import BenchConfig, main
+    from .bench.ops import main_argv
 
-    shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(","))
-    head_dims = tuple(int(d) for d in args.head_dims.split(",") if d)
-    config = BenchConfig(shapes=shapes, heads=args.heads, head_dim=args.head_dim, head_dims=head_dims, dtype=args.dtype,
-                         ops=tuple(args.ops.split(",")), backends=tuple(args.backends.split(",")),
-                         peers=tuple(p for p in args.peers.split(",") if p),
-                         window=args.window, prune_tolerance=args.prune_tolerance,
-                         decode_batch=args.decode_batch, decode_context=args.decode_context, gates=args.gates,
-                         breakdown=args.breakdown, accuracy=args.accuracy)
-    return main(config, json_path=args.json)
+    return main_argv(args.passed_on)
 
 
 def _bench_layers(args: argparse.Namespace) -> int:
@@ -266,47 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks beside peers, measured in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    ops = bench_sub.add_parser(
-        "ops", help="forward and forward+backward time of every op and backend (CUDA)",
-        description="Forward and forward+backward times of linmem's ops beside peers, in one table (CUDA). Rows of a "
-                    "memory op: one per --backends, then fla.<kernel> (--peers fla). Rows of an attention op: linmem "
-                    "(forgetting_attention), torch.sdpa_causal (--peers sdpa: the other rows give their ratio to it), "
-                    "torch.flex_<op> (--peers flex) and, for fox, fla.parallel_forgetting_attn (--peers fla).")
-    ops.add_argument("--shapes", default="8x2048,4x4096,2x8192,1x16384", help="BxT pairs, comma-separated")
-    ops.add_argument("--heads", type=int, default=16)
-    ops.add_argument("--head-dim", type=int, default=128)
-    ops.add_argument("--head-dims", default="",
-                     help="time the attention ops at each of these head dims (comma-separated, e.g. "
-                          "32,64,96,128,192,256) instead of --head-dim; the memory ops stay at --head-dim")
-    ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ops.add_argument("--ops", default="linear_attention,retention,mamba2,gla,rwkv6,deltanet,gated_deltanet,kda,"
-                                      "attention,fox,swa,fox_swa",
-                     help="memory ops of the unified recurrence ('gfw': a full [K, V] decay, as gfw and mamba "
-                          "give it; not timed unless named) and forgetting_attention's: 'attention' (causal), "
-                          "'fox' (causal, forget gate), 'swa' (sliding window of --window keys), 'fox_swa' (both)")
-    ops.add_argument("--backends", default="triton,chunk", help="linear_recurrence backends to time")
-    ops.add_argument("--peers", nargs="?", const="sdpa,flex,fla", default="",
-                     help="add peers measured in the same run (alone: all three): sdpa (PyTorch SDPA, full causal, "
-                          "no gate: the lower bound of each attention op, which its other rows state their ratios to), "
-                          "flex (torch.compile(flex_attention) computing each attention op: forget bias as score_mod, "
-                          "causality and window as block mask; CUDA), fla (flash-linear-attention's kernel of each "
-                          "memory op and parallel_forgetting_attn for fox)")
-    ops.add_argument("--window", type=int, default=512, help="keys a query sees in the ops swa and fox_swa")
-    ops.add_argument("--prune-tolerance", type=float, default=None,
-                     help="also time fox and fox_swa with adaptive computation pruning at this tolerance")
-    ops.add_argument("--decode-batch", type=int, default=64, help="batch of the decoding-step rows (0: none)")
-    ops.add_argument("--decode-context", type=int, default=4096,
-                     help="keys in the KV cache of the attention ops' decoding rows (swa, fox_swa: the ring of "
-                          "--window slots)")
-    ops.add_argument("--gates", type=float, default=1.0,
-                     help="log decays this many times the default: 10 and 100 send per-channel decays down the "
-                          "kernels' block and pairwise paths, as fast-forgetting channels of a trained model do")
-    ops.add_argument("--json", help="also write the rows to this JSON file")
-    ops.add_argument("--breakdown", action="store_true",
-                     help="also print the GPU time of every kernel of each memory op (and fla peer) at the first shape")
-    ops.add_argument("--accuracy", action="store_true",
-                     help="also print the error ratios of each memory op (and fla peer) against float64 at the first shape")
-    ops.set_defaults(func=_bench_ops)
+    ops = bench_sub.add_parser("ops", add_help=False,  # its options and --help: linmem.bench.ops
+                               help="forward and forward+backward time of every op and backend (CUDA)")
+    ops.set_defaults(func=_bench_ops, passes_on=True)
     layers = bench_sub.add_parser("layers", add_help=False,  # its options and --help: linmem.bench.layers
                                   help="MoM vs one memory, MoE grouped GEMM vs loop, a recipe's tokens/s (CUDA)")
     layers.set_defaults(func=_bench_layers, passes_on=True)

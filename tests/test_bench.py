@@ -59,7 +59,6 @@ def test_gates_scale_the_log_decays_and_reach_every_row(monkeypatch):
     """``--gates X`` multiplies the default log decays by X (same seed, same draws), and the config carries it to
     the inputs of the timed rows and the accuracy rows."""
     from linmem.bench import ops
-    from linmem.cli import build_parser
 
     torch.manual_seed(0)
     mild = ops.memory_inputs("kda", 1, 64, 2, 16, torch.float32, "cpu")
@@ -67,7 +66,7 @@ def test_gates_scale_the_log_decays_and_reach_every_row(monkeypatch):
     strong = ops.memory_inputs("kda", 1, 64, 2, 16, torch.float32, "cpu", gates=10)
     torch.testing.assert_close(strong["log_decay"], 10 * mild["log_decay"])
     torch.testing.assert_close(strong["beta"], mild["beta"])
-    assert build_parser().parse_args(["bench", "ops", "--gates", "10"]).gates == 10
+    assert ops.parser().parse_args(["--gates", "10"]).gates == 10
     seen = []
     real = ops.memory_inputs
     def recording(*a, **kw):  # the gates each call asks for, positional or keyword (1.0 when left out)

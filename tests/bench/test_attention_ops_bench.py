@@ -10,7 +10,6 @@ import torch
 
 from linmem.bench import ops
 from linmem.bench.ops import ATTENTION_OPS, BenchConfig, attention_inputs, flex_attention_fn
-from linmem.cli import build_parser
 from linmem.ops.attention import cached_attention, forgetting_attention
 
 
@@ -22,11 +21,11 @@ def _ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
 def test_cli_window_ops_and_peers():
     """The CLI's defaults are BenchConfig's; --window and the attention ops reach the config; bad names and windows
     are refused naming the field."""
-    parser = build_parser()
-    default = parser.parse_args(["bench", "ops"])
+    parser = ops.parser()
+    default = parser.parse_args([])
     assert tuple(default.ops.split(",")) == BenchConfig().ops and default.window == BenchConfig().window == 512
     assert set(ATTENTION_OPS) <= set(BenchConfig().ops)
-    args = parser.parse_args(["bench", "ops", "--ops", "fox,swa,fox_swa", "--window", "64", "--peers"])
+    args = parser.parse_args(["--ops", "fox,swa,fox_swa", "--window", "64", "--peers"])
     assert args.window == 64 and args.ops == "fox,swa,fox_swa"
     assert tuple(args.peers.split(",")) == ops.PEERS  # --peers alone: every peer
     with pytest.raises(ValueError, match=r"BenchConfig.ops: unknown \['foxx'\]"):
@@ -83,7 +82,7 @@ def test_pruned_rows_time_the_gated_ops_with_prune_tolerance(monkeypatch):
 
     monkeypatch.setattr(ops, "forgetting_attention", spy)
     monkeypatch.setattr(ops, "_timer", lambda config: lambda fn, leaves=(): (fn(), 1.0)[1])
-    args = build_parser().parse_args(["bench", "ops", "--prune-tolerance", "0.001"])
+    args = ops.parser().parse_args(["--prune-tolerance", "0.001"])
     assert args.prune_tolerance == 0.001
     config = BenchConfig(shapes=((1, 64),), heads=2, head_dim=16, dtype="float32", ops=tuple(ATTENTION_OPS),
                          window=8, decode_batch=0, prune_tolerance=0.001)
@@ -122,7 +121,8 @@ def test_flex_and_fla_peers_match_the_reference_on_cuda(op):
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
     def run(fn, cast):
-        leaves = {n: x.detach().to(cast if n != "log_forget" else x.dtype).requires_grad_(True) for n, x in args.items()}
+        leaves = {n: x.detach().to(cast if n != "log_forget" else x.dtype).requires_grad_(True)
+                  for n, x in args.items()}
         out = fn(**leaves)
         grads = torch.autograd.grad(out, list(leaves.values()), do.to(out.dtype))
         return [out, *grads]
@@ -143,9 +143,9 @@ def test_head_dims_time_the_attention_ops_and_their_decoding_at_each_dim(monkeyp
     """--head-dims times every attention op at each head dim (the D column), forward+backward and one decoding step
     against a cache of --decode-context keys (a window's ring for swa), while the memory ops stay at --head-dim;
     bad head dims and contexts are refused by name."""
-    args = build_parser().parse_args(["bench", "ops", "--head-dims", "32,96,256", "--decode-context", "40"])
+    args = ops.parser().parse_args(["--head-dims", "32,96,256", "--decode-context", "40"])
     assert args.head_dims == "32,96,256" and args.decode_context == 40
-    assert build_parser().parse_args(["bench", "ops"]).head_dims == "" and BenchConfig().attention_dims == (128,)
+    assert ops.parser().parse_args([]).head_dims == "" and BenchConfig().attention_dims == (128,)
     seen = []
 
     def spy(*a, **kw):

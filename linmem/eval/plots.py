@@ -1,9 +1,9 @@
-"""PNG plots of runs: loss curves, MQAR accuracy against kv pairs and model width, and evaluations over seeds."""
+"""PNG plots of runs: loss curves, and MQAR accuracy against kv pairs and model width."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import matplotlib
 
@@ -12,10 +12,7 @@ from ..train.metrics import read_metrics
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-if TYPE_CHECKING:
-    from .seeds import RunEvals
-
-__all__ = ["plot_loss_curves", "plot_mqar_accuracy", "plot_seed_curves", "read_metrics"]
+__all__ = ["plot_loss_curves", "plot_mqar_accuracy", "read_metrics"]
 
 
 def plot_loss_curves(runs: dict[str, Path], out: Path, *, title: str = "training loss") -> Path:
@@ -59,33 +56,6 @@ def plot_mqar_accuracy(rows: Sequence[dict], out: Path) -> Path:
     for ax in (by_kv, by_width):
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
-def plot_seed_curves(runs: Sequence["RunEvals"], out: Path) -> Path:
-    """One panel per evaluation metric against the step: per recipe the mean over its seeds at the steps all of
-    them evaluated, and the band between their min and max (:mod:`linmem.eval.seeds`)."""
-    from .seeds import metric_order
-
-    metrics = sorted({m for r in runs for v in r.evals.values() for m in v}, key=metric_order)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        for recipe in dict.fromkeys(r.recipe for r in runs):
-            mine = [r for r in runs if r.recipe == recipe and r.evals]
-            steps = sorted(set.intersection(*(set(s for s, v in r.evals.items() if metric in v) for r in mine))) \
-                if mine else []
-            if not steps:
-                continue
-            values = [[r.evals[s][metric] for r in mine] for s in steps]
-            line, = ax.plot(steps, [sum(v) / len(v) for v in values], label=f"{recipe} ({len(mine)})")
-            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
-                            alpha=0.2)
-        ax.set(xlabel="step", ylabel=metric.split("/")[0], title=metric)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -306,10 +306,35 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n" + note
 
 
+def plot_seed_curves(runs: Sequence[RunEvals], out: Path) -> Path:
+    """One panel per evaluation metric against the step: per recipe the mean over its seeds at the steps all of
+    them evaluated, and the band between their min and max."""
+    metrics = sorted({m for r in runs for v in r.evals.values() for m in v}, key=metric_order)
+    from .plots import plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for recipe in dict.fromkeys(r.recipe for r in runs):
+            mine = [r for r in runs if r.recipe == recipe and r.evals]
+            steps = sorted(set.intersection(*(set(s for s, v in r.evals.items() if metric in v) for r in mine))) \
+                if mine else []
+            if not steps:
+                continue
+            values = [[r.evals[s][metric] for r in mine] for s in steps]
+            line, = ax.plot(steps, [sum(v) / len(v) for v in values], label=f"{recipe} ({len(mine)})")
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
+                            alpha=0.2)
+        ax.set(xlabel="step", ylabel=metric.split("/")[0], title=metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def write_report(runs: Sequence[RunEvals], out: Path) -> dict[str, Path]:
     """``out/seeds.md``, ``out/seeds.json`` and ``out/seeds.png`` (see the module docstring); returns their paths."""
-    from .plots import plot_seed_curves
-
     out.mkdir(parents=True, exist_ok=True)
     rows = seed_table(runs)
     paths = {"md": out / "seeds.md", "json": out / "seeds.json", "png": out / "seeds.png"}

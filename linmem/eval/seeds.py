@@ -41,7 +41,7 @@ from ..train.metrics import read_metrics
 #: the prefixes of the evaluation metrics in a metrics.jsonl (MQAR recall; held-out loss and perplexity)
 EVAL_PREFIXES = ("mqar_acc/", "val_")
 #: seconds a run may take to stop after SIGINT (finish its step, save) before it is killed
-STOP_GRACE_S = 90.0
+STOP_GRACE_S = 30.0
 
 
 def higher_is_better(metric: str) -> bool:

@@ -4,7 +4,8 @@ over the same weights (``linmem.linearize.gated_deltanet_to_bayes``), fine-tuned
 Record: run by ``dev/gpu/records/bayes_distill.sh`` (its header has the date, command and result).
 
     python dev/gpu/records/bayes_distill.py --out out/distill-text --task text --seeds 0,1,2   # one GPU, minutes
-    python dev/gpu/records/bayes_distill.py --out /tmp/distill --task text --seeds 0 --smoke   # the CPU, minutes
+    python dev/gpu/records/bayes_distill.py --out /tmp/distill --task text --seeds 0 --smoke   # the CPU, 7 minutes
+    python dev/gpu/records/bayes_distill.py --out /tmp/distill --task mqar --seeds 0 --smoke   # the CPU, 15 minutes
 
 Per seed (``run.seed``; one process each, ``--jobs`` at a time, stopped at ``--budget-s``):
 
@@ -68,11 +69,10 @@ PRESETS = {
                             niah_lengths=(512, 1024)),
     ("text", "smoke"): Preset(None, _TEXT_SMOKE, source_steps=150, finetune_steps=30, finetune_lr=1e-3,
                               niah_lengths=(512,), niah_depths=2, niah_samples=2),
-    ("mqar", "gpu"): Preset("update-mqar-gated_deltanet", (), source_steps=3000, finetune_steps=600,
+    ("mqar", "gpu"): Preset("update-mqar-gated_deltanet", (), source_steps=2000, finetune_steps=400,
                             finetune_lr=1e-3),
-    ("mqar", "smoke"): Preset("update-mqar-gated_deltanet", ("data.mqar.train_examples=2000",
-                                                              "data.mqar.eval_examples=100"),
-                              source_steps=300, finetune_steps=60, finetune_lr=1e-3),
+    ("mqar", "smoke"): Preset("update-mqar-gated_deltanet", ("data.mqar.train_examples=5000",),
+                              source_steps=1200, finetune_steps=120, finetune_lr=1e-3),
 }
 
 

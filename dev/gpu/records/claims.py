@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
@@ -72,32 +73,38 @@ def log(message: str) -> None:
 
 
 def run_pipelines(jobs: dict[str, list[tuple[str, list[str]]]], logs: Path, width: int,
-                  env: dict[str, str]) -> dict[str, tuple[int, float]]:
+                  env: dict[str, str], devices: Sequence[str] = ()) -> dict[str, tuple[int, float]]:
     """Run the pipelines ``width`` at a time (with ``env`` added to the environment): each is a list of
     (stage name, command) run in order, the next stage starting as soon as one succeeds, none after a
-    failure. Returns stage name -> (exit status, seconds); output goes to logs/<stage>.log. On
-    KeyboardInterrupt (``timeout -s INT``) the running stages are stopped and recorded with status -2,
-    and what finished is returned, so that the report is written from it."""
+    failure. With ``devices`` (CUDA device ids), each pipeline runs on the one that runs the fewest
+    pipelines when it starts (``CUDA_VISIBLE_DEVICES``), all its stages there. Returns stage name ->
+    (exit status, seconds); output goes to logs/<stage>.log. On KeyboardInterrupt (``timeout -s INT``)
+    the running stages are stopped and recorded with status -2, and what finished is returned, so that
+    the report is written from it."""
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
     waiting = [list(stages) for stages in jobs.values() if stages]
     running, done = {}, {}
 
-    def start(stages: list[tuple[str, list[str]]]) -> None:
+    def start(stages: list[tuple[str, list[str]]], device: Optional[str] = None) -> None:
+        if device is None and devices:
+            busy = [entry[4] for entry in running.values()]
+            device = min(devices, key=busy.count)
         name, command = stages.pop(0)
         out = open(logs / f"{name}.log", "w")
         out.write(" ".join(command) + "\n")
         out.flush()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        running[name] = (process, time.perf_counter(), out, stages)
-        log(f"started {name}")
+        stage_env = env if device is None else {**env, "CUDA_VISIBLE_DEVICES": device}
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=stage_env)
+        running[name] = (process, time.perf_counter(), out, stages, device)
+        log(f"started {name}{'' if device is None else f' on GPU {device}'}")
 
     try:
         while waiting or running:
             while waiting and len(running) < width:
                 start(waiting.pop(0))
             time.sleep(1.0)
-            for name, (process, started, out, rest) in list(running.items()):
+            for name, (process, started, out, rest, device) in list(running.items()):
                 if process.poll() is None:
                     continue
                 out.close()
@@ -109,10 +116,10 @@ def run_pipelines(jobs: dict[str, list[tuple[str, list[str]]]], logs: Path, widt
                     tail = (logs / f"{name}.log").read_text().splitlines()[-15:]
                     print("\n".join("    " + line for line in tail), flush=True)
                 elif rest:
-                    start(rest)
+                    start(rest, device)
     except KeyboardInterrupt:
         log(f"interrupted: stopping {sorted(running)}; the report covers what finished")
-        for name, (process, started, out, _) in running.items():
+        for name, (process, started, out, *_) in running.items():
             process.terminate()
             process.wait()
             out.close()
@@ -120,30 +127,67 @@ def run_pipelines(jobs: dict[str, list[tuple[str, list[str]]]], logs: Path, widt
     return done
 
 
+def train_args(recipe: str, run_dir: Path, tokenizer: Path, overrides: Sequence[str] = ()) -> list[str]:
+    """The arguments of ``linmem train`` of the recipe ``claims-<recipe>.yaml`` into ``run_dir`` with the BPE
+    ``tokenizer``, without progress bar or TensorBoard, then ``overrides`` (``section.key=value``)."""
+    return ["train", "--config", str(RECIPES / f"claims-{recipe}.yaml"), f"data.text.tokenizer={tokenizer}",
+            f"run.out_dir={run_dir}", "run.progress=false", "run.tensorboard=false", *overrides]
+
+
+def eval_args(run_dir: Path, suites: str, lengths: str, options: Sequence[str] = ()) -> list[str]:
+    """The arguments of ``linmem eval`` of ``run_dir``: ``suites`` at window lengths ``lengths`` (comma-separated),
+    no progress bars, then ``options`` (its other flags)."""
+    return ["eval", str(run_dir), "--suite", suites, "--lengths", lengths, "--no-progress", *options]
+
+
+def linmem_command(*commands: Sequence[str]) -> list[str]:
+    """One process that runs the ``linmem`` commands (each a list of arguments) one after another and stops at
+    the first that fails: a train and an eval in one process import torch and transformers once."""
+    if len(commands) == 1:
+        return [sys.executable, "-m", "linmem.cli", *commands[0]]
+    chain = ("import json, sys; from linmem.cli import main; "
+             "sys.exit(next((rc for rc in map(main, json.loads(sys.argv[1])) if rc), 0))")
+    return [sys.executable, "-c", chain, json.dumps([list(c) for c in commands])]
+
+
 def train_commands(models: list[str], out: Path, tokenizer: Path, args: argparse.Namespace) -> dict[str, list[str]]:
-    commands = {}
-    for name in models:
-        overrides = [f"data.text.tokenizer={tokenizer}", f"run.out_dir={out / 'runs' / name}", "run.progress=false",
-                     "run.tensorboard=false"]
-        if args.steps is not None:
-            overrides.append(f"schedule.steps={args.steps}")
-        if args.smoke:
-            overrides += SMOKE_TRAIN
-        commands[f"train-{name}"] = [sys.executable, "-m", "linmem.cli", "train", "--config",
-                                     str(RECIPES / f"claims-{name}.yaml"), *overrides]
-    return commands
+    overrides = [f"schedule.steps={args.steps}"] if args.steps is not None else []
+    overrides += SMOKE_TRAIN if args.smoke else []
+    return {f"train-{name}": linmem_command(train_args(name, out / "runs" / name, tokenizer, overrides))
+            for name in models}
 
 
 def eval_commands(models: list[str], out: Path, args: argparse.Namespace) -> dict[str, list[str]]:
     lengths = "512,768" if args.smoke else args.lengths  # the smoke tokenizer (512 tokens) spells English long
     samples, depths = ("1", "2") if args.smoke else (str(args.samples), str(args.depths))
     tasks = "niah_single_1,niah_multikey_1" if args.smoke else ",".join(NIAH_TASKS)
-    return {f"eval-{name}": [sys.executable, "-m", "linmem.eval.command", str(out / "runs" / name), "--suite",
-                             "perplexity,position-loss,niah", "--lengths", lengths, "--depths", depths, "--samples",
-                             samples, "--niah-tasks", tasks, "--max-new-tokens", "24", "--bins", "16",
-                             "--max-windows", "48", "--batch-size", "16", "--no-progress",
-                             *(["--concat"] if args.smoke else [])]
+    options = ["--depths", depths, "--samples", samples, "--niah-tasks", tasks, "--max-new-tokens", "24", "--bins",
+               "16", "--max-windows", "48", "--batch-size", "16", *(["--concat"] if args.smoke else [])]
+    return {f"eval-{name}": linmem_command(eval_args(out / "runs" / name, "perplexity,position-loss,niah", lengths,
+                                                     options))
             for name in models}
+
+
+def ensure_tokenizer(out: Path, vocab_size: int, max_files: Optional[int]) -> Path:
+    """``out/tokenizer``: a BPE of ``vocab_size`` tokens on the stdlib sources (the first ``max_files`` files;
+    None: all), trained unless it is there already."""
+    from linmem.tokenizer import train_tokenizer
+
+    tokenizer = out / "tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        t0 = time.perf_counter()
+        train_tokenizer(tokenizer, vocab_size=vocab_size, max_files=max_files, show_progress=False)
+        log(f"tokenizer trained in {time.perf_counter() - t0:.0f} s -> {tokenizer}")
+    return tokenizer
+
+
+def stage_rows(stages: dict[str, tuple[Optional[int], float]]) -> list[str]:
+    """The report's table of stages (Markdown lines): each one's status and seconds."""
+    status = {0: "ok", -2: "stopped at the time limit", None: "not started"}
+    return ["| stage | status | seconds |", "|---|---|---|"] + [
+        f"| {name} | {status.get(code, f'exit {code}')} | "
+        f"{'' if code is None else 'reused' if math.isnan(seconds) else f'{seconds:.0f}'} |"
+        for name, (code, seconds) in stages.items()]
 
 
 def run_summary(run: Path) -> dict:
@@ -151,6 +195,7 @@ def run_summary(run: Path) -> dict:
     config = nest_flat_fields(json.loads((run / "model" / "config.json").read_text()))
     metrics = read_metrics(run / "metrics.jsonl")
     train_rows = [m for m in metrics if "loss" in m]
+    held_out = [m["val_loss"] for m in metrics if "val_loss" in m]
     summary = {f"{r['suite']}:{r['metric']}": r["value"]
                for r in json.loads((run / "eval" / "summary.json").read_text())["summary"]}
     position = json.loads((run / "eval" / "position_loss.json").read_text())
@@ -168,6 +213,7 @@ def run_summary(run: Path) -> dict:
         "state_per_layer": config["num_heads"] * head_dim * int(head_dim * mixer["expand_v"]) * memories,
         "tokens": train_rows[-1]["tokens"], "tok_s": train_rows[-1]["tok_s_cumulative"],
         "final_train_loss": train_rows[-1]["loss"],
+        "final_val_loss": held_out[-1] if held_out else float("nan"),  # the trainer's at the last step
         "train_length": position["train_length"],
         "curves": [PositionCurve(**c) for c in position["curves"]],
         "metrics": summary,
@@ -292,15 +338,7 @@ def main() -> int:
     models = list(dict.fromkeys(m for c in claims for m in CLAIMS[c].models))
     log(f"claims {claims}: models {models}; output in {out}")
 
-    from linmem.tokenizer import train_tokenizer
-
-    tokenizer = out / "tokenizer"
-    if not (tokenizer / "tokenizer.json").exists():
-        t0 = time.perf_counter()
-        train_tokenizer(tokenizer, vocab_size=512 if args.smoke else 8192, max_files=60 if args.smoke else None,
-                        show_progress=False)
-        log(f"tokenizer trained in {time.perf_counter() - t0:.0f} s -> {tokenizer}")
-
+    tokenizer = ensure_tokenizer(out, 512 if args.smoke else 8192, 60 if args.smoke else None)
     width = 1 if args.smoke else args.jobs
     env = {"OMP_NUM_THREADS": "1"} if args.smoke else {}  # tiny CPU models: one thread each
     done_before = [m for m in models if (out / "runs" / m / "model" / "config.json").exists()]
@@ -308,8 +346,8 @@ def main() -> int:
         log(f"reusing the finished runs {done_before} in {out / 'runs'} (delete them to train again)")
     train = train_commands([m for m in models if m not in done_before], out, tokenizer, args)
     evaluate = eval_commands(models, out, args)
-    pipelines = {m: [(f"train-{m}", train[f"train-{m}"])] * (m not in done_before) + [(f"eval-{m}", evaluate[f"eval-{m}"])]
-                 for m in models}  # each model is evaluated as soon as it is trained
+    pipelines = {m: [(f"train-{m}", train[f"train-{m}"])] * (m not in done_before)
+                 + [(f"eval-{m}", evaluate[f"eval-{m}"])] for m in models}  # each evaluated as soon as it is trained
     stages = {f"train-{m}": (0, float("nan")) for m in done_before}
     stages.update(run_pipelines(pipelines, out / "logs", width, env))
     for name, _ in (stage for pipeline in pipelines.values() for stage in pipeline):
@@ -338,11 +376,7 @@ def main() -> int:
             plot_niah_by_length(mine, ["niah_single_1", "niah_single_2"], out / "claims_b_niah.png")
         if c == "c":
             plot_niah_by_length(mine, ["niah_multikey_1", "niah_multiquery"], out / "claims_c_niah.png")
-    report += ["## Runs", "", "| stage | status | seconds |", "|---|---|---|"]
-    status = {0: "ok", -2: "stopped at the time limit", None: "not started"}
-    report += [f"| {name} | {status.get(code, f'exit {code}')} | "
-               f"{'' if code is None else 'reused' if math.isnan(seconds) else f'{seconds:.0f}'} |"
-               for name, (code, seconds) in stages.items()]
+    report += ["## Runs", "", *stage_rows(stages)]
     (out / "claims.md").write_text("\n".join(report) + "\n")
     print("\n".join(report), flush=True)
     log(f"all done in {time.perf_counter() - started:.0f} s; report: {out / 'claims.md'}")

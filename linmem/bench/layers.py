@@ -5,12 +5,16 @@
   flash-linear-attention's MoM layer when fla ships one;
 * single memory mixers by name (``--parts mixers --mixers ttt,titans``) forward+backward, Titans
   with and without its momentum (the momentum runs ``linmem.ops.titans``' chunked PyTorch form);
+  ``--mixers all`` is every memory mixer beside the attention baselines ``softmax`` and ``fox``, and
+  ``--mixer-seq-lens 2048,4096,8192,16384`` sweeps the sequence length at a fixed number of tokens per
+  step (``--tokens``): Linear-MoE's Table 3 sweep of training throughput over its LSM instances, per layer;
 * the MoE feed-forward with grouped GEMM (``torch._grouped_mm``) against the
   per-expert loop, same weights;
 * training tokens/s of a model recipe (default ``linear-moe-a0.3b-2b``) at sequence
   lengths 2K..16K with a fixed number of tokens per step;
 * (part ``mixers``, not run by default) forward+backward of single mixer layers named by
-  ``--mixers`` (default the Table-1 memories ``gfw,gateloop,mamba,s4`` beside ``gla`` and ``mamba2``).
+  ``--mixers`` (default the Table-1 memories ``gfw,gateloop,mamba,s4`` beside ``gla`` and ``mamba2``),
+  with thousand tokens/s and the peak memory of each.
 
 Times are medians of CUDA-event-timed repeats after a warm-up; every row is printed as
 one JSON line too, for BENCHMARKS.md.
@@ -99,17 +103,37 @@ SSM_SHAPES = {"mamba": lambda hidden, heads: dict(head_dim=16, expand_v=2 * hidd
               "s4": lambda hidden, heads: dict(head_dim=64)}
 
 
+#: the attention mixers the part ``mixers`` times beside the memories (Linear-MoE Table 3's baseline, and FoX)
+ATTENTION_BASELINES = ("softmax", "fox")
+
+
+def benched_mixers(names: list[str]) -> list[str]:
+    """``names`` with ``all`` expanded to every memory mixer and the :data:`ATTENTION_BASELINES`.
+
+    Example:
+        >>> benched_mixers(["gla", "softmax"])
+        ['gla', 'softmax']
+        >>> len(benched_mixers(["all"])) == len(mixer_names("memory")) + len(ATTENTION_BASELINES)
+        True
+    """
+    every = [*mixer_names("memory"), *ATTENTION_BASELINES]
+    return list(dict.fromkeys(n for name in names for n in (every if name == "all" else [name])))
+
+
 def mixer_variants(names: list[str], hidden: int, heads: int) -> list[tuple[str, torch.nn.Module]]:
-    """(label, mixer) of every memory mixer in ``names`` and each of its :data:`MIXER_VARIANTS`, on the CPU; the
-    SSMs at their papers' state sizes (:data:`SSM_SHAPES`).
+    """(label, mixer) of every memory mixer or attention baseline in ``names`` (``all``: every one, see
+    :func:`benched_mixers`) and each of its :data:`MIXER_VARIANTS`, on the CPU; the SSMs at their papers' state
+    sizes (:data:`SSM_SHAPES`).
 
     Example:
         >>> [label for label, _ in mixer_variants(["ttt", "titans"], 64, 2)]
         ['ttt', 'titans', 'titans momentum=True']
     """
-    unknown = [n for n in names if n not in mixer_names("memory")]
+    names = benched_mixers(names)
+    valid = [*mixer_names("memory"), *ATTENTION_BASELINES]
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise BenchError(f"--mixers: unknown memory mixers {unknown}; valid: {', '.join(mixer_names('memory'))}")
+        raise BenchError(f"--mixers: unknown mixers {unknown}; valid: all, {', '.join(valid)}")
     rows = []
     for name in names:
         shape = SSM_SHAPES[name](hidden, heads) if name in SSM_SHAPES else {}
@@ -120,19 +144,28 @@ def mixer_variants(names: list[str], hidden: int, heads: int) -> list[tuple[str,
     return rows
 
 
-def bench_mixers(names: list[str], tokens: int, seq_len: int, hidden: int, heads: int) -> list[dict]:
-    """Forward+backward of single memory mixers (bf16 autocast), one row per :func:`mixer_variants` entry."""
-    x = torch.randn(tokens // seq_len, seq_len, hidden, device="cuda", requires_grad=True)
+def bench_mixers(names: list[str], tokens: int, seq_lens: list[int], hidden: int, heads: int) -> list[dict]:
+    """Forward+backward of single mixers (bf16 autocast), one row per :func:`mixer_variants` entry and sequence
+    length, ``tokens // T`` sequences of each length T: milliseconds, thousand tokens/s and peak GB."""
     rows = []
     for label, mixer in mixer_variants(names, hidden, heads):
-        row = {"part": "mixers", "name": label, "B": x.shape[0], "T": seq_len, "D": hidden, "H": heads}
-        try:
-            row["fwdbwd_ms"] = cuda_time_ms(_fwd_bwd(mixer.cuda(), x))
-        except Exception as err:  # a mixer that cannot run these shapes (memory) says so in its row
-            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        finally:
-            torch.cuda.empty_cache()
-        rows.append(row)
+        mixer = mixer.cuda()
+        for seq_len in seq_lens:
+            row = {"part": "mixers", "name": label, "B": max(1, tokens // seq_len), "T": seq_len, "D": hidden,
+                   "H": heads}
+            try:
+                x = torch.randn(row["B"], seq_len, hidden, device="cuda", requires_grad=True)
+                torch.cuda.reset_peak_memory_stats()
+                row["fwdbwd_ms"] = cuda_time_ms(_fwd_bwd(mixer, x))
+                row["ktok_s"] = x.shape[0] * seq_len / row["fwdbwd_ms"]
+                row["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+            except Exception as err:  # a mixer that cannot run these shapes (memory) says so in its row
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            finally:
+                x = None
+                torch.cuda.empty_cache()
+            rows.append(row)
+        mixer.cpu()
     return rows
 
 
@@ -187,7 +220,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-lens", default="2048,4096,8192,16384", help="sequence lengths of the tokens/s rows")
     parser.add_argument("--parts", default="mom,moe,train", help="comma list of mom, moe, train, mixers")
     parser.add_argument("--mixers", default="gla,mamba2,gfw,gateloop,mamba,s4,gated_deltanet,ttt,titans",
-                        help="memory mixers of the part 'mixers' (one layer each, D 1024, 8 heads, T 2048)")
+                        help="memory mixers of the part 'mixers' (one layer each, D 1024, 8 heads); 'all': every "
+                             f"memory mixer and the attention baselines {', '.join(ATTENTION_BASELINES)}")
+    parser.add_argument("--mixer-seq-lens", default="2048",
+                        help="sequence lengths of the part 'mixers', each at --tokens tokens per step")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -206,19 +242,21 @@ def run(args: argparse.Namespace) -> int:
     if "mom" in parts:
         rows += bench_mom(args.tokens, 2048, hidden=1024, heads=4)
     if "mixers" in parts:
-        rows += bench_mixers(args.mixers.split(","), args.tokens, 2048, hidden=1024, heads=8)
+        rows += bench_mixers(args.mixers.split(","), args.tokens, [int(t) for t in args.mixer_seq_lens.split(",")],
+                             hidden=1024, heads=8)
     if "moe" in parts:
         rows += bench_moe(args.tokens, hidden=1024, experts=64, top_k=8, width=896)
     if "train" in parts:
         rows += bench_model(args.recipe, args.tokens, [int(t) for t in args.seq_lens.split(",")])
     for row in rows:
         print(json.dumps(row))
-    print(f"\n{'part':<6}{'name':<50}{'shape':<22}{'result':>14}")
+    print(f"\n{'part':<6}{'name':<50}{'shape':<22}{'result':>26}")
     for row in rows:
-        shape = f"T={row.get('T', row.get('tokens'))}"
-        result = (f"{row['ktok_s']:.1f} ktok/s" if "ktok_s" in row else
+        shape = f"B={row['B']}, T={row['T']}" if "B" in row and "T" in row else f"T={row.get('T', row.get('tokens'))}"
+        result = (f"{row['fwdbwd_ms']:.2f} ms, {row['ktok_s']:.0f} ktok/s" if {"ktok_s", "fwdbwd_ms"} <= set(row) else
+                  f"{row['ktok_s']:.1f} ktok/s" if "ktok_s" in row else
                   f"{row['fwdbwd_ms']:.2f} ms" if "fwdbwd_ms" in row else row.get("error", "")[:40])
-        print(f"{row['part']:<6}{row['name'][:49]:<50}{shape:<22}{result:>14}")
+        print(f"{row['part']:<6}{row['name'][:49]:<50}{shape:<22}{result:>26}")
     return 0
 
 

@@ -63,7 +63,8 @@ def _table(ablations, a: list[float], b: list[float]) -> dict:
 
 def test_verdicts_say_the_direction_and_whether_the_seed_ranges_separate(ablations):
     strict = ablations.Expectation("fox", "transformer", "fox wins")
-    level = ablations.Expectation("fox", "transformer", "fox is level", competitive=True)
+    level = ablations.Expectation("fox", "transformer", "fox is level", kind="level")
+    neither = ablations.Expectation("fox", "transformer", "fox against the transformer", kind="none")
     apart = _table(ablations, [1.0, 1.1], [2.0, 2.1])
     assert "goes the paper's way, beyond the seed spread" in ablations.verdict(apart, strict)
     overlap = _table(ablations, [1.0, 1.3], [1.2, 1.4])
@@ -72,6 +73,7 @@ def test_verdicts_say_the_direction_and_whether_the_seed_ranges_separate(ablatio
     assert "goes the other way, within the seed spread" in ablations.verdict(worse_within, strict)
     assert "goes the paper's way, within the seed spread" in ablations.verdict(worse_within, level)
     assert "goes the other way, beyond" in ablations.verdict(_table(ablations, [2.0, 2.1], [1.0, 1.1]), level)
+    assert "transformer lower, within the seed spread" in ablations.verdict(worse_within, neither)
     one_seed = _table(ablations, [1.2], [1.0])
     assert "goes the other way, one seed" in ablations.verdict(one_seed, level)
     assert ablations.verdict({"fox": apart["fox"]}, strict) == "- fox wins: not measured"

@@ -24,24 +24,24 @@ position-loss``, the loss by position in windows of 1, 2 and 4 times the trainin
 measurement): its last bin at the training length (the end of the context) and past the training length.
 
 Writes into ``--out``: ``runs/<variant>/seed<s>/`` (weights, metrics, eval/), per set ``ablation_<set>.md`` and
-``.csv`` (mean and sample std over seeds), ``ablation_<set>.json`` (every seed's value, mean, sample std, min and
-max, the paper's direction and the verdicts) and ``ablation_<set>.png``, ``ablations.md`` (everything) and
-``logs/``. A comparison goes "beyond the seed spread" only when the seeds' ranges (min-max) of the two variants do
-not overlap. Runs that finished are reused when the script runs again; ``timeout -s INT`` stops it with a report
-of what finished. ``--throughput FILE`` instead renders the JSON lines of ``linmem bench layers --parts mixers``
-(the Linear-MoE Table 3 sweep, GPU only) as ``throughput.md``.
+``.csv`` (mean ± sample std [min, max] over seeds, :class:`linmem.eval.seeds.Spread`), ``ablation_<set>.json``
+(every seed's value, mean, sample std, min and max, the paper's direction and the verdicts) and
+``ablation_<set>.png``, ``ablations.md`` (everything) and ``logs/``. A comparison goes "beyond the seed spread"
+only when the seeds' ranges (min-max) of the two variants do not overlap. Runs that finished are reused when the
+script runs again; ``timeout -s INT`` stops it with a report of what finished. ``--throughput FILE`` instead
+renders the JSON lines of ``linmem bench layers --parts mixers`` (the Linear-MoE Table 3 sweep, GPU only) as
+``throughput.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -61,6 +61,7 @@ from claims import (  # noqa: E402
 )
 
 from linmem.eval.plots import plt  # noqa: E402
+from linmem.eval.seeds import Spread  # noqa: E402
 from linmem.eval.tables import write_table  # noqa: E402
 
 
@@ -227,16 +228,15 @@ def run_metrics(run: Path) -> dict:
 
 
 def spread(values: Sequence[float]) -> dict:
-    """Mean, sample standard deviation (n - 1; nan for one value), min, max and the values themselves.
+    """:class:`~linmem.eval.seeds.Spread`'s mean, sample standard deviation (n - 1; 0 for one value), min, max and
+    n, and the values themselves.
 
     Example:
         >>> spread([1.0, 2.0, 3.0])["std"]
         1.0
     """
     values = [float(v) for v in values]
-    return {"n": len(values), "mean": statistics.fmean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else float("nan"),
-            "min": min(values), "max": max(values), "values": values}
+    return {**asdict(Spread.of(values)), "values": values}
 
 
 METRICS = ("val_loss", "end_loss", "past_loss")
@@ -255,9 +255,10 @@ def aggregate(results: dict[str, dict[int, dict]]) -> dict[str, dict]:
 
 
 def _cell(stats: dict) -> str:
-    if math.isnan(stats["std"]):
+    """``mean ± std [min, max]`` of a :func:`spread`; the mean alone for one seed."""
+    if stats["n"] < 2:
         return f"{stats['mean']:.4f}"
-    return f"{stats['mean']:.4f} ± {stats['std']:.4f}"
+    return Spread(**{k: stats[k] for k in ("mean", "std", "min", "max", "n")}).text(digits=4)
 
 
 def verdict(table: dict[str, dict], expectation: Expectation) -> str:
@@ -284,7 +285,7 @@ def verdict(table: dict[str, dict], expectation: Expectation) -> str:
 
 
 def markdown_rows(table: dict[str, dict], end: int, past: int) -> list[dict]:
-    """One row per variant: the mean ± sample std of each metric; ``end``, ``past``: the window lengths they are at."""
+    """One row per variant: each metric's mean ± sample std [min, max]; ``end``, ``past``: their window lengths."""
     return [{"variant": name, "paper's row": row["label"], "params": f"{row['params_m']:.2f}M",
              "seeds": row["val_loss"]["n"], "held-out loss": _cell(row["val_loss"]),
              f"loss at the end of L={end}": _cell(row["end_loss"]),
@@ -299,8 +300,7 @@ def plot_ablation(title: str, table: dict[str, dict], results: dict[str, dict[in
     for i, name in enumerate(names):
         stats = table[name]["val_loss"]
         points.scatter([i] * stats["n"], stats["values"], color="gray", s=14, zorder=2)
-        points.errorbar([i], [stats["mean"]], yerr=[0 if math.isnan(stats["std"]) else stats["std"]], fmt="o",
-                        color="C0", capsize=5, zorder=3)
+        points.errorbar([i], [stats["mean"]], yerr=[stats["std"]], fmt="o", color="C0", capsize=5, zorder=3)
     points.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
     points.set(ylabel="held-out loss", title="held-out loss: seeds (gray), mean ± sample std")
     points.grid(alpha=0.3)
@@ -341,7 +341,7 @@ def report_ablation(key: str, results: dict[str, dict[int, dict]], out: Path, co
         {"ablation": key, "title": ablation.title, "paper": ablation.paper, **context, **lengths,
          "spread": "std: sample standard deviation over seeds (n - 1); min, max: the seeds' range",
          "variants": table, "verdicts": verdicts}, indent=2) + "\n")
-    return lines + [md.read_text(), "Cells: mean ± sample std over seeds.", "", *verdicts, "",
+    return lines + [md.read_text(), "Cells: mean ± sample std [min, max] over seeds.", "", *verdicts, "",
                     f"![{key}]({plot.name})", ""]
 
 

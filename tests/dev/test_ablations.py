@@ -58,7 +58,8 @@ def test_smoke_ablation_tabulates_the_runs_own_metrics(tmp_path, ablations):
 
 
 def _table(ablations, a: list[float], b: list[float]) -> dict:
-    return {"fox": {"val_loss": ablations.spread(a)}, "transformer": {"val_loss": ablations.spread(b)}}
+    return {name: {"val_loss": ablations.spread(values), "seeds": {s: {"val_loss": v} for s, v in enumerate(values)}}
+            for name, values in (("fox", a), ("transformer", b))}
 
 
 def test_verdicts_say_the_direction_and_whether_the_seed_ranges_separate(ablations):
@@ -69,6 +70,8 @@ def test_verdicts_say_the_direction_and_whether_the_seed_ranges_separate(ablatio
     assert "goes the paper's way, beyond the seed spread" in ablations.verdict(apart, strict)
     overlap = _table(ablations, [1.0, 1.3], [1.2, 1.4])
     assert "goes the paper's way, within the seed spread" in ablations.verdict(overlap, strict)
+    assert "1.1500 ± 0.2121 vs 1.3000 ± 0.1414 (fox lower at 2 of 2 seeds)" in ablations.verdict(overlap, strict)
+    assert "(fox lower at 1 of 2 seeds)" in ablations.verdict(_table(ablations, [1.0, 1.5], [1.2, 1.4]), strict)
     worse_within = _table(ablations, [1.2, 1.4], [1.0, 1.3])
     assert "goes the other way, within the seed spread" in ablations.verdict(worse_within, strict)
     assert "goes the paper's way, within the seed spread" in ablations.verdict(worse_within, level)

@@ -262,11 +262,17 @@ def _cell(stats: dict) -> str:
 
 
 def verdict(table: dict[str, dict], expectation: Expectation) -> str:
-    """Whether the measured held-out losses go the paper's way, and whether the seeds' spread allows a conclusion."""
+    """Whether the measured held-out losses go the paper's way, whether the seeds' spread allows a conclusion, and at
+    how many seeds the one is lower than the other (the same seed: the same batches, and the same initial weights
+    where the two models create the same parameters)."""
     if expectation.better not in table or expectation.worse not in table:
         return f"- {expectation.claim}: not measured"
     a, b = table[expectation.better]["val_loss"], table[expectation.worse]["val_loss"]
-    measured = f"{_cell(a)} vs {_cell(b)}"
+    first, second = table[expectation.better]["seeds"], table[expectation.worse]["seeds"]
+    paired = [seed for seed in first if seed in second]
+    lower = sum(first[seed]["val_loss"] < second[seed]["val_loss"] for seed in paired)
+    measured = (f"{a['mean']:.4f} ± {a['std']:.4f} vs {b['mean']:.4f} ± {b['std']:.4f} ({expectation.better} lower "
+                f"at {lower} of {len(paired)} seeds)")
     measured_spread = min(a["n"], b["n"]) >= 2
     separated = measured_spread and (a["max"] < b["min"] or b["max"] < a["min"])
     if not measured_spread:

@@ -10,7 +10,7 @@ Model code is written for one device; this package parallelises it (as torchtita
   checkpointing and the compilation);
 * :class:`SequenceParallel` + :func:`sequence_parallel`: the handler the ops consult so that
   memory layers, attention layers and short convolutions run over sequences split between ranks;
-  :func:`sp_linear_recurrence`, :func:`sp_attention`, :func:`sp_halo` are its ops;
+  :func:`sp_linear_recurrence`, :func:`sp_bayes_filter`, :func:`sp_attention`, :func:`sp_halo` are its ops;
 * :func:`shard_sequence`, :class:`DataParallelBatches`, :func:`global_lm_loss`: each rank's share
   of the batch and the loss over the global batch;
 * :func:`save_distributed` / :func:`load_distributed` (DCP, reshardable; :func:`write_shards` /
@@ -27,6 +27,7 @@ from typing import Any
 
 _EXPORTS = {
     "attention": ("sp_attention",),
+    "bayes": ("sp_bayes_filter",),
     "batch": ("DataParallelBatches", "global_lm_loss", "next_token_targets", "shard_sequence", "split_packing"),
     "checkpoint": ("export_pretrained", "load_distributed", "read_shards", "save_distributed", "write_shards"),
     "config": ("ParallelConfig", "ParallelConfigError", "ParallelMesh", "build_mesh", "init_distributed"),
@@ -69,6 +70,7 @@ __all__ = [
     "sequence_parallel",
     "shard_sequence",
     "sp_attention",
+    "sp_bayes_filter",
     "sp_halo",
     "sp_linear_recurrence",
     "split_packing",

@@ -1,9 +1,9 @@
 """The sequence-parallel handler the ops consult (see :mod:`linmem.ops.parallel`).
 
 For one training step the trainer installs a :class:`SequenceParallel` built from the step's
-piece of the batch; while it is installed, the memory layers' recurrences, the attention layers
-and the short convolutions' history run over the whole sequences although every rank holds one
-piece. The model code does not change.
+piece of the batch; while it is installed, the memory layers' recurrences (the Bayesian memory's
+filter too), the attention layers and the short convolutions' history run over the whole sequences
+although every rank holds one piece. The model code does not change.
 
 Example (on every rank of the sequence-parallel group)::
 
@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ..ops.parallel import sequence_parallel
 from .attention import sp_attention
+from .bayes import sp_bayes_filter
 from .sequence import PieceLayout, sp_halo, sp_linear_recurrence
 
 __all__ = ["SequenceParallel", "sequence_parallel"]
@@ -61,6 +62,10 @@ class SequenceParallel:
     def linear_recurrence(self, q, k, v, **kwargs):  # noqa: D102 (SequenceHandler)
         self._check("linear_recurrence", q.shape[1], kwargs.get("cu_seqlens"))
         return sp_linear_recurrence(q, k, v, group=self.group, layout=self.layout, **kwargs)
+
+    def bayes_filter(self, q, k, v, **kwargs):  # noqa: D102 (SequenceHandler)
+        self._check("bayes_filter", q.shape[1], kwargs.get("cu_seqlens"))
+        return sp_bayes_filter(q, k, v, group=self.group, layout=self.layout, **kwargs)
 
     def attention(self, q, k, v, *, log_forget, window, scale, cu_seqlens):  # noqa: D102
         self._check("attention", q.shape[1], cu_seqlens)

@@ -37,7 +37,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..layers.bayes import BayesianMemory
 from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
@@ -78,11 +77,6 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
         raise ParallelConfigError(
             "parallel.sp > 1 cannot serve mixtures of memories (memory='mom'): their recurrences run over routed "
             "segments, not the batch's time axis; use sp = 1"
-        )
-    if config.sp > 1 and any(isinstance(b.mixer, BayesianMemory) for b in blocks):
-        raise ParallelConfigError(
-            "parallel.sp > 1 cannot serve the Bayesian memory (memory='bayes'): its covariance update is not affine "
-            "in the state a piece starts from, so the pieces of a sequence cannot be filtered apart; use sp = 1"
         )
     refusal = tensor_parallel_refusal(model, config.tp)
     if refusal is not None:

@@ -4,7 +4,7 @@ Model code is written for one device. When a batch's sequences are split over se
 ranks (sequence parallelism), :mod:`linmem.distributed` installs a handler here for the
 duration of a training step, and the ops that mix tokens across time hand their call to
 it. The ops know nothing of ranks or process groups: they only ask
-:func:`sequence_handler` and, when it answers, call one of its three methods::
+:func:`sequence_handler` and, when it answers, call one of its methods::
 
     handler = parallel.sequence_handler()
     if handler is not None:
@@ -53,6 +53,11 @@ class SequenceHandler(Protocol):
         cu_seqlens: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """:func:`linmem.ops.attention.forgetting_attention` over the whole sequences."""
+
+    def bayes_filter(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """:func:`linmem.ops.bayes_filter` over the whole sequences; same arguments and results."""
 
     def halo(self, x: torch.Tensor, size: int, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         """The ``size`` tokens before this piece in the same sequence: x ``[B, T, C]`` -> ``[B, size, C]``

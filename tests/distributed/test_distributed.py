@@ -235,9 +235,6 @@ def test_model_errors() -> None:
     mom = LinmemForCausalLM(LinmemConfig(**tiny, memory="mom"))
     with pytest.raises(ParallelConfigError, match="mixtures of memories"):
         check_model(mom, ParallelConfig(sp=2))
-    bayes = LinmemForCausalLM(LinmemConfig(**tiny, memory="bayes"))
-    with pytest.raises(ParallelConfigError, match="cannot serve the Bayesian memory"):
-        check_model(bayes, ParallelConfig(sp=2))
     capped = LinmemForCausalLM(LinmemConfig(**tiny, mlp="moe", moe=dict(num_experts=4, capacity_factor=1.0)))
     with pytest.raises(ParallelConfigError, match="dropless"):
         check_model(capped, ParallelConfig(dp=2, ep=2))

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import parallel
 from ..checks import check_backend
 from .chunk import chunk_filter
 from .conditioning import chunk_refusal
@@ -214,6 +215,11 @@ def bayes_filter(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         return_variance=return_variance,
     )
+    if (handler := parallel.sequence_handler()) is not None:  # the sequences are split over ranks
+        return handler.bayes_filter(q, k, v, log_decay=log_decay, obs_noise=obs_noise, process_noise=process_noise,
+                                    prior=prior, reset=reset, scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                    return_variance=return_variance, backend=backend)
     return _choose(backend, inputs)(inputs)
 
 

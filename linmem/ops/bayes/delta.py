@@ -13,7 +13,7 @@ The given initial covariance is not read (each step resets it); a sequence with 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,15 +33,20 @@ def _last_tokens(inputs: FilterInputs, x: torch.Tensor) -> tuple[torch.Tensor, t
     return x[0, (cu[1:] - 1).clamp_min(0)], present
 
 
-def delta_filter(inputs: FilterInputs) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[State]]:
-    """The "delta" backend of :func:`linmem.ops.bayes_filter` for ``reset=True`` (inputs already validated)."""
+def delta_filter(
+    inputs: FilterInputs, recurrence: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]] = linear_recurrence
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[State]]:
+    """The "delta" backend of :func:`linmem.ops.bayes_filter` for ``reset=True`` (inputs already validated).
+
+    ``recurrence`` computes the mean, with the arguments of ``linear_recurrence`` (sequence parallelism passes
+    its own); the covariance and the variance are per token."""
     acc = compute_dtype(inputs.q)
     p = inputs.prior
     k = inputs.k.to(acc)
     r = inputs.obs_noise.to(acc)
     s = p * (k * k).sum(-1) + r  # [B, T, H]
     M0 = None if inputs.initial_state is None else inputs.initial_state[0].to(acc)
-    o, M = linear_recurrence(
+    o, M = recurrence(
         inputs.q, inputs.k, inputs.v, log_decay=inputs.log_decay.to(acc), beta=p / s, scale=inputs.scale,
         initial_state=M0, output_final_state=inputs.output_final_state, cu_seqlens=inputs.cu_seqlens,
     )

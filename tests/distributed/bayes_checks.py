@@ -6,7 +6,8 @@
   where a piece ends inside a sequence, and the gradients of every input (fp64, error ratio < 1e-9);
 * whole models (Bayesian layers with sliding-window attention, short convolutions on): logits, the loss and
   every parameter's gradient, fixed and packed rows; and under FSDP2 with activation checkpointing (the blocks
-  recompute their forward, relay included, in the backward pass, between FSDP's collectives);
+  recompute their forward, relay included, in the backward pass, between FSDP's collectives), on 4 ranks also
+  as sp = 2 x tp = 2 (each tensor-parallel rank relays its heads);
 * what ends a job instead of hanging it: a rank that raises before or inside the relay, ranks that disagree on
   the shapes or on autograd, a rank that never arrives (the collective's timeout).
 
@@ -185,8 +186,8 @@ def _hybrid(dtype: torch.dtype) -> LinmemForCausalLM:
         mixer=dict(window=5), recurrence_backend="reference")).to(dtype)
 
 
-def _global_batch(packed: bool) -> dict[str, torch.Tensor]:
-    world = dist.get_world_size()
+def _global_batch(packed: bool, world: int) -> dict[str, torch.Tensor]:
+    """The batch split over ``world`` sequence-parallel ranks: rows of 8 tokens a rank, packed or not."""
     T = 8 * world
     ids = torch.randint(0, 32, (1 if packed else 2, T), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
@@ -199,7 +200,7 @@ def model_case(packed: bool) -> None:
     """A Bayesian + sliding-window hybrid (fp64) on this rank's piece: logits, loss and every gradient."""
     world, rank = dist.get_world_size(), dist.get_rank()
     case = f"bayes + swa model, packed={packed}, world {world}"
-    batch = _global_batch(packed)
+    batch = _global_batch(packed, world)
     ids, cu = batch["input_ids"], batch.get("cu_seqlens")
     model = _hybrid(F64)
     ref = model(ids, cu_seqlens=cu, use_cache=False).logits
@@ -222,22 +223,21 @@ def model_case(packed: bool) -> None:
         _check(f"d{name}", _summed(p.grad, p) / world, ref_grads[name], case, MODEL_TOL, kind)
 
 
-def fsdp_case() -> None:
-    """The hybrid (fp32) under FSDP2, one block a unit, with activation checkpointing and sp = world: the loss and
-    every parameter's gradient (gathered whole) equal one process."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    case = f"bayes + swa model under FSDP2 and activation checkpointing, world {world}"
-    batch = _global_batch(packed=True)
+def fsdp_case(config: ParallelConfig) -> None:
+    """The hybrid (fp32) parallelised by ``config`` (FSDP2, one block a unit, activation checkpointing, sequence and
+    maybe tensor parallelism): the loss and every parameter's gradient (gathered whole) equal one process."""
+    world = dist.get_world_size()
+    case = f"bayes + swa model under FSDP2 and activation checkpointing, sp = {config.sp}, tp = {config.tp}"
+    batch = _global_batch(packed=True, world=config.sp)
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     model = _hybrid(torch.float32)
     ref_loss = global_lm_loss(model(ids, cu_seqlens=cu, use_cache=False).logits, next_token_targets(ids, cu), None)
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    config = ParallelConfig(sp=world, activation_checkpointing=True, blocks_per_unit=1)
     mesh = build_mesh(config, "cpu")
     sharded = parallelize(_hybrid(torch.float32), mesh, config)
-    piece, layout = shard_sequence(batch, rank, world)
+    piece, layout = shard_sequence(batch, mesh.sp.get_local_rank(), config.sp)
     filtered, original = [], _Relay.filter
     _Relay.filter = lambda self, *args: filtered.append(1) or original(self, *args)  # counts the local pieces
     try:
@@ -250,7 +250,7 @@ def fsdp_case() -> None:
         _Relay.filter = original
     # per Bayesian layer: the forward, its recomputation in the backward pass, the backward's own recomputation
     assert len(filtered) == 2 * 3, f"{case}: {len(filtered)} local filter runs, expected 6"
-    kind = "fp32 model, FSDP2 + checkpointing"
+    kind = "fp32 model, FSDP2 + checkpointing" + (" + tp" if config.tp > 1 else "")
     _check("loss", _summed(loss.detach(), loss) / world, ref_loss.detach(), case, MODEL_TOL, kind)
     for name, p in sharded.named_parameters():
         _check(f"d{name}", p.grad.full_tensor(), ref_grads[name], case, MODEL_TOL, kind)
@@ -261,7 +261,10 @@ def all_bayes_checks() -> None:
     filter_checks()
     for packed in (False, True):
         model_case(packed)
-    fsdp_case()
+    world = dist.get_world_size()
+    layouts = [dict(sp=world)] + ([dict(sp=2, tp=2)] if world == 4 else [])
+    for layout in layouts:
+        fsdp_case(ParallelConfig(**layout, activation_checkpointing=True, blocks_per_unit=1))
     if dist.get_rank() == 0:
         print(f"sequence-parallel Bayesian memory on {dist.get_world_size()} ranks: largest error ratio "
               + ", ".join(f"{kind} {err:.1e}" for kind, err in sorted(ERRORS.items()))

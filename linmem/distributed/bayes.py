@@ -12,9 +12,9 @@ over the piece; so here the state a piece starts from is known before the piece 
     forward,  round j = 0 .. world - 2:  rank j filters its piece and broadcasts the end state (M, P) of its last
               segment; rank j + 1 starts its first segment from it when that segment continues rank j's last one.
               The last rank filters after round world - 2.
-    backward, round j = world - 1 .. 1:  rank j recomputes its piece, runs its backward (the gradient of its end
-              state, received in round j + 1, added to its own) and broadcasts the gradient of the state it started
-              from. Rank 0 runs its backward after round 1.
+    backward, round j = world - 1 .. 1:  rank j recomputes its piece (under the forward's autocast), runs its
+              backward (the gradient of its end state, received in round j + 1, added to its own) and broadcasts the
+              gradient of the state it started from. Rank 0 runs its backward after round 1.
 
 Why it cannot deadlock: a call issues, on every rank, one all-gather of its shapes (where values are checked) and
 the broadcasts of rounds 0 .. world - 2 in its forward, and the broadcasts of rounds world - 1 .. 1 in its
@@ -112,12 +112,16 @@ class _Relay:
         dist.broadcast(payload, group=self.group, group_src=src)
         return payload[:split].view(rows, H, K, V), payload[split:].view(rows, H, K, K)
 
-    def gradients(self, saved: tuple, carry: Optional[State], needs: tuple[bool, ...], grads: tuple,
-                  end_grad: Optional[State]) -> tuple[list[Optional[torch.Tensor]], State]:
+    def gradients(
+        self, saved: tuple, carry: Optional[State], needs: tuple[bool, ...], grads: tuple, end_grad: Optional[State],
+        autocast: tuple[bool, torch.dtype],
+    ) -> tuple[list[Optional[torch.Tensor]], State]:
         """The local piece recomputed under autograd and differentiated: the gradients of (q, k, v, log_decay,
         obs_noise, process_noise, M0, P0) where ``needs`` says, and that of the carried start (zero without one).
-        ``grads``: those of (o, var, M, P); ``end_grad``: the next rank's gradient of the last rows' end state."""
-        with torch.enable_grad():
+        ``grads``: those of (o, var, M, P); ``end_grad``: the next rank's gradient of the last rows' end state;
+        ``autocast``: the forward's autocast (enabled, dtype), under which the piece is recomputed as it ran."""
+        enabled, dtype = autocast
+        with torch.enable_grad(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
             leaves = [None if x is None else x.detach().requires_grad_(need) for x, need in zip(saved, needs)]
             carried = None if carry is None else tuple(x.detach().requires_grad_() for x in carry)
             o, var, (M, P) = self.filter(tuple(leaves[:6]), self.start(leaves[6], leaves[7], carried))
@@ -161,6 +165,8 @@ class _RelayFilter(torch.autograd.Function):
             result = relay.filter(tensors, relay.start(M0, P0, carry))
         o, var, (M, P) = result
         ctx.relay = relay
+        device = relay.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(*tensors, M0, P0, *(carry if carry is not None else (None, None)))
         ctx.set_materialize_grads(False)  # outputs nobody used (the variance, the final state) have no gradient
         return o, var, M, P
@@ -175,12 +181,12 @@ class _RelayFilter(torch.autograd.Function):
         for j in range(relay.world - 1, 0, -1):  # round j: rank j's start-state gradient goes back to rank j - 1
             start_grad = None
             if relay.rank == j:
-                result, start_grad = relay.gradients(tuple(saved), carry, needs, grads, end_grad)
+                result, start_grad = relay.gradients(tuple(saved), carry, needs, grads, end_grad, ctx.autocast)
             got = relay.round(j, start_grad)
             if relay.rank == j - 1:
                 end_grad = got
         if relay.rank == 0:
-            result, _ = relay.gradients(tuple(saved), carry, needs, grads, end_grad)
+            result, _ = relay.gradients(tuple(saved), carry, needs, grads, end_grad, ctx.autocast)
         return (None, *result)
 
 

@@ -45,6 +45,10 @@ from tests.helpers import rel_err
 
 TOL = 1e-9  # fp64: the split run must agree to rounding
 MODEL_TOL = 1e-5  # fp64 models keep some fp32 steps (norms, gates, the loss); fp32 models under FSDP
+# fp32 inputs under bf16 autocast: the forward and the last rank's gradients (no gradient relayed to it) are the
+# one process's to fp32 rounding; earlier ranks receive their end state's adjoint with its P part symmetrised
+# (the filter reads a given P as its symmetric part), equal in exact arithmetic, not in bf16's matmuls
+AUTOCAST_TOL, AUTOCAST_RELAYED_TOL = 1e-6, 1e-2
 F64 = torch.float64
 #: packed rows of each world size: [T, bounds]; every shape of crossing a rank boundary
 PACKINGS = {
@@ -95,35 +99,42 @@ def _pieces(bounds: Optional[list[int]], B: int, T: int, world: int) -> list[dic
 
 
 def filter_case(bounds: Optional[list[int]], process_noise: bool, initial: bool, reset: bool = False,
-                backend: str = "reference") -> None:
+                backend: str = "reference", autocast: bool = False) -> None:
     """sp_bayes_filter on this rank's piece against bayes_filter on the whole rows (``bounds``: packed, else
-    fixed-length rows): outputs, variances, final and piece-end states, and every gradient."""
+    fixed-length rows): outputs, variances, final and piece-end states, and every gradient. With ``autocast``
+    fp32 inputs under bf16 autocast (the backward's recomputation must run as the forward did)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     H, K, V = 2, 4, 3
     B, T = (2, 5 * world) if bounds is None else (1, bounds[-1])
     cu = None if bounds is None else torch.tensor(bounds)
     N = B if cu is None else len(bounds) - 1
-    case = f"bayes/bounds={bounds}/process_noise={process_noise}/initial={initial}/reset={reset}/{backend}"
+    case = (f"bayes/bounds={bounds}/process_noise={process_noise}/initial={initial}/reset={reset}/{backend}/"
+            f"autocast={autocast}")
     gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    dtype = torch.float32 if autocast else F64
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64).to(dtype)  # noqa: E731
     full = {"q": rand(B, T, H, K), "k": F.normalize(rand(B, T, H, K), dim=-1), "v": rand(B, T, H, V),
             "log_decay": F.logsigmoid(rand(B, T, H) + 3),
-            "obs_noise": 0.5 + torch.rand(B, T, H, generator=gen, dtype=F64)}
+            "obs_noise": 0.5 + torch.rand(B, T, H, generator=gen, dtype=F64).to(dtype)}
     if process_noise:
-        full["process_noise"] = 0.1 * torch.rand(B, T, H, generator=gen, dtype=F64)
+        full["process_noise"] = 0.1 * torch.rand(B, T, H, generator=gen, dtype=F64).to(dtype)
     A = rand(N, H, K, K)
-    state = (rand(N, H, K, V), A @ A.transpose(-1, -2) / K + torch.eye(K, dtype=F64)) if initial else None
+    state = (rand(N, H, K, V), A @ A.transpose(-1, -2) / K + torch.eye(K, dtype=dtype)) if initial else None
     w_o, w_var, w_M, w_P = rand(B, T, H, V), rand(B, T, H), rand(N, H, K, V), rand(N, H, K, K)
     pieces = _pieces(bounds, B, T, world)
     w_inside = [(rand(len(p["inside"][0]), H, K, V), rand(len(p["inside"][0]), H, K, K)) if p["inside"] else None
                 for p in pieces]
     options = dict(output_final_state=True, return_variance=True, reset=reset, backend=backend)
     L = T // world
+    tol = AUTOCAST_TOL if autocast else TOL
+    relayed = AUTOCAST_RELAYED_TOL if autocast and rank < world - 1 else tol  # gradients that came back from later
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
 
     # one process: the whole rows, plus each state where a piece ends inside a sequence (its rows cut there)
     ref = {n: x.clone().requires_grad_() for n, x in full.items()}
     ref_state = None if state is None else tuple(x.clone().requires_grad_() for x in state)
-    o_ref, var_ref, (M_ref, P_ref) = bayes_filter(**ref, initial_state=ref_state, cu_seqlens=cu, **options)
+    with bf16():
+        o_ref, var_ref, (M_ref, P_ref) = bayes_filter(**ref, initial_state=ref_state, cu_seqlens=cu, **options)
     loss = (o_ref * w_o).sum() + (var_ref * w_var).sum() + (M_ref * w_M).sum() + (P_ref * w_P).sum()
     inside_ref = []
     for r, piece in enumerate(pieces):
@@ -133,7 +144,8 @@ def filter_case(bounds: Optional[list[int]], process_noise: bool, initial: bool,
         rows, start = piece["inside"]
         cut = {n: (x[:, start:(r + 1) * L] if cu is not None else x[:, :(r + 1) * L]) for n, x in ref.items()}
         init = None if ref_state is None else tuple(x[rows] for x in ref_state)
-        _, _, inside_ref[r] = bayes_filter(**cut, initial_state=init, **options)
+        with bf16():
+            _, _, inside_ref[r] = bayes_filter(**cut, initial_state=init, **options)
         loss = loss + (inside_ref[r][0] * w_inside[r][0]).sum() + (inside_ref[r][1] * w_inside[r][1]).sum()
     loss.backward()
 
@@ -143,8 +155,9 @@ def filter_case(bounds: Optional[list[int]], process_noise: bool, initial: bool,
     mine = {n: x[:, lo:hi].clone().requires_grad_() for n, x in full.items()}
     leaves = None if state is None else tuple(x.clone().requires_grad_() for x in state)
     local_state = None if leaves is None else tuple(x[seq_of] for x in leaves)
-    o, var, (M, P) = sp_bayes_filter(**mine, group=dist.group.WORLD, initial_state=local_state, **options,
-                                     **piece["kw"])
+    with bf16():
+        o, var, (M, P) = sp_bayes_filter(**mine, group=dist.group.WORLD, initial_state=local_state, **options,
+                                         **piece["kw"])
     done = torch.tensor(piece["ends"])
     loss = (o * w_o[:, lo:hi]).sum() + (var * w_var[:, lo:hi]).sum()
     loss = loss + (M[done] * w_M[seq_of][done]).sum() + (P[done] * w_P[seq_of][done]).sum()
@@ -153,20 +166,22 @@ def filter_case(bounds: Optional[list[int]], process_noise: bool, initial: bool,
         loss = loss + (M[-rows:] * w_inside[rank][0]).sum() + (P[-rows:] * w_inside[rank][1]).sum()
     loss.backward()
 
-    _check("o", o, o_ref[:, lo:hi], case)
-    _check("var", var, var_ref[:, lo:hi], case)
-    _check("final M", M[done], M_ref[seq_of][done], case)
-    _check("final P", P[done], P_ref[seq_of][done], case)
+    kind = "filter, bf16 autocast" if autocast else "filter"
+    _check("o", o, o_ref[:, lo:hi], case, tol, kind)
+    _check("var", var, var_ref[:, lo:hi], case, tol, kind)
+    _check("final M", M[done], M_ref[seq_of][done], case, tol, kind)
+    _check("final P", P[done], P_ref[seq_of][done], case, tol, kind)
     if piece["inside"] is not None:
         rows = len(piece["inside"][0])
-        _check("M where the piece ends", M[-rows:], inside_ref[rank][0], case)
-        _check("P where the piece ends", P[-rows:], inside_ref[rank][1], case)
+        _check("M where the piece ends", M[-rows:], inside_ref[rank][0], case, tol, kind)
+        _check("P where the piece ends", P[-rows:], inside_ref[rank][1], case, tol, kind)
     for n, x in mine.items():
-        _check(f"d{n}", x.grad, ref[n].grad[:, lo:hi], case)
+        _check(f"d{n}", x.grad, ref[n].grad[:, lo:hi], case, relayed, kind)
     if state is not None:  # (the reset filter does not read the initial covariance: no gradient, or zero)
         for name, leaf, ref_leaf in zip(("M", "P"), leaves, ref_state):
             expect = torch.zeros_like(ref_leaf) if ref_leaf.grad is None else ref_leaf.grad
-            _check(f"d initial {name}", _summed(leaf.grad, leaf), expect, case)
+            summed_tol = AUTOCAST_RELAYED_TOL if autocast else tol
+            _check(f"d initial {name}", _summed(leaf.grad, leaf), expect, case, summed_tol, kind)
 
 
 def filter_checks() -> None:
@@ -177,6 +192,7 @@ def filter_checks() -> None:
     for bounds in (None, PACKINGS[world][0][1]):
         filter_case(bounds, True, True, backend="chunk")
         filter_case(bounds, False, True, reset=True)
+        filter_case(bounds, True, True, autocast=True)
 
 
 def _hybrid(dtype: torch.dtype) -> LinmemForCausalLM:

@@ -13,7 +13,6 @@ import torch
 
 from linmem.data.instruct import (
     InstructBatches,
-    InstructExamples,
     encode_examples,
     format_prompt,
     predicted_answer_tokens,

@@ -38,6 +38,8 @@ def test_ranks_compile_where_their_parent_started_inductor_threads(tmp_path, mon
     from torch._inductor.async_compile import AsyncCompile
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold: the rank compiles its kernel
-    monkeypatch.setattr(config, "compile_threads", 2)
-    AsyncCompile.pool().submit(int).result()  # the parent's compile threads have run and wait, idle
-    run_ranks(2, _compiles_one_kernel, 1.0 + os.getpid() % 1000 / 1000, timeout=120)
+    # inductor's own patch, not monkeypatch: a monkeypatched config entry can be left deleted (hidden) by the undo,
+    # which failed every later compile of the process
+    with config.patch(compile_threads=2):
+        AsyncCompile.pool().submit(int).result()  # the parent's compile threads have run and wait, idle
+        run_ranks(2, _compiles_one_kernel, 1.0 + os.getpid() % 1000 / 1000, timeout=120)

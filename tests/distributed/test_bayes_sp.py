@@ -7,10 +7,9 @@ never arrive ends with a failure that says so, within seconds, instead of hangin
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
-import torch
 
 from linmem.distributed import ParallelConfig, check_model
 from linmem.models import LinmemConfig, LinmemForCausalLM
@@ -18,14 +17,7 @@ from linmem.models import LinmemConfig, LinmemForCausalLM
 from . import bayes_checks
 from .launch import run_ranks
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The one-process references run on one thread, as every rank does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("world", [2, 4])

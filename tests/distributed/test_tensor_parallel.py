@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -34,6 +33,8 @@ from . import tensor_checks, training_checks
 from .launch import run_ranks
 from .trainer_checks import DENSE_RUN
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _two_ranks(out: str) -> None:
     tensor_checks.zoo_checks()
@@ -48,15 +49,6 @@ def _four_ranks(out: str) -> None:
     training_checks.training_checks(ParallelConfig(dp=2, tp=2), str(Path(out) / "dp_tp"))
     training_checks.training_checks(ParallelConfig(sp=2, tp=2), str(Path(out) / "sp_tp"))
     training_checks.training_checks(ParallelConfig(dp=2, ep=2, tp=2, fsdp=False), str(Path(out) / "ep_tp"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models train on one thread, as every rank of the jobs does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _losses(run_dir: Path) -> list[float]:

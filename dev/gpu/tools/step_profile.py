@@ -10,7 +10,9 @@ CUDA-graph micro-steps), one step as ``linmem bench models`` times it (bf16 weig
   (``cudaLaunchKernel``, ``cuLaunchKernelEx`` and graph launches counted as the kernels they run);
 * ``host_us_per_launch`` = host_ms / launches, and ``wall / gpu``;
 * with ``--ops``: the eager step's 25 costliest ops by host time per call (self and total), to
-  ``ops_<model>.txt``.
+  ``ops_<model>.txt``, and its 30 costliest kernels by GPU time, to ``kernels_<model>.txt``;
+* with ``--recompute-states``: each step again with the recurrence's chunk states recomputed in the backward
+  (``configs.KEEP_STATES=False``), mode ``<mode>+recompute``.
 
     python dev/gpu/tools/step_profile.py --models gated_deltanet,hybrid --modes eager,compiled,graph --out $OUT
 """
@@ -18,16 +20,21 @@ CUDA-graph micro-steps), one step as ``linmem bench models`` times it (bf16 weig
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from linmem.bench.peers import ModelShape, build_model
-from linmem.bench.models import training_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from linmem.bench.peers import ModelShape, build_model  # noqa: E402
+from linmem.bench.models import training_step  # noqa: E402
+from linmem.ops.recurrence.triton import configs  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
@@ -64,6 +71,12 @@ def measure(key: str, mode: str, B: int, T: int, steps: int, ops_file: Path | No
         lines += [f"{e.key[:60]:60s} {e.count:6d} {e.cpu_time_total / e.count:14.1f} "
                   f"{e.self_cpu_time_total / e.count:13.1f}" for e in ops]
         ops_file.write_text("\n".join(lines) + "\n")
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.count),
+                         key=lambda e: e.self_device_time_total, reverse=True)[:30]
+        lines = [f"{'kernel':70s} {'calls':>6s} {'total ms':>9s} {'us/call':>9s}"]
+        lines += [f"{e.key[:70]:70s} {e.count:6d} {e.self_device_time_total / 1e3:9.2f} "
+                  f"{e.self_device_time_total / e.count:9.1f}" for e in kernels]
+        ops_file.with_name(ops_file.name.replace("ops_", "kernels_", 1)).write_text("\n".join(lines) + "\n")
     host_ms, wall_ms, gpu_ms = 1e3 * statistics.median(hosts), 1e3 * statistics.median(walls), gpu_us / 1e3
     row = {"model": key, "mode": mode, "B": B, "T": T, "wall_ms": round(wall_ms, 2), "host_ms": round(host_ms, 2),
            "gpu_ms": round(gpu_ms, 2), "launches": launches, "graph_launches": graph_launches,
@@ -85,6 +98,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x2048", help="comma-separated BxT")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ops", action="store_true", help="the eager step's costliest ops per model")
+    parser.add_argument("--recompute-states", action="store_true",
+                        help="each mode again with the chunk states recomputed in the backward")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -92,10 +107,14 @@ def main() -> None:
     for key in args.models.split(","):
         for shape in args.shapes.split(","):
             B, T = map(int, shape.split("x"))
-            for mode in args.modes.split(","):
-                ops = args.out / f"ops_{key}_{shape}.txt" if args.ops and mode == "eager" else None
+            for mode, keep in itertools.product(args.modes.split(","), (True, False) if args.recompute_states
+                                                 else (True,)):
+                tag = f"{key}_{shape}" + ("" if keep else "_recompute")
+                ops = args.out / f"ops_{tag}.txt" if args.ops and mode == "eager" else None
                 try:
-                    row = measure(key, mode, B, T, args.steps, ops)
+                    with configs.override(KEEP_STATES=keep):
+                        row = measure(key, mode, B, T, args.steps, ops)
+                    row["mode"] = mode + ("" if keep else "+recompute")
                 except Exception as err:  # a mode that fails says so in its row
                     row = {"model": key, "mode": mode, "B": B, "T": T, "error": f"{type(err).__name__}: {err}"[:300]}
                     torch._dynamo.reset()

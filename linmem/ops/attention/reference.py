@@ -39,13 +39,16 @@ def forget_cumsum(log_forget: torch.Tensor, cu_seqlens: Optional[torch.Tensor] =
     the query's own key (s the scaled scores): nothing in fp32 unless two scores of a row lie more
     than about 20 apart. The gradient of a floored gate is 0, as at a gate of 0."""
     acc = torch.float64 if log_forget.dtype == torch.float64 else torch.float32
-    log_forget = log_forget.to(acc).clamp(min=LOG_DECAY_FLOOR)
-    c = log_forget.cumsum(dim=1)
-    if cu_seqlens is None:
-        return c
-    before = c - log_forget  # sums up to t - 1
-    starts = cu_seqlens.to(torch.long)[sequence_ids(cu_seqlens, c.shape[1])]  # [T] first token of t's sequence
-    return c - before[:, starts]
+    # the sums run along the innermost axis, head-major: a scan across the middle axis of [B, T, H] has few
+    # threads (B * H), each walking T (0.4 ms at 8 x 2048 x 16 heads on an H200, as long as the attention kernel);
+    # the result is a [B, T, H] view of [B, H, T] memory, the layout the attention kernels read
+    log_forget = log_forget.to(acc).clamp(min=LOG_DECAY_FLOOR).transpose(1, 2).contiguous()  # [B, H, T]
+    c = log_forget.cumsum(dim=-1)
+    if cu_seqlens is not None:
+        before = c - log_forget  # sums up to t - 1
+        starts = cu_seqlens.to(torch.long)[sequence_ids(cu_seqlens, c.shape[-1])]  # [T] first token of t's sequence
+        c = c - before[..., starts]
+    return c.transpose(1, 2)
 
 
 def visible(

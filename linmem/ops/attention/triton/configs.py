@@ -7,7 +7,7 @@ estimate of :func:`shared_memory` beside what Triton allocates, on a machine wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -38,7 +38,9 @@ class Tiles:
 #: takes 128 registers of each of 256 threads, so the key tiles narrow to 32 (forward 128 x 64 fits only 2 stages;
 #: dq 128 x 32 at 3 stages takes 224 of the 227 KB); dkdv's two accumulators spill at every tile that fits (32 x 64:
 #: 68 instructions per score element with spills in both loops), so dk and dv run as two launches, each recomputing
-#: P (about 39 instructions per element together, no spills in the loops).
+#: P (about 39 instructions per element together, no spills in the loops). decode: timed by
+#: ``dev/gpu/tools/decode_sweep.py --tiles`` (H200, batch 8, 16 heads, 2K-128K keys): at D <= 128 tiles of 128 keys
+#: at 3 stages read the cache at 4.2-4.5 TB/s, where 64 keys at 2 stages read 3.0-3.7 (FoX at D = 128: 3.0).
 TILES: dict[str, dict[int, Tiles]] = {
     "forward": {32: Tiles(64, 128, 4, 3), 64: Tiles(64, 128, 4, 3), 96: Tiles(128, 64, 8, 3),
                 128: Tiles(128, 64, 8, 3), 192: Tiles(128, 32, 8, 3), 256: Tiles(128, 32, 8, 3)},
@@ -46,8 +48,8 @@ TILES: dict[str, dict[int, Tiles]] = {
            192: Tiles(128, 32, 8, 3), 256: Tiles(128, 32, 8, 3)},
     "dkdv": {32: Tiles(64, 128, 8, 3), 64: Tiles(64, 128, 8, 3), 96: Tiles(32, 128, 8, 3), 128: Tiles(32, 128, 8, 3),
              192: Tiles(32, 128, 8, 3, split=True), 256: Tiles(32, 128, 8, 3, split=True)},
-    "decode": {32: Tiles(16, 64, 4, 2), 64: Tiles(16, 64, 4, 2), 96: Tiles(16, 64, 8, 2), 128: Tiles(16, 64, 8, 2),
-               192: Tiles(16, 64, 8, 2), 256: Tiles(16, 64, 8, 2)},
+    "decode": {32: Tiles(16, 128, 8, 3), 64: Tiles(16, 128, 8, 3), 96: Tiles(16, 128, 4, 3),
+               128: Tiles(16, 128, 4, 3), 192: Tiles(16, 64, 8, 2), 256: Tiles(16, 64, 8, 2)},
 }
 #: per kernel for fp32 inputs (head dims up to ``FP32_MAX_HEAD_DIM``): fp32 tiles take twice the registers and
 #: shared memory, and the three tf32 products of each fp32 product split both operands in two
@@ -61,8 +63,12 @@ INTERPRETER_TILES: dict[str, Tiles] = {
     "forward": Tiles(32, 16, 1, 1), "dq": Tiles(32, 16, 1, 1), "dkdv": Tiles(16, 32, 1, 1),
     "decode": Tiles(16, 16, 1, 1),
 }
+#: the fewest key tiles one split of a decoding call reads, on CUDA (2048 keys) and in the interpreter (whose CPU
+#: tests split a cache of 70 keys in two)
+DECODE_SPLIT_TILES = 16
+INTERPRETER_DECODE_SPLIT_TILES = 2
 #: streaming multiprocessors assumed in the interpreter (how many splits decoding takes)
-INTERPRETER_SMS = 4
+INTERPRETER_SMS = 8
 #: shared memory one program may take on sm_90 (H100, H200): 227 of the SM's 228 KB
 SHARED_MEMORY = 227 * 1024
 #: shared memory of the reductions across warps (row statistics, dkdv's column sums), at most
@@ -78,7 +84,8 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
     once per pipelining stage (forward, dq and decode: k and v of a key tile; dkdv: q and dO of a query tile; a
     split dkdv's dk launch, the larger, holds and streams the same), each as wide as the head dim rounded up to a
     power of two. Besides: in decoding a [rows, block_n] fp32 tile (the forget bias of each query row and key
-    changes layout through shared memory), with fp32 inputs both operands of the largest product twice (tf32x3
+    changes layout through shared memory; above 16 rows one more, the scores on their way to the second product,
+    as Triton 3.6 allocates at 64 rows and 128 keys), with fp32 inputs both operands of the largest product twice (tf32x3
     splits each into a high and a low part), and ``SCRATCH_BYTES`` for the reductions across warps.
 
     Example:
@@ -99,6 +106,21 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
     total = elem_bytes * (held + t.stages * streamed) + SCRATCH_BYTES
     if kernel == "decode":  # the forget bias, gathered per query row and key, changes layout through shared memory
         total += 4 * m * n
+        if m > 16:  # on tensor cores (wgmma) the scores also pass through shared memory to the second product
+            total += 4 * m * n
     if elem_bytes == 4:  # tf32x3: the high and low parts of both operands of the largest product
         total += 2 * 4 * max(r * k + k * c for r, k, c in products)
     return total
+
+
+def decode_tiles(t: Tiles, head_dim: int, value_dim: int, elem_bytes: int, rows: int) -> Tiles:
+    """The decoding tiles ``t`` with as many stages as fit shared memory at ``rows`` query rows (a table entry holds
+    for one query row a KV head; a group of query heads or several new tokens take more).
+
+    Example:
+        >>> decode_tiles(Tiles(16, 128, 4, 3), 128, 128, 2, rows=64).stages
+        2
+    """
+    while t.stages > 1 and shared_memory("decode", t, head_dim, value_dim, elem_bytes, rows) > SHARED_MEMORY:
+        t = replace(t, stages=t.stages - 1)
+    return t

@@ -17,7 +17,16 @@ import triton
 
 from ...recurrence.triton import configs as recurrence_configs
 from . import backward, decode, forward
-from .configs import FP32_TILES, INTERPRETER_SMS, INTERPRETER_TILES, TILES, Tiles
+from .configs import (
+    DECODE_SPLIT_TILES,
+    FP32_TILES,
+    INTERPRETER_DECODE_SPLIT_TILES,
+    INTERPRETER_SMS,
+    INTERPRETER_TILES,
+    TILES,
+    Tiles,
+    decode_tiles,
+)
 
 
 def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
@@ -125,12 +134,14 @@ def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, sc
 
 
 def decode_splits(q: torch.Tensor, keys: int, block_n: int) -> int:
-    """How many parallel splits a decoding call cuts its ``keys`` into: about two programs per SM, at least
-    four tiles per split, at most ``decode.MAX_SPLITS``."""
+    """How many parallel splits a decoding call cuts its ``keys`` into: enough programs for one on every SM, each
+    reading at least ``DECODE_SPLIT_TILES`` tiles of ``block_n`` keys, at most ``decode.MAX_SPLITS`` splits.
+    With 3-stage tiles of 128 keys one program per SM reads at the bandwidth (``dev/gpu/tools/decode_sweep.py``);
+    more splits add the partials' traffic and the combine launch, which at 2K keys cost more than they save."""
     B, Hkv = q.shape[0], q.shape[2]
-    programs = B * Hkv
-    wanted = triton.cdiv(2 * sm_count(q.device), programs)
-    return max(1, min(wanted, triton.cdiv(keys, 4 * block_n), decode.MAX_SPLITS))
+    wanted = triton.cdiv(sm_count(q.device), B * Hkv)
+    fewest = block_n * (DECODE_SPLIT_TILES if q.device.type == "cuda" else INTERPRETER_DECODE_SPLIT_TILES)
+    return max(1, min(wanted, keys // fewest, decode.MAX_SPLITS))
 
 
 def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], splits: Optional[int] = None
@@ -141,8 +152,8 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
     B, Tq, H, D = q.shape
     Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
-    cfg = tiles("decode", q, v)
     BR = max(16, triton.next_power_of_2(G * Tq))
+    cfg = decode_tiles(tiles("decode", q, v), D, DV, q.element_size(), BR)
     keys = Tk if window is None else min(Tk, Tq - 1 + window)
     splits = splits if splits is not None else decode_splits(q, keys, cfg.block_n)
     chunk = triton.cdiv(triton.cdiv(keys, splits), cfg.block_n) * cfg.block_n

@@ -1,4 +1,4 @@
-"""How the stages launch their kernels: configs that fit, launch plans, and the fast path past Triton's dispatcher.
+"""How the stages launch their kernels: configs that fit and launch plans, on the shared fast path past the dispatcher.
 
 A stage's launcher calls :func:`launch_kernel` (or :func:`launch_sequential` for the sequential passes) with its
 launch name, kernel, grid, arguments and constexprs. The first call of a name under a plan looks its config up in

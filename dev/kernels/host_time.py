@@ -9,7 +9,7 @@ passes through and prints, per op and shape, the median over ``--calls`` calls o
   preparation);
 - backward: the whole ``o.backward(g)``; of it ``_gradients`` (what the autograd engine runs of ours) and
   ``pipeline.chunk_backward``;
-- launches: every ``launch._run`` (kernel launches, their count) and of them ``launch._cache_key``.
+- launches: every ``launch.run_kernel`` (kernel launches, their count) and of them ``triton_launch._cache_key``.
 
 Example, on a CUDA machine::
 
@@ -47,14 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_ab import add_case_args, call, cases, load_base  # noqa: E402
 
 from linmem.bench.ops import grad_leaves  # noqa: E402
-from linmem.ops import linear_recurrence  # noqa: E402
+from linmem.ops import linear_recurrence, triton_launch  # noqa: E402
 from linmem.ops.recurrence.triton import launch, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton import ops as triton_ops  # noqa: E402
 
 #: (module, function name, label) of the timed functions; each is looked up by the module's name at call time
 TIMED = ((triton_ops, "triton_recurrence", "triton_recurrence"), (pipeline, "chunk_forward", "chunk_forward"),
          (triton_ops, "_gradients", "_gradients"), (pipeline, "chunk_backward", "chunk_backward"),
-         (launch, "_run", "launches"), (launch, "_cache_key", "cache keys"))
+         (launch, "run_kernel", "launches"), (triton_launch, "_cache_key", "cache keys"))
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ race at the launch it happens in. On a GPU::
     python dev/kernels/kernel_reruns.py --ops gla --launch grads_vector=4,3     # a config to vet before landing it
     python dev/kernels/kernel_reruns.py --dtype fp16 --varlen 7                 # fp16 inputs, 7 packed sequences
 
-Each launch goes through ``launch._run``: the check copies every tensor argument before the launch, runs it,
+Each launch goes through ``launch.run_kernel``: the check copies every tensor argument before the launch, runs it,
 keeps the results, then ``--reruns`` times restores the copies, runs it again and compares. It prints, per op,
 the launches that differed: (kernel, warps, stages, argument index) -> (reruns that differed, largest difference).
 """
@@ -27,7 +27,7 @@ from linmem.ops.recurrence.triton import configs, launch, pipeline
 
 
 def checking(run, reruns: int, found: dict):
-    """``launch._run`` with every launch rerun ``reruns`` times on its inputs as they were; differences go to
+    """``launch.run_kernel`` with every launch rerun ``reruns`` times on its inputs as they were; differences go to
     ``found``. Returns what the first run returned (the launch plans keep it)."""
 
     def checked(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):
@@ -71,7 +71,7 @@ def main() -> None:
         name, _, value = entry.partition("=")
         changes[name] = tuple(int(x) for x in value.split(","))
     found: dict = {}
-    launch._run = checking(launch._run, args.reruns, found)
+    launch.run_kernel = checking(launch.run_kernel, args.reruns, found)
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{where}, torch {torch.__version__}, {args.dtype}; launch {args.launch or 'as set'}")
     with configs.override(LAUNCH=changes):

@@ -3,7 +3,7 @@ needs: shared memory, registers per thread, the local-memory stack (register spi
 hash of its PTX.
 
 The variants are the launches themselves: the launchers run on ``meta`` tensors (shapes and dtypes, no data)
-with ``launch._run`` replaced by a recorder, for every decay kind, rule and bonus, so each recorded launch
+with ``launch.run_kernel`` replaced by a recorder, for every decay kind, rule and bonus, so each recorded launch
 carries the kernel, the dtypes of its tensors, its integers, its constexprs and its (warps, stages, register
 cap) exactly as the product picks them (``configs.py``). Run it under the Triton of the GPU image, with torch
 from the system::
@@ -50,7 +50,7 @@ from triton.compiler import ASTSource
 PACKAGE = Path(__file__).resolve().parents[2] / "linmem" / "ops" / "recurrence" / "triton"
 #: (module, function) of the forward, backward and decoding launchers in the package
 ENTRY = {"forward": ("pipeline", "chunk_forward"), "backward": ("pipeline", "chunk_backward"),
-         "step": ("recurrent", "recurrent_step"), "run": ("launch", "_run")}
+         "step": ("recurrent", "recurrent_step"), "run": ("launch", "run_kernel")}
 #: (decay code, delta rule, bonus) of the chunk kernels' cases; the decoding kernel also takes a constant decay (3)
 CASES = [(2, 1, 0), (2, 0, 0), (2, 0, 1), (1, 1, 0), (1, 0, 0), (1, 0, 1), (0, 1, 0), (0, 0, 0), (0, 0, 1)]
 STEP_CASES = [(decay, delta, bonus) for decay in (0, 1, 2, 3) for delta, bonus in ((0, 0), (0, 1), (1, 0))]

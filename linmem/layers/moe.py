@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fused import swiglu
+from ..ops.fused import swiglu, swiglu_grads
 from ..ops.routing import (
     GROUPED_BACKENDS,
     ROUTERS,
@@ -55,14 +55,13 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
-        with torch.enable_grad(), torch.autocast(dy.device.type, enabled=False):
-            gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-            h = swiglu(gate, up)  # [..., F], recomputed
+        with torch.autocast(dy.device.type, enabled=False):
             dweight = None
             if ctx.needs_input_grad[2]:
-                dweight = (dy.flatten(0, -2).T @ h.detach().flatten(0, -2).to(dy.dtype)).to(weight.dtype)  # [D, F]
-            dh = (dy @ weight.to(dy.dtype)).to(h.dtype)  # [..., F]
-            dgate, dup = torch.autograd.grad(h, (gate, up), dh)
+                h = swiglu(gate, up)  # [..., F], recomputed
+                dweight = (dy.flatten(0, -2).T @ h.flatten(0, -2).to(dy.dtype)).to(weight.dtype)  # [D, F]
+            dh = (dy @ weight.to(dy.dtype)).to(gate.dtype)  # [..., F]
+        dgate, dup = swiglu_grads(gate, up, dh)
         return dgate, dup, dweight
 
 

@@ -62,9 +62,10 @@ class _Mamba2LogDecay(torch.autograd.Function):
     def backward(ctx, dy):
         x, A_log, dt_bias = ctx.saved_tensors
         z, minus_a = _mamba2_decay(x, A_log, dt_bias)
-        dz = dy * minus_a * torch.sigmoid(z)  # [..., H, K]
+        da = dy * minus_a  # [..., H, K]
+        dz = da * torch.sigmoid(z)
         batch = tuple(range(dz.dim() - 2))
-        dA_log = (dy * minus_a * F.softplus(z)).sum(batch).sum(-1)  # d/dA_log of -exp(A_log) s = the output
+        dA_log = (da * F.softplus(z)).sum((*batch, -1))  # d/dA_log of -exp(A_log) s = the output
         return dz.to(x.dtype), dA_log.to(A_log.dtype), dz.sum(batch).to(dt_bias.dtype)
 
 

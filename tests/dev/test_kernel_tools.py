@@ -38,8 +38,8 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
 
     t = memory_inputs("mamba2", 1, 64, 1, 16, torch.float32, DEVICE)
     do = torch.randn(t["v"].shape, generator=seeded("reruns")).to(DEVICE)
-    real, found = launch._run, {}
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(real, 1, found))
+    real, found = launch.run_kernel, {}
+    monkeypatch.setattr(launch, "run_kernel", kernel_reruns.checking(real, 1, found))
     call(pipeline, t, Decay.of("scalar"), do)
     assert found == {}
     runs = []
@@ -51,7 +51,7 @@ def test_rerun_check_names_the_launch_that_moved(monkeypatch):
             args[8].add_(len(runs) % 2 * 1e-3)
         return launched
 
-    monkeypatch.setattr(launch, "_run", kernel_reruns.checking(flaky, 1, found))
+    monkeypatch.setattr(launch, "run_kernel", kernel_reruns.checking(flaky, 1, found))
     call(pipeline, t, Decay.of("scalar"), do)
     assert list(found) == [("output_kernel", *configs.LAUNCH["output"], 8)]
     assert found[list(found)[0]][0] == 1 and found[list(found)[0]][1] == pytest.approx(1e-3, rel=1e-2)
@@ -66,9 +66,9 @@ def test_host_time_splits_a_call_into_nested_parts(monkeypatch):
     from linmem.bench.ops import memory_inputs
 
     t = memory_inputs("mamba2", 1, 64, 1, 16, torch.float32, DEVICE)
-    real = launch._run
+    real = launch.run_kernel
     parts, launches = host_time.host_parts(t, None, torch.randn_like(t["v"]), DEVICE, 1)
-    assert launch._run is real
+    assert launch.run_kernel is real
     # forward: cumsum, state_fwd, output; backward: state_bwd, dv, score_grads, the two sides of grads (fp32)
     assert launches == 8
     assert 0 < parts["chunk_forward"] <= parts["triton_recurrence"] <= parts["forward"]

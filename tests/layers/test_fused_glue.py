@@ -9,6 +9,8 @@ that equals eager. On CUDA every mixer (fused kernels) equals its CPU form.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from linmem.layers import conv as conv_module
 from linmem.layers.conv import ShortConvolution, token_shift
 from linmem.layers.gla import gla_log_decay, gla_log_decay_derivative
 from linmem.layers.hgrn2 import HGRN2
+from linmem.layers import moe
 from linmem.layers.moe import swiglu_down
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.models.modeling import causal_lm_loss
@@ -143,6 +146,28 @@ def test_swiglu_down_recomputes_its_product_in_the_backward():
     assert max(rel_err(got, want) for got, want in grads) < 1e-6
     assert saved_bytes(lambda p, w: swiglu_down(*p.chunk(2, dim=-1), w), projected, weight) == 0
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_swiglu_down_through_the_kernels(dtype, monkeypatch):
+    """``swiglu_down``'s backward on the SwiGLU kernels (which the CPU runs through the interpreter) gives the
+    gradients of the plain expression, in fp64 on the same inputs."""
+    device = triton_kernels_device()
+    monkeypatch.setattr(moe, "swiglu", functools.partial(moe.swiglu, backend="triton"))
+    monkeypatch.setattr(moe, "swiglu_grads", functools.partial(moe.swiglu_grads, backend="triton"))
+    gen = torch.Generator().manual_seed(4)
+    projected, weight = torch.randn(2, 5, 48, generator=gen), torch.randn(6, 24, generator=gen)
+    cotangent = torch.randn(2, 5, 6, generator=gen)
+
+    def grads(fn, cast):
+        p, w = (t.to(device, cast).requires_grad_(True) for t in (projected, weight))
+        y = fn(*p.chunk(2, dim=-1), w)
+        return (y, *torch.autograd.grad(y, (p, w), cotangent.to(device, cast)))
+
+    got = grads(swiglu_down, dtype)
+    want = grads(lambda gate, up, w: F.linear(F.silu(gate) * up, w), torch.float64)
+    assert [g.dtype for g in got] == [dtype] * 3
+    assert max(rel_err(g, w) for g, w in zip(got, want)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 def tiny_model(**fields) -> LinmemForCausalLM:
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from tests.helpers import rel_err, triton_kernels_device
 
 DEVICE = triton_kernels_device()
 
-from linmem.ops.fused import gated_rms_norm, l2_norm, rms_norm, swiglu  # noqa: E402
+from linmem.ops.fused import gated_rms_norm, l2_norm, rms_norm, swiglu, swiglu_grads  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +109,25 @@ def test_swiglu_halves_of_a_fused_projection(dtype):
     compare(lambda gate_up, backend: swiglu(*gate_up.chunk(2, dim=-1), backend=backend),
             {"gate_up": rnd(3, 5, 2 * 40, dtype=dtype)}, dtype)
 
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_swiglu_grads_equal_the_autograd_of_swiglu(dtype, backend):
+    """``swiglu_grads`` (no autograd graph) gives swiglu's gradients: the kernels' bit for bit, the reference's
+    analytic form to rounding."""
+    gate, up = rnd(3, 5, 2 * 40, dtype=dtype).chunk(2, dim=-1)
+    dy = rnd(3, 5, 40, dtype=dtype, seed=3)
+    leaves = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+    want = torch.autograd.grad(swiglu(*leaves, backend=backend), leaves, dy)
+    got = swiglu_grads(gate, up, dy, backend=backend)
+    assert [g.dtype for g in got] == [dtype, dtype] and all(g.is_contiguous() for g in got)
+    if backend == "triton":
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    else:
+        assert max(rel_err(g, w) for g, w in zip(got, want)) < (1e-6 if dtype == FP32 else 5e-3)
+    with pytest.raises(ValueError, match="dy"):
+        swiglu_grads(gate, up, dy[:, :4], backend=backend)
 
 def test_extreme_inputs_stay_finite():
     big = rnd(2, 64) * 1e4

@@ -32,6 +32,7 @@ from linmem.ops import available_backends, linear_recurrence, linear_recurrence_
 if "triton" not in available_backends():
     pytest.skip("the triton backend is not registered", allow_module_level=True)
 
+from linmem.ops import triton_launch  # noqa: E402
 from linmem.ops.recurrence.triton import configs, cumsum, launch, numerics, pipeline  # noqa: E402
 from linmem.ops.recurrence.triton.switches import Decay  # noqa: E402
 
@@ -382,14 +383,14 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
                                        ("deltanet", torch.float32)], ids=str)
 def test_plans_key_every_launch(op, dtype, monkeypatch, settings):
     """A launcher call's plan (``launch.plan_for``) is keyed on everything its launches depend on. Under one key each
-    kernel (told apart by its constexprs) meets one specialization of its arguments (``launch._arg_key``: dtypes,
+    kernel (told apart by its constexprs) meets one specialization of its arguments (``triton_launch._arg_key``:
     alignment, integers) at one config; the second call with the key runs from the plan (no config search) and
     gives the same bits; a misaligned input, packed sequences or a changed setting make another key. On CUDA every
     planned launch passes the compiled kernel that the dispatcher's own key names."""
     from linmem.bench.ops import memory_inputs
 
     plans, seen, searches = [], {}, []
-    real_plan, real_run, real_fitting = launch.plan_for, launch._run, launch._launch_fitting
+    real_plan, real_run, real_fitting = launch.plan_for, launch.run_kernel, launch._launch_fitting
 
     def plan(*parts):
         plans.append(real_plan(*parts))
@@ -397,8 +398,9 @@ def test_plans_key_every_launch(op, dtype, monkeypatch, settings):
 
     def run(kernel, grid, args, constexprs, warps, stages, maxnreg=None, compiled=None):
         if compiled is not None:
-            assert compiled is launch._COMPILED[launch._cache_key(kernel, args, constexprs, warps, stages, maxnreg)]
-        spec = (launch._arg_key(args), warps, stages, maxnreg)
+            key = triton_launch._cache_key(kernel, args, constexprs, warps, stages, maxnreg)
+            assert compiled is triton_launch._COMPILED[key]
+        spec = (triton_launch._arg_key(args), warps, stages, maxnreg)
         assert seen.setdefault((id(plans[-1]), kernel.__name__, *constexprs.items()), spec) == spec
         return real_run(kernel, grid, args, constexprs, warps, stages, maxnreg, compiled)
 
@@ -407,7 +409,7 @@ def test_plans_key_every_launch(op, dtype, monkeypatch, settings):
         return real_fitting(name, *rest)
 
     monkeypatch.setattr(pipeline, "plan_for", plan)
-    monkeypatch.setattr(launch, "_run", run)
+    monkeypatch.setattr(launch, "run_kernel", run)
     monkeypatch.setattr(launch, "_launch_fitting", fitting)
     launch._PLANS.clear()
     t = memory_inputs(op, 1, 130, 2, 32, dtype, DEVICE)
@@ -818,9 +820,9 @@ gpu = pytest.mark.gpu
 
 @gpu
 def test_gpu_cached_launch_takes_the_dispatchers_kernel():
-    """The launcher's cache of compiled kernels (``launch._run``) launches, for each variant of the arguments that
-    Triton specializes on (a misaligned tensor, an integer that is 1 or not divisible by 16), the kernel Triton's
-    dispatcher compiles for it, and gives its results bit for bit."""
+    """The launchers' cache of compiled kernels (``triton_launch.run_kernel``) launches, for each variant of the
+    arguments that Triton specializes on (a misaligned tensor, an integer that is 1 or not divisible by 16), the
+    kernel Triton's dispatcher compiles for it, and gives its results bit for bit."""
     kernel = cumsum.chunk_cumsum_kernel
     base = torch.randn(4096 + 1, generator=seeded("cached-launch")).cuda()
     constexprs = dict(VECTOR=0, C=configs.CHUNK, BK=64)
@@ -831,9 +833,9 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
         grid = (2 * configs.cdiv(T, configs.CHUNK), H, 1)
         cached, direct = torch.empty_like(g), torch.empty_like(g)
         for _ in range(2):  # the first launch fills the cache, the second takes it
-            launch._run(kernel, grid, args_of(cached), constexprs, 4, 2)
+            triton_launch.run_kernel(kernel, grid, args_of(cached), constexprs, 4, 2)
         compiled = kernel[grid](*args_of(direct), **constexprs, num_warps=4, num_stages=2)
-        entry = launch._COMPILED[launch._cache_key(kernel, args_of(cached), constexprs, 4, 2, None)]
+        entry = triton_launch._COMPILED[triton_launch._cache_key(kernel, args_of(cached), constexprs, 4, 2, None)]
         assert entry is not None and entry[0] is compiled.run and entry[1] == compiled.function, (T, H, offset)
         assert torch.equal(cached, direct)
         seen.add(id(compiled))
@@ -843,20 +845,22 @@ def test_gpu_cached_launch_takes_the_dispatchers_kernel():
 @gpu
 def test_gpu_fast_launch_switch(tmp_path):
     """``LINMEM_TRITON_FAST_LAUNCH=0``: every launch goes through Triton's dispatcher (no compiled kernel kept for
-    the fast path), with the same results as the fast path's."""
+    the fast path, by the recurrence or a fused op), with the same results as the fast path's."""
     import subprocess
 
     script = (
         "import sys, torch\n"
         "from linmem.ops import linear_recurrence\n"
-        "from linmem.ops.recurrence.triton import launch\n"
+        "from linmem.ops import triton_launch\n"
+        "from linmem.ops.fused.triton.swiglu import swiglu_forward\n"
         "from tests.helpers import make_inputs\n"
         "t = {n: x.cuda() for n, x in make_inputs('vector', 'delta', False, B=1, T=200, H=2, K=64, V=64, "
         "dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).items()}\n"
         "for _ in range(2):\n"
         "    o, S = linear_recurrence(**t, output_final_state=True, backend='triton')\n"
-        "torch.save((o.cpu(), S.cpu()), sys.argv[1])\n"
-        "print(launch.FAST_LAUNCH, sum(e is not None for e in launch._COMPILED.values()))\n")
+        "    y = swiglu_forward(t['q'][0, :, 0], t['k'][0, :, 0])\n"
+        "torch.save((o.cpu(), S.cpu(), y.cpu()), sys.argv[1])\n"
+        "print(triton_launch.FAST_LAUNCH, sum(e is not None for e in triton_launch._COMPILED.values()))\n")
     runs = {}
     for switch in ("1", "0"):
         env = {**os.environ, "LINMEM_TRITON_FAST_LAUNCH": switch}

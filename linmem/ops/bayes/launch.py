@@ -11,12 +11,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..triton_launch import run_kernel
 from . import kernels
 
 #: the largest key head dim: P [K, K] lives in registers
 MAX_KEY_DIM = 128
 #: the V block of a program, unless the caller names one
 DEFAULT_BLOCK_V = 64
+#: software-pipelining stages of every launch (Triton's default)
+STAGES = 3
 
 
 def _pow2(n: int) -> int:
@@ -82,13 +85,13 @@ def filter_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, r: Tensor, w: Opt
         saved = Saved(torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, **f32), torch.empty(B, T, H, V, **f32),
                       torch.empty(B, T, H, **f32) if variance else var)  # QPQ: empty without the variance
     unused = g  # the pointer of a buffer that a constexpr switches off
-    kernels.filter_fwd_kernel[(NV, N * H)](
-        q, k, v, g, r, w if w is not None else unused, M0 if M0 is not None else MT, P0 if P0 is not None else PT,
-        o, var if variance else unused, MT, PT, *((saved.U, saved.S, saved.E, saved.QPQ) if save else (unused,) * 4),
-        cu_seqlens if cu_seqlens is not None else unused, scale, prior, T, H, K, V,
-        HAS_W=w is not None, HAS_INIT=M0 is not None, VAR=variance, SAVE=save, IS_VARLEN=cu_seqlens is not None,
-        BK=BK, BV=BV, num_warps=launch.num_warps,
-    )
+    run_kernel(
+        kernels.filter_fwd_kernel, (NV, N * H),
+        (q, k, v, g, r, w if w is not None else unused, M0 if M0 is not None else MT, P0 if P0 is not None else PT,
+         o, var if variance else unused, MT, PT, *((saved.U, saved.S, saved.E, saved.QPQ) if save else (unused,) * 4),
+         cu_seqlens if cu_seqlens is not None else unused, scale, prior, T, H, K, V),
+        {"HAS_W": w is not None, "HAS_INIT": M0 is not None, "VAR": variance, "SAVE": save,
+         "IS_VARLEN": cu_seqlens is not None, "BK": BK, "BV": BV}, launch.num_warps, STAGES)
     return o, var, MT, PT, saved
 
 
@@ -104,31 +107,35 @@ def filter_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, r: Tensor, w: Op
     tokens = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
     varlen = cu_seqlens if cu_seqlens is not None else g
-    flags = dict(IS_VARLEN=cu_seqlens is not None, num_warps=launch.num_warps)
+    is_varlen, warps = cu_seqlens is not None, launch.num_warps
     dE = torch.empty(B, T, H, V, **f32)
     De = torch.empty(NV, B, T, H, K, **f32)
     dM0 = torch.empty(N, H, K, V, **f32)
-    kernels.mean_bwd_kernel[(NV, N * H)](
-        q, k, g, saved.U, saved.S, saved.E, do, dMT if dMT is not None else dM0, dM0, dE, De, varlen, scale,
-        T, H, K, V, tokens, HAS_DFINAL=dMT is not None, BK=BK, BV=BV, **flags,
-    )
+    run_kernel(
+        kernels.mean_bwd_kernel, (NV, N * H),
+        (q, k, g, saved.U, saved.S, saved.E, do, dMT if dMT is not None else dM0, dM0, dE, De, varlen, scale,
+         T, H, K, V, tokens), {"HAS_DFINAL": dMT is not None, "IS_VARLEN": is_varlen, "BK": BK, "BV": BV},
+        warps, STAGES)
     dU = torch.empty(B, T, H, K, **f32)
     dS, dr, dgP = (torch.empty(B, T, H, **f32) for _ in range(3))
     dw = torch.empty(B, T, H, **f32) if w is not None else None
     dP0 = torch.empty(N, H, K, K, **f32)
     variance = dvar is not None
-    kernels.covariance_bwd_kernel[(N * H,)](
-        q, k, g, w if w is not None else g, saved.U, saved.S, saved.QPQ if variance else g, De,
-        dvar if variance else g, PT, dPT if dPT is not None else PT, dP0, dU, dS, dr, dw if dw is not None else dr,
-        dgP, varlen, T, H, K, tokens, NV, HAS_W=w is not None, VAR=variance, HAS_DFINAL=dPT is not None, BK=BK, **flags,
-    )
+    run_kernel(
+        kernels.covariance_bwd_kernel, (N * H,),
+        (q, k, g, w if w is not None else g, saved.U, saved.S, saved.QPQ if variance else g, De,
+         dvar if variance else g, PT, dPT if dPT is not None else PT, dP0, dU, dS, dr, dw if dw is not None else dr,
+         dgP, varlen, T, H, K, tokens, NV),
+        {"HAS_W": w is not None, "VAR": variance, "HAS_DFINAL": dPT is not None, "IS_VARLEN": is_varlen, "BK": BK},
+        warps, STAGES)
     dQ, dK = (torch.empty(NV, B, T, H, K, **f32) for _ in range(2))
     dG = torch.empty(NV, B, T, H, **f32)
-    kernels.filter_grads_kernel[(NV, N * H)](
-        q, k, v, g, r, w if w is not None else g, M0 if M0 is not None else dM0, P0 if P0 is not None else dP0,
-        do, dvar if variance else g, dE, dU, dS, dM0, dQ, dK, dG, varlen, scale, prior, T, H, K, V, tokens,
-        HAS_W=w is not None, HAS_INIT=M0 is not None, VAR=variance, BK=BK, BV=BV, **flags,
-    )
+    run_kernel(
+        kernels.filter_grads_kernel, (NV, N * H),
+        (q, k, v, g, r, w if w is not None else g, M0 if M0 is not None else dM0, P0 if P0 is not None else dP0,
+         do, dvar if variance else g, dE, dU, dS, dM0, dQ, dK, dG, varlen, scale, prior, T, H, K, V, tokens),
+        {"HAS_W": w is not None, "HAS_INIT": M0 is not None, "VAR": variance, "IS_VARLEN": is_varlen, "BK": BK,
+         "BV": BV}, warps, STAGES)
     dq, dk, dg = (x[0] if NV == 1 else x.sum(0) for x in (dQ, dK, dG))
     return dq.to(q.dtype), dk.to(k.dtype), dE.to(v.dtype), dg + dgP, dr, dw, dM0, dP0
 

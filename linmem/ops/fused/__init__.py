@@ -10,7 +10,7 @@ from .backend import BACKENDS
 from .conv import short_conv, short_conv_step
 from .cross_entropy import linear_cross_entropy
 from .norm import gated_rms_norm, l2_norm, rms_norm
-from .glu import swiglu
+from .glu import swiglu, swiglu_grads
 from .rotary import rotary
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "rms_norm",
     "gated_rms_norm",
     "swiglu",
+    "swiglu_grads",
     "rotary",
     "linear_cross_entropy",
 ]

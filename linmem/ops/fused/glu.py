@@ -99,5 +99,39 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: str = "auto") -> Tensor:
     if not use_triton("swiglu", backend, gate, None if gate.numel() else "no elements"):
         return reference.swiglu(gate, up)
     g, u = _rows(gate), _rows(up)
-    y = swiglu_fwd_op(g, u) if torch.compiler.is_compiling() else SwiGLUFn.apply(g, u)
+    if torch.compiler.is_compiling():
+        y = swiglu_fwd_op(g, u)
+    elif torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+        y = SwiGLUFn.apply(g, u)
+    else:  # nothing to differentiate (inference, or inside another op's forward or backward): the launcher alone
+        from .triton.swiglu import swiglu_forward
+
+        y = swiglu_forward(g, u)
     return y.view(gate.shape)
+
+
+def swiglu_grads(gate: Tensor, up: Tensor, dy: Tensor, *, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`swiglu` at (gate, up) for the output's gradient ``dy``, computed directly (no autograd
+    graph): for a backward that recomputes the product itself, such as :func:`linmem.layers.moe.swiglu_down`'s.
+
+    Args:
+        gate, up: ``[..., I]`` as :func:`swiglu` took them (read in place).
+        dy: ``[..., I]`` in gate's dtype (the output's).
+        backend: as in :func:`swiglu`.
+
+    Returns:
+        ``(dgate, dup)``: ``[..., I]``, contiguous, in the dtypes of gate and up.
+
+    Example:
+        >>> gate, up = torch.randn(2, 5, 64).chunk(2, dim=-1)
+        >>> [d.shape for d in swiglu_grads(gate, up, torch.ones(2, 5, 32))]
+        [torch.Size([2, 5, 32]), torch.Size([2, 5, 32])]
+    """
+    if dy.shape != gate.shape:
+        raise ValueError(f"swiglu_grads: `dy` must have gate's shape {list(gate.shape)}, got {list(dy.shape)}")
+    if not use_triton("swiglu", backend, gate, None if gate.numel() else "no elements"):
+        return reference.swiglu_grads(gate, up, dy)
+    from .triton.swiglu import swiglu_backward
+
+    dgate, dup = swiglu_backward(_rows(gate), _rows(up), dy.reshape(-1, dy.shape[-1]))
+    return dgate.view(gate.shape), dup.view(up.shape)

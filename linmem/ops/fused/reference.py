@@ -126,6 +126,15 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
 
 
+def swiglu_grads(gate: Tensor, up: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """(dgate, dup) of :func:`swiglu` for its output's gradient dy: ``dup = dy silu(gate)``,
+    ``dgate = dy up sigmoid(gate) (1 + gate (1 - sigmoid(gate)))``, in the dtypes of gate and up."""
+    dt = compute_dtype(gate)
+    g, u, d = gate.to(dt), up.to(dt), dy.to(dt)
+    s = torch.sigmoid(g)
+    return ((d * u) * s * (1 + g * (1 - s))).to(gate.dtype), (d * F.silu(g)).to(up.dtype)
+
+
 def rope_frequencies(dim: int, theta: float, scaling: Optional[dict] = None, *,
                      device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """[dim / 2] rotation frequencies theta^(-2i / dim), rescaled as ``scaling`` says (None: none).

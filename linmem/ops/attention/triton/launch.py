@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ...recurrence.triton import configs as recurrence_configs
+from ...triton_launch import run_kernel
 from . import backward, decode, forward
 from .configs import (
     DECODE_SPLIT_TILES,
@@ -27,6 +28,9 @@ from .configs import (
     Tiles,
     decode_tiles,
 )
+
+#: warps and stages of the decoding's combine kernel (Triton's defaults)
+COMBINE_WARPS, COMBINE_STAGES = 4, 3
 
 
 def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
@@ -79,10 +83,10 @@ def attention_forward(q, k, v, c, key_mask, cu_seqlens, bound, scale: float, win
     lse = q.new_empty(B, H, Tq, dtype=torch.float32)
     grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
     win, log_tol = _scalars(window, tol)
-    forward.forward_kernel[grid](
-        q, k, v, c, key_mask, o, lse, bound, cu_seqlens, scale, log_tol, win, N, Tq, Tk, H,
-        G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n, **_flags(c, key_mask, cu_seqlens, window, tol),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+    run_kernel(forward.forward_kernel, grid, (q, k, v, c, key_mask, o, lse, bound, cu_seqlens, scale, log_tol, win, N,
+                                              Tq, Tk, H),
+               {"G": H // Hkv, **_widths(D, DV), "BM": cfg.block_m, "BN": cfg.block_n,
+                **_flags(c, key_mask, cu_seqlens, window, tol)}, cfg.warps, cfg.stages)
     return o, lse
 
 
@@ -105,10 +109,11 @@ def backward_dq(q, k, v, c, key_mask, cu_seqlens, bound, o, lse, do, scale: floa
     delta, u = torch.empty_like(lse), torch.empty_like(lse)
     cfg = tiles("dq", q, v)
     grid, N = _grid(q, cu_seqlens, cfg.block_m, H)
-    backward.dq_kernel[grid](
-        q, k, v, c, key_mask, o, do, lse, delta, u, dq, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-        G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n, QT=tiles("dkdv", q, v).block_m,
-        **_flags(c, key_mask, cu_seqlens, window, tol), num_warps=cfg.warps, num_stages=cfg.stages)
+    run_kernel(backward.dq_kernel, grid, (q, k, v, c, key_mask, o, do, lse, delta, u, dq, bound, cu_seqlens, scale,
+                                          log_tol, win, N, T, H),
+               {"G": H // Hkv, **_widths(D, DV), "BM": cfg.block_m, "BN": cfg.block_n,
+                "QT": tiles("dkdv", q, v).block_m, **_flags(c, key_mask, cu_seqlens, window, tol)},
+               cfg.warps, cfg.stages)
     return dq, delta, u
 
 
@@ -123,13 +128,12 @@ def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, sc
     dc = torch.empty_like(c) if c is not None else None
     cfg = tiles("dkdv", q, v)
     grid, N = _grid(q, cu_seqlens, cfg.block_n, Hkv)
-    parts = [dict(WITH_DK=True, WITH_DV=False), dict(WITH_DK=False, WITH_DV=True)] if cfg.split else \
-        [dict(WITH_DK=True, WITH_DV=True)]
-    for part in parts:
-        backward.dkdv_kernel[grid](
-            q, k, v, c, key_mask, do, lse, delta, u, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H,
-            G=H // Hkv, **_widths(D, DV), BM=cfg.block_m, BN=cfg.block_n,
-            **_flags(c, key_mask, cu_seqlens, window, tol), **part, num_warps=cfg.warps, num_stages=cfg.stages)
+    args = (q, k, v, c, key_mask, do, lse, delta, u, dk, dv, dc, bound, cu_seqlens, scale, log_tol, win, N, T, H)
+    constexprs = {"G": H // Hkv, **_widths(D, DV), "BM": cfg.block_m, "BN": cfg.block_n,
+                  **_flags(c, key_mask, cu_seqlens, window, tol)}
+    for part in ((True, False), (False, True)) if cfg.split else ((True, True),):
+        run_kernel(backward.dkdv_kernel, grid, args, {**constexprs, "WITH_DK": part[0], "WITH_DV": part[1]},
+                   cfg.warps, cfg.stages)
     return dk, dv, dc
 
 
@@ -162,16 +166,18 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
     flags = dict(HAS_FORGET=c is not None, HAS_WINDOW=window is not None, HAS_KEY_MASK=key_mask is not None)
     win = window if window is not None else 0
     if splits == 1:
-        decode.decode_kernel[(1, B * Hkv)](q, k, v, c, key_mask, o, None, None, None, scale, win, chunk, Tq, Tk, H,
-                                           G=G, **_widths(D, DV), BR=BR, BN=cfg.block_n, **flags, SPLIT=False,
-                                           num_warps=cfg.warps, num_stages=cfg.stages)
+        run_kernel(decode.decode_kernel, (1, B * Hkv),
+                   (q, k, v, c, key_mask, o, None, None, None, scale, win, chunk, Tq, Tk, H),
+                   {"G": G, **_widths(D, DV), "BR": BR, "BN": cfg.block_n, **flags, "SPLIT": False},
+                   cfg.warps, cfg.stages)
         return o
     pm = q.new_empty(splits, B * Hkv, BR, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = q.new_empty(splits, B * Hkv, BR, DV, dtype=torch.float32)
-    decode.decode_kernel[(splits, B * Hkv)](q, k, v, c, key_mask, o, pm, pl, pacc, scale, win, chunk, Tq, Tk, H,
-                                            G=G, **_widths(D, DV), BR=BR, BN=cfg.block_n, **flags, SPLIT=True,
-                                            num_warps=cfg.warps, num_stages=cfg.stages)
-    decode.combine_kernel[(B * Hkv, G * Tq)](pm, pl, pacc, o, splits, Tq, H, G=G, DV=DV,
-                                             BDV=triton.next_power_of_2(DV), BR=BR, BS=decode.MAX_SPLITS)
+    run_kernel(decode.decode_kernel, (splits, B * Hkv),
+               (q, k, v, c, key_mask, o, pm, pl, pacc, scale, win, chunk, Tq, Tk, H),
+               {"G": G, **_widths(D, DV), "BR": BR, "BN": cfg.block_n, **flags, "SPLIT": True}, cfg.warps, cfg.stages)
+    run_kernel(decode.combine_kernel, (B * Hkv, G * Tq), (pm, pl, pacc, o, splits, Tq, H),
+               {"G": G, "DV": DV, "BDV": triton.next_power_of_2(DV), "BR": BR, "BS": decode.MAX_SPLITS},
+               COMBINE_WARPS, COMBINE_STAGES)
     return o

@@ -1,4 +1,4 @@
-"""Pieces shared by the fused kernels: activations and their derivatives, fp32 inside."""
+"""Pieces shared by the fused kernels: activations and their derivatives (fp32 inside), their launches' defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import triton.language as tl
 
 from ...recurrence.triton.numerics import exp, largest, rounded, total
 
-__all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2"]
+__all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2", "STAGES",
+           "DEFAULT_WARPS"]
+
+#: software-pipelining stages of every fused kernel's launch (Triton's default on CUDA)
+STAGES = 3
+#: warps of a launch whose kernel names none of its own (Triton's default)
+DEFAULT_WARPS = 4
 
 
 def next_power_of_2(n: int) -> int:

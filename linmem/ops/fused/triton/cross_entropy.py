@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import exp, largest, next_power_of_2, rounded, total
+from ...triton_launch import run_kernel
+from .common import STAGES, exp, largest, next_power_of_2, rounded, total
 
 #: vocabulary entries per block of a row
 BLOCK_V = 4096
@@ -56,6 +57,6 @@ def softmax_grad_(logits: Tensor, labels: Tensor, scale: Tensor, ignore_index: i
     R, V = logits.shape
     loss = torch.empty(R, device=logits.device, dtype=torch.float32)
     BV = min(BLOCK_V, next_power_of_2(V))
-    ce_grad_kernel[(R,)](logits, labels, loss, scale, V, logits.stride(0), ignore_index, GRAD=grad, BV=BV,
-                         num_warps=8 if BV >= 2048 else 4)
+    run_kernel(ce_grad_kernel, (R,), (logits, labels, loss, scale, V, logits.stride(0), ignore_index),
+               {"GRAD": grad, "BV": BV}, 8 if BV >= 2048 else 4, STAGES)
     return loss

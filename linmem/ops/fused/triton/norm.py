@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import activate, activation_grad, next_power_of_2, rounded, total
+from ...triton_launch import run_kernel
+from .common import STAGES, activate, activation_grad, next_power_of_2, rounded, total
 
 #: elements of a row tile (rows x padded D): with 8 warps at most about 120 registers on sm_90, no spills
 TILE = 2048
@@ -153,10 +154,10 @@ def rms_norm_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate
     BM, BD = _tile(M, D)
     y = torch.empty(M, H, D, device=x.device, dtype=out_dtype)
     h = torch.empty(M, H, D, device=x.device, dtype=residual.dtype) if residual is not None else None
-    rms_norm_fwd_kernel[(triton.cdiv(M, BM), H)](
-        x, residual, gate, weight, y, h, M, H, D, *_strides(x), *_strides(residual), *_strides(gate),
-        D if weight.ndim == 2 else 0, eps, HAS_RES=residual is not None, GATE=act, BM=BM, BD=BD,
-        num_warps=_warps(BD))
+    run_kernel(rms_norm_fwd_kernel, (triton.cdiv(M, BM), H),
+               (x, residual, gate, weight, y, h, M, H, D, *_strides(x), *_strides(residual), *_strides(gate),
+                D if weight.ndim == 2 else 0, eps),
+               {"HAS_RES": residual is not None, "GATE": act, "BM": BM, "BD": BD}, _warps(BD), STAGES)
     return y, h
 
 
@@ -171,9 +172,10 @@ def rms_norm_backward(x: Tensor, gate: Optional[Tensor], weight: Tensor, dy: Ten
     dx = torch.empty(M, H, D, device=x.device, dtype=x.dtype)
     dgate = torch.empty(M, H, D, device=x.device, dtype=gate.dtype) if gate is not None else None
     dw = torch.empty(G, H, D, device=x.device, dtype=torch.float32)
-    rms_norm_bwd_kernel[(G, H)](
-        x, gate, weight, dy, dh, dx, dgate, dw, M, H, D, *_strides(x), *_strides(gate), D if weight.ndim == 2 else 0,
-        eps, HAS_DH=dh is not None, GATE=act, BM=BM, BD=BD, num_warps=_warps(BD))
+    run_kernel(rms_norm_bwd_kernel, (G, H),
+               (x, gate, weight, dy, dh, dx, dgate, dw, M, H, D, *_strides(x), *_strides(gate),
+                D if weight.ndim == 2 else 0, eps),
+               {"HAS_DH": dh is not None, "GATE": act, "BM": BM, "BD": BD}, _warps(BD), STAGES)
     dweight = dw.sum(0) if weight.ndim == 2 else dw.sum((0, 1))
     return dx, dgate, dweight.to(weight.dtype)
 
@@ -184,8 +186,8 @@ def l2_norm_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     BM, BD = _tile(M, D)
     y = torch.empty(M, H, D, device=x.device, dtype=x.dtype)
     rinv = torch.empty(M, H, device=x.device, dtype=torch.float32)
-    l2_norm_fwd_kernel[(triton.cdiv(M, BM), H)](x, y, rinv, M, H, D, *_strides(x), eps, BM=BM, BD=BD,
-                                                num_warps=_warps(BD))
+    run_kernel(l2_norm_fwd_kernel, (triton.cdiv(M, BM), H), (x, y, rinv, M, H, D, *_strides(x), eps),
+               {"BM": BM, "BD": BD}, _warps(BD), STAGES)
     return y, rinv
 
 
@@ -195,5 +197,6 @@ def l2_norm_backward(y: Tensor, rinv: Tensor, dy: Tensor) -> Tensor:
     BR, BD = _tile(M * H, D)
     dy = dy.contiguous()
     dx = torch.empty_like(y)
-    l2_norm_bwd_kernel[(triton.cdiv(M * H, BR),)](y, rinv, dy, dx, M * H, D, BR=BR, BD=BD, num_warps=_warps(BD))
+    run_kernel(l2_norm_bwd_kernel, (triton.cdiv(M * H, BR),), (y, rinv, dy, dx, M * H, D), {"BR": BR, "BD": BD},
+               _warps(BD), STAGES)
     return dx

@@ -13,6 +13,7 @@ outputs are contiguous ``[B, T, H, D]``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -21,7 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import next_power_of_2, rounded
+from ...triton_launch import run_kernel
+from .common import STAGES, next_power_of_2, rounded
 
 #: elements of one half-head tile (heads x D / 2) a program rotates at a time
 TILE = 2048
@@ -76,6 +78,7 @@ def rotary_kernel(q, k, qo, ko, pos, T, Hq, Hk, HALF, sqb, sqt, sqh, skb, skt, s
         rotate_heads(k, ko, b * skb + t * skt, n * Hk * 2 * HALF, skh, Hk, c, s, HALF, BHK, BHALF)
 
 
+@functools.lru_cache(maxsize=64)  # two small tensors a call otherwise; one theta ** (-2 / D) a model
 def _fp32_pair(x: float) -> tuple[float, float]:
     """x as hi + lo, both fp32 (the kernels take float arguments as fp32)."""
     hi = float(torch.tensor(x, dtype=torch.float32))
@@ -99,9 +102,9 @@ def rotary_launch(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: f
     Hk = 0 if k is None else k.shape[2]
     ks = (0, 0, 0) if k is None else k.stride()[:3]
     if B * T:
-        rotary_kernel[(B * T,)](
-            q, q if k is None else k, qo, qo if ko is None else ko, position_ids, T, Hq, Hk, HALF, *q.stride()[:3],
-            *ks, *position_ids.stride(), *_fp32_pair(theta ** (-2.0 / D)), SIGN=-1.0 if inverse else 1.0,
-            HAS_K=k is not None, BHQ=_heads_per_tile(Hq, BHALF), BHK=_heads_per_tile(Hk, BHALF), BHALF=BHALF,
-            LOG_BHALF=BHALF.bit_length() - 1, num_warps=4)
+        run_kernel(rotary_kernel, (B * T,),
+                   (q, q if k is None else k, qo, qo if ko is None else ko, position_ids, T, Hq, Hk, HALF,
+                    *q.stride()[:3], *ks, *position_ids.stride(), *_fp32_pair(theta ** (-2.0 / D))),
+                   {"SIGN": -1.0 if inverse else 1.0, "HAS_K": k is not None, "BHQ": _heads_per_tile(Hq, BHALF),
+                    "BHK": _heads_per_tile(Hk, BHALF), "BHALF": BHALF, "LOG_BHALF": BHALF.bit_length() - 1}, 4, STAGES)
     return qo, ko

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import activate, activation_grad, next_power_of_2, rounded
+from ...triton_launch import run_kernel
+from .common import STAGES, activate, activation_grad, next_power_of_2, rounded
 
 #: columns per program
 BLOCK_D = 1024
@@ -58,8 +59,8 @@ def swiglu_forward(g: Tensor, u: Tensor) -> Tensor:
     M, D = g.shape
     BM, BD = _tile(M, D)
     y = torch.empty(M, D, device=g.device, dtype=g.dtype)
-    swiglu_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(D, BD))](g, u, y, M, D, g.stride(0), u.stride(0), BM=BM, BD=BD,
-                                                                num_warps=WARPS)
+    run_kernel(swiglu_fwd_kernel, (triton.cdiv(M, BM), triton.cdiv(D, BD)), (g, u, y, M, D, g.stride(0), u.stride(0)),
+               {"BM": BM, "BD": BD}, WARPS, STAGES)
     return y
 
 
@@ -70,6 +71,6 @@ def swiglu_backward(g: Tensor, u: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous()
     dg = torch.empty(M, D, device=g.device, dtype=g.dtype)
     du = torch.empty(M, D, device=u.device, dtype=u.dtype)
-    swiglu_bwd_kernel[(triton.cdiv(M, BM), triton.cdiv(D, BD))](g, u, dy, dg, du, M, D, g.stride(0), u.stride(0),
-                                                                BM=BM, BD=BD, num_warps=WARPS)
+    run_kernel(swiglu_bwd_kernel, (triton.cdiv(M, BM), triton.cdiv(D, BD)),
+               (g, u, dy, dg, du, M, D, g.stride(0), u.stride(0)), {"BM": BM, "BD": BD}, WARPS, STAGES)
     return dg, du

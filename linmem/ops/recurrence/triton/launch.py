@@ -1,107 +1,29 @@
-"""How the stages launch their kernels: configs that fit, launch plans, and the fast path past Triton's dispatcher.
+"""How the stages launch their kernels: configs that fit and launch plans, on the shared fast path past the dispatcher.
 
 A stage's launcher calls :func:`launch_kernel` (or :func:`launch_sequential` for the sequential passes) with its
 launch name, kernel, grid, arguments and constexprs. The first call of a name under a plan looks its config up in
 ``configs`` and, where its software pipelining does not fit the device's shared memory, steps down to one that
 fits; the plan (:func:`plan_for`, one per launcher call shape) keeps the result for the next call.
 
-The fast path (:func:`_run`): Triton's dispatcher costs 27-45 us of host time per launch (binding, specialising
-and keying every argument, building launch metadata, calling the launch hooks), which short sequences do not hide
-behind the GPU. So on CUDA the first launch of each configuration goes through it and keeps the compiled kernel,
-keyed on everything the dispatcher keys it on (``_arg_key``, the constexprs, the options, the device), and later
-launches call that kernel's launcher directly (16-20 us). This reads Triton's private launcher attributes
-(``CompiledKernel.run``, ``function``, ``packed_metadata``, Triton 3.4 on); ``LINMEM_TRITON_FAST_LAUNCH=0`` in the
-environment before linmem is imported turns it off, and every launch then goes through ``kernel[grid](...)``.
-Launches with a launch hook installed (a profiler such as Proton) always take the dispatcher, which builds the
-hooks' metadata. Like the dispatcher's own cache, the key assumes that the Triton environment variables that
-change code generation (``TRITON_DEBUG``) keep their values once a kernel ran.
+Every launch goes through :func:`linmem.ops.triton_launch.run_kernel`, the fast path past Triton's dispatcher
+(see there); a plan also keeps each launch's compiled kernel, so a planned launch skips building its key.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-from typing import Optional
 
 import torch
 import triton.runtime.errors
 
-try:  # Triton 3.4 on: the launch hooks live in knobs; before it, every launch goes through the dispatcher
-    from triton import knobs as _knobs
-    from triton.runtime import driver as _driver
-except ImportError:
-    _knobs = _driver = None
+# absolute: the kernel tools under dev/kernels load this folder as a package of its own
+from linmem.ops.triton_launch import run_kernel
 
 from . import configs
 from .configs import Shapes, cdiv
 
 logger = logging.getLogger("linmem.ops")
-
-#: the fast launch path past Triton's dispatcher (see the module docstring); off with LINMEM_TRITON_FAST_LAUNCH=0
-FAST_LAUNCH = _knobs is not None and os.environ.get("LINMEM_TRITON_FAST_LAUNCH", "1").lower() not in (
-    "0", "false", "off", "no")
-
-#: (kernel, current CUDA device, the arguments' specialization, constexprs, options) -> (the compiled kernel's
-#: launcher, its function handle, its packed metadata, the constexprs' values in parameter order), or None where
-#: the launcher does not take the arguments that way (then Triton's dispatcher launches it every time)
-_COMPILED: dict = {}
-
-
-def _arg_key(args: tuple) -> tuple:
-    """What Triton's dispatcher specializes the arguments before the constexprs on, or more: a tensor's dtype and
-    whether its address is 16-byte aligned, None (a constexpr, for an absent tensor), a number's equality to 1,
-    divisibility by 16 and 32-bit range."""
-    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else None if a is None
-                  else (a == 1, a % 16 == 0, -2147483648 <= a < 2147483648) for a in args])
-
-
-def _cache_key(kernel, args: tuple, constexprs: dict, warps: int, stages: int, maxnreg: Optional[int]) -> tuple:
-    """The key of ``_COMPILED`` for one launch on the current CUDA device."""
-    return kernel, torch.cuda.current_device(), _arg_key(args), *constexprs.items(), warps, stages, maxnreg
-
-
-def _hooked() -> bool:
-    """Whether a launch hook is installed (a profiler such as Proton): those launches go through Triton's
-    dispatcher, which builds the hooks' metadata."""
-    rt = _knobs.runtime
-    return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
-
-
-def _run(kernel, grid: tuple, args: tuple, constexprs: dict, warps: int, stages: int,
-         maxnreg: Optional[int] = None, compiled: Optional[tuple] = None) -> Optional[tuple]:
-    """kernel[grid](*args, **constexprs) at these warps, stages and register cap, on the current stream; returns
-    the compiled kernel's entry of ``_COMPILED`` (None in the interpreter, with ``FAST_LAUNCH`` off, or where
-    Triton's dispatcher launches it every time), which a later launch of the same specialization passes back as
-    ``compiled`` (the plans of :func:`launch_kernel`) to skip building the key. The fast path: see the module
-    docstring."""
-    cuda = args[0].is_cuda  # else the interpreter runs it
-    cacheable = cuda and FAST_LAUNCH
-    if cacheable and compiled is None:
-        key = _cache_key(kernel, args, constexprs, warps, stages, maxnreg)
-        compiled = _COMPILED.get(key, False)
-    if compiled and not _hooked():
-        run, function, metadata, tail = compiled
-        x, y, z = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
-        run(x, y, z, _driver.active.get_current_stream(args[0].get_device()), function, metadata, None, None, None,
-            *args, *tail)
-        return compiled
-    options = {"num_warps": warps, "num_stages": stages}
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    launched = kernel[grid](*args, **constexprs, **options)
-    if not cacheable or compiled is not False:  # the interpreter, a hooked launch, or a kernel already keyed
-        return compiled or None
-    names = kernel.arg_names
-    if list(getattr(launched.src, "signature", ())) == names and set(names[len(args):]) == set(constexprs):
-        entry = (launched.run, launched.function, launched.packed_metadata,
-                 tuple(constexprs[n] for n in names[len(args):]))
-    else:
-        logger.debug("linear_recurrence: %s launches through Triton's dispatcher (its compiled kernel's "
-                     "signature does not list every parameter in order)", kernel.__name__)
-        entry = None
-    _COMPILED[key] = entry
-    return entry
 
 
 #: plan key (``plan_for``) -> {launch name: what ``launch_kernel`` or ``launch_sequential`` found for it}, the oldest
@@ -174,12 +96,12 @@ def launch_kernel(plan: dict, name: str, kernel, grid: tuple, *args, **constexpr
     planned = plan.get(name)
     if planned is not None:
         warps, stages, cap, compiled = planned
-        _run(kernel, grid, args, constexprs, warps, stages, cap, compiled)
+        run_kernel(kernel, grid, args, constexprs, warps, stages, cap, compiled)
         return
     warps, stages = configs.LAUNCH[name]
     cap = configs.MAX_REGISTERS.get(name)
     stages, compiled = _launch_fitting(name, list(range(stages, 0, -1)),
-                                       lambda st: _run(kernel, grid, args, constexprs, warps, st, cap),
+                                       lambda st: run_kernel(kernel, grid, args, constexprs, warps, st, cap),
                                        lambda st: f"with {st} stages", args, constexprs)
     plan[name] = (warps, stages, cap, compiled)
 
@@ -205,12 +127,12 @@ def launch_sequential(plan: dict, name: str, kernel, s: Shapes, delta: bool, dec
     planned = plan.get(name)
     if planned is not None:
         bv, stages, compiled = planned
-        _run(kernel, (cdiv(s.V, bv), s.N * s.H), args, {**constexprs, "BV": bv}, configs.SEQUENTIAL_WARPS, stages,
+        run_kernel(kernel, (cdiv(s.V, bv), s.N * s.H), args, {**constexprs, "BV": bv}, configs.SEQUENTIAL_WARPS, stages,
              None, compiled)
         return
     tries = _sequential_fallbacks(*configs.sequential_config(name, s, delta, decay, args[0].device))
     (bv, stages), compiled = _launch_fitting(
-        name, tries, lambda c: _run(kernel, (cdiv(s.V, c[0]), s.N * s.H), args, {**constexprs, "BV": c[0]},
+        name, tries, lambda c: run_kernel(kernel, (cdiv(s.V, c[0]), s.N * s.H), args, {**constexprs, "BV": c[0]},
                                     configs.SEQUENTIAL_WARPS, c[1]),
         lambda c: f"at V block {c[0]}, {c[1]} stages", args, constexprs)
     plan[name] = (bv, stages, compiled)

@@ -85,8 +85,8 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
     split dkdv's dk launch, the larger, holds and streams the same), each as wide as the head dim rounded up to a
     power of two. Besides: in decoding a [rows, block_n] fp32 tile (the forget bias of each query row and key
     changes layout through shared memory; above 16 rows one more, the scores on their way to the second product,
-    as Triton 3.6 allocates at 64 rows and 128 keys), with fp32 inputs both operands of the largest product twice (tf32x3
-    splits each into a high and a low part), and ``SCRATCH_BYTES`` for the reductions across warps.
+    as Triton 3.6 allocates at 64 rows and 128 keys), with fp32 inputs both operands of the largest product twice
+    (tf32x3 splits each into a high and a low part), and ``SCRATCH_BYTES`` for the reductions across warps.
 
     Example:
         >>> shared_memory("forward", Tiles(128, 64, 8, 3), 128, 128, 2)  # q 32 KB, 3 x (k 16 KB + v 16 KB), 2 KB

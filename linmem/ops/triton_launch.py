@@ -42,6 +42,27 @@ FAST_LAUNCH = _knobs is not None and os.environ.get("LINMEM_TRITON_FAST_LAUNCH",
 _COMPILED: dict = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of plain integers, for grids and block counts on the host (``triton.cdiv`` and
+    ``triton.next_power_of_2`` are constexpr functions that cost microseconds a call).
+
+    Example:
+        >>> cdiv(130, 64)
+        3
+    """
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), plain integers as :func:`cdiv`.
+
+    Example:
+        >>> next_power_of_2(96)
+        128
+    """
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _arg_key(args: tuple) -> tuple:
     """What Triton's dispatcher specializes the arguments before the constexprs on, or more: a tensor's dtype and
     whether its address is 16-byte aligned, None (a constexpr, for an absent tensor), a number's equality to 1,

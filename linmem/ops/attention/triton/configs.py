@@ -1,7 +1,7 @@
 """The launch configurations of the forgetting-attention kernels: tiles per kernel and head dim, and the shared
 memory each takes.
 
-Imports only triton (no torch), so that ``dev/gpu/tools/fox_compile.py`` compiles the configurations and sets the
+Imports neither torch nor triton, so that ``dev/gpu/tools/fox_compile.py`` compiles the configurations and sets the
 estimate of :func:`shared_memory` beside what Triton allocates, on a machine without a GPU.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import triton
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
         >>> shared_memory("forward", Tiles(128, 64, 8, 3), 128, 128, 2)  # q 32 KB, 3 x (k 16 KB + v 16 KB), 2 KB
         133120
     """
-    bd, bdv = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
+    bd, bdv = 1 << (head_dim - 1).bit_length(), 1 << (value_dim - 1).bit_length()  # powers of two
     m, n = (rows, t.block_n) if kernel == "decode" else (t.block_m, t.block_n)
     # elements held and streamed per stage; the products (rows, inner, columns)
     if kernel in ("forward", "decode"):

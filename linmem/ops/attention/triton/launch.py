@@ -13,10 +13,9 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
-import triton
 
 from ...recurrence.triton import configs as recurrence_configs
-from ...triton_launch import run_kernel
+from ...triton_launch import cdiv, next_power_of_2, run_kernel
 from . import backward, decode, forward
 from .configs import (
     DECODE_SPLIT_TILES,
@@ -54,14 +53,14 @@ def _grid(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], block: int, heads
     The blocks are the grid's slower axis, so that the programs start block by block over all heads."""
     B, T = q.shape[:2]
     if cu_seqlens is None:
-        return (B * heads, triton.cdiv(T, block)), B
+        return (B * heads, cdiv(T, block)), B
     N = cu_seqlens.shape[0] - 1
     return (heads, T // block + N), N
 
 
 def _widths(D: int, DV: int) -> dict:
     """The head dims and the tiles' widths: the next powers of two, whose padded columns the kernels mask."""
-    return dict(D=D, DV=DV, BD=triton.next_power_of_2(D), BDV=triton.next_power_of_2(DV))
+    return dict(D=D, DV=DV, BD=next_power_of_2(D), BDV=next_power_of_2(DV))
 
 
 def _flags(c, key_mask, cu_seqlens, window, tol) -> dict:
@@ -143,7 +142,7 @@ def decode_splits(q: torch.Tensor, keys: int, block_n: int) -> int:
     With 3-stage tiles of 128 keys one program per SM reads at the bandwidth (``dev/gpu/tools/decode_sweep.py``);
     more splits add the partials' traffic and the combine launch, which at 2K keys cost more than they save."""
     B, Hkv = q.shape[0], q.shape[2]
-    wanted = triton.cdiv(sm_count(q.device), B * Hkv)
+    wanted = cdiv(sm_count(q.device), B * Hkv)
     fewest = block_n * (DECODE_SPLIT_TILES if q.device.type == "cuda" else INTERPRETER_DECODE_SPLIT_TILES)
     return max(1, min(wanted, keys // fewest, decode.MAX_SPLITS))
 
@@ -156,12 +155,12 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
     B, Tq, H, D = q.shape
     Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
-    BR = max(16, triton.next_power_of_2(G * Tq))
+    BR = max(16, next_power_of_2(G * Tq))
     cfg = decode_tiles(tiles("decode", q, v), D, DV, q.element_size(), BR)
     keys = Tk if window is None else min(Tk, Tq - 1 + window)
     splits = splits if splits is not None else decode_splits(q, keys, cfg.block_n)
-    chunk = triton.cdiv(triton.cdiv(keys, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(keys, chunk)
+    chunk = cdiv(cdiv(keys, splits), cfg.block_n) * cfg.block_n
+    splits = cdiv(keys, chunk)
     o = q.new_empty(B, Tq, H, DV)
     flags = dict(HAS_FORGET=c is not None, HAS_WINDOW=window is not None, HAS_KEY_MASK=key_mask is not None)
     win = window if window is not None else 0
@@ -178,6 +177,6 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
                (q, k, v, c, key_mask, o, pm, pl, pacc, scale, win, chunk, Tq, Tk, H),
                {"G": G, **_widths(D, DV), "BR": BR, "BN": cfg.block_n, **flags, "SPLIT": True}, cfg.warps, cfg.stages)
     run_kernel(decode.combine_kernel, (B * Hkv, G * Tq), (pm, pl, pacc, o, splits, Tq, H),
-               {"G": G, "DV": DV, "BDV": triton.next_power_of_2(DV), "BR": BR, "BS": decode.MAX_SPLITS},
+               {"G": G, "DV": DV, "BDV": next_power_of_2(DV), "BR": BR, "BS": decode.MAX_SPLITS},
                COMBINE_WARPS, COMBINE_STAGES)
     return o

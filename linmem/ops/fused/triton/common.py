@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ...recurrence.triton.numerics import exp, largest, rounded, total
+from ...triton_launch import next_power_of_2
 
 __all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", "next_power_of_2", "STAGES",
            "DEFAULT_WARPS"]
@@ -14,10 +15,6 @@ __all__ = ["exp", "largest", "rounded", "total", "activate", "activation_grad", 
 STAGES = 3
 #: warps of a launch whose kernel names none of its own (Triton's default)
 DEFAULT_WARPS = 4
-
-
-def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(n)
 
 
 @triton.jit

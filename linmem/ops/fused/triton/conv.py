@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...triton_launch import run_kernel
+from ...triton_launch import cdiv, run_kernel
 from .common import DEFAULT_WARPS, STAGES, activate, activation_grad, next_power_of_2, rounded, total
 
 #: at most this many tokens per program (with BLOCK_C and WARPS: no register spills on sm_90, about 100 registers)
@@ -280,14 +280,14 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional
     N, steps, varlen = _geometry(x, cu_seqlens)
     BT, BC = _blocks(T, C)
     y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    run_kernel(conv_fwd_kernel, (triton.cdiv(T, BT), triton.cdiv(C, BC), B),
+    run_kernel(conv_fwd_kernel, (cdiv(T, BT), cdiv(C, BC), B),
                (x, weight.t().contiguous(), bias, h0, y, cu_seqlens, T, C, N, steps, x.stride(0), x.stride(1)),
                {"W": W, "ACT": act, "HAS_BIAS": bias is not None, "HAS_H0": h0 is not None, "IS_VARLEN": varlen,
                 "BT": BT, "BC": BC}, WARPS, STAGES)
     if not output_final:
         return y, None
     final = torch.empty(N, W - 1, C, device=x.device, dtype=x.dtype)
-    run_kernel(final_state_kernel, (N, triton.cdiv(C, BC)), (x, h0, final, cu_seqlens, T, C, x.stride(0), x.stride(1)),
+    run_kernel(final_state_kernel, (N, cdiv(C, BC)), (x, h0, final, cu_seqlens, T, C, x.stride(0), x.stride(1)),
                {"W": W, "HAS_H0": h0 is not None, "IS_VARLEN": varlen, "BJ": next_power_of_2(W - 1), "BC": BC},
                DEFAULT_WARPS, STAGES)
     return y, final
@@ -303,8 +303,8 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
     BT, BC = _blocks(T, C)
     dy = dy.contiguous()
     dfinal = None if dfinal is None else dfinal.contiguous()
-    blocks = triton.cdiv(T, BT)
-    grid = (blocks, triton.cdiv(C, BC), B)
+    blocks = cdiv(T, BT)
+    grid = (blocks, cdiv(C, BC), B)
     weight_t = weight.t().contiguous()
     dz = dy  # without an activation dz = dy
     if act != 0:
@@ -315,10 +315,10 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
                     "BT": BT, "BC": BC}, WARPS, STAGES)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     BW = next_power_of_2(W)
-    chunks = triton.cdiv(T, TOKENS_PER_PROGRAM)
+    chunks = cdiv(T, TOKENS_PER_PROGRAM)
     dw = torch.empty(B * chunks, W, C, device=x.device, dtype=torch.float32)
     db = torch.empty(B * chunks, C, device=x.device, dtype=torch.float32) if bias is not None else None
-    run_kernel(conv_dx_kernel, (chunks, triton.cdiv(C, BC), B),
+    run_kernel(conv_dx_kernel, (chunks, cdiv(C, BC), B),
                (x, weight_t, h0, dz, dfinal, dx, dw, db, cu_seqlens, T, C, N, steps, TOKENS_PER_PROGRAM, x.stride(0),
                 x.stride(1)),
                {"W": W, "HAS_BIAS": bias is not None, "HAS_H0": h0 is not None, "HAS_DFINAL": dfinal is not None,
@@ -326,7 +326,7 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, W - 1, C, device=x.device, dtype=torch.float32)
-        run_kernel(conv_state_bwd_kernel, (N, triton.cdiv(C, BC)), (weight_t, dz, dfinal, dh0, cu_seqlens, T, C),
+        run_kernel(conv_state_bwd_kernel, (N, cdiv(C, BC)), (weight_t, dz, dfinal, dh0, cu_seqlens, T, C),
                    {"W": W, "HAS_DFINAL": dfinal is not None, "IS_VARLEN": varlen, "BJ": next_power_of_2(W - 1),
                     "BC": BC}, DEFAULT_WARPS, STAGES)
         dh0 = dh0.to(h0.dtype)
@@ -340,7 +340,7 @@ def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], 
     W = weight.shape[1]
     BC = min(BLOCK_C, next_power_of_2(C))
     y = torch.empty(B, C, device=x.device, dtype=x.dtype)
-    run_kernel(conv_step_kernel, (B, triton.cdiv(C, BC)), (x, state, weight, bias, y, C, x.stride(0)),
+    run_kernel(conv_step_kernel, (B, cdiv(C, BC)), (x, state, weight, bias, y, C, x.stride(0)),
                {"W": W, "ACT": act, "HAS_BIAS": bias is not None, "BJ": next_power_of_2(W - 1), "BC": BC},
                DEFAULT_WARPS, STAGES)
     return y

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...triton_launch import run_kernel
+from ...triton_launch import cdiv, run_kernel
 from .common import STAGES, activate, activation_grad, next_power_of_2, rounded, total
 
 #: elements of a row tile (rows x padded D): with 8 warps at most about 120 registers on sm_90, no spills
@@ -154,7 +154,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate
     BM, BD = _tile(M, D)
     y = torch.empty(M, H, D, device=x.device, dtype=out_dtype)
     h = torch.empty(M, H, D, device=x.device, dtype=residual.dtype) if residual is not None else None
-    run_kernel(rms_norm_fwd_kernel, (triton.cdiv(M, BM), H),
+    run_kernel(rms_norm_fwd_kernel, (cdiv(M, BM), H),
                (x, residual, gate, weight, y, h, M, H, D, *_strides(x), *_strides(residual), *_strides(gate),
                 D if weight.ndim == 2 else 0, eps),
                {"HAS_RES": residual is not None, "GATE": act, "BM": BM, "BD": BD}, _warps(BD), STAGES)
@@ -166,7 +166,7 @@ def rms_norm_backward(x: Tensor, gate: Optional[Tensor], weight: Tensor, dy: Ten
     """x: the norm's input [M, H, D]; -> (dx, dgate or None, dweight in weight's dtype)."""
     M, H, D = x.shape
     BM, BD = _tile(M, D)
-    G = _programs(triton.cdiv(M, BM), H, x.device)
+    G = _programs(cdiv(M, BM), H, x.device)
     dy = dy.contiguous()
     dh = None if dh is None else dh.contiguous()
     dx = torch.empty(M, H, D, device=x.device, dtype=x.dtype)
@@ -186,7 +186,7 @@ def l2_norm_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     BM, BD = _tile(M, D)
     y = torch.empty(M, H, D, device=x.device, dtype=x.dtype)
     rinv = torch.empty(M, H, device=x.device, dtype=torch.float32)
-    run_kernel(l2_norm_fwd_kernel, (triton.cdiv(M, BM), H), (x, y, rinv, M, H, D, *_strides(x), eps),
+    run_kernel(l2_norm_fwd_kernel, (cdiv(M, BM), H), (x, y, rinv, M, H, D, *_strides(x), eps),
                {"BM": BM, "BD": BD}, _warps(BD), STAGES)
     return y, rinv
 
@@ -197,6 +197,6 @@ def l2_norm_backward(y: Tensor, rinv: Tensor, dy: Tensor) -> Tensor:
     BR, BD = _tile(M * H, D)
     dy = dy.contiguous()
     dx = torch.empty_like(y)
-    run_kernel(l2_norm_bwd_kernel, (triton.cdiv(M * H, BR),), (y, rinv, dy, dx, M * H, D), {"BR": BR, "BD": BD},
+    run_kernel(l2_norm_bwd_kernel, (cdiv(M * H, BR),), (y, rinv, dy, dx, M * H, D), {"BR": BR, "BD": BD},
                _warps(BD), STAGES)
     return dx

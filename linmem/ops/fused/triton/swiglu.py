@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...triton_launch import run_kernel
+from ...triton_launch import cdiv, run_kernel
 from .common import STAGES, activate, activation_grad, next_power_of_2, rounded
 
 #: columns per program
@@ -59,7 +59,7 @@ def swiglu_forward(g: Tensor, u: Tensor) -> Tensor:
     M, D = g.shape
     BM, BD = _tile(M, D)
     y = torch.empty(M, D, device=g.device, dtype=g.dtype)
-    run_kernel(swiglu_fwd_kernel, (triton.cdiv(M, BM), triton.cdiv(D, BD)), (g, u, y, M, D, g.stride(0), u.stride(0)),
+    run_kernel(swiglu_fwd_kernel, (cdiv(M, BM), cdiv(D, BD)), (g, u, y, M, D, g.stride(0), u.stride(0)),
                {"BM": BM, "BD": BD}, WARPS, STAGES)
     return y
 
@@ -71,6 +71,6 @@ def swiglu_backward(g: Tensor, u: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous()
     dg = torch.empty(M, D, device=g.device, dtype=g.dtype)
     du = torch.empty(M, D, device=u.device, dtype=u.dtype)
-    run_kernel(swiglu_bwd_kernel, (triton.cdiv(M, BM), triton.cdiv(D, BD)),
+    run_kernel(swiglu_bwd_kernel, (cdiv(M, BM), cdiv(D, BD)),
                (g, u, dy, dg, du, M, D, g.stride(0), u.stride(0)), {"BM": BM, "BD": BD}, WARPS, STAGES)
     return dg, du

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from linmem.ops.triton_launch import cdiv, next_power_of_2
 from .switches import Decay
 
 #: chunk length of the chunked algorithm
@@ -208,14 +209,8 @@ def key_grid(decay: int, bonus: bool, dtype: torch.dtype) -> bool:
 
 
 def pow2(n: int) -> int:
-    """The smallest power of two >= n, at least 16 (plain integer arithmetic: ``triton.next_power_of_2`` is a
-    constexpr function whose wrapper costs microseconds a call, and a forward+backward asks dozens of these)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b), plain integers (as :func:`pow2`, not ``triton.cdiv``)."""
-    return -(-a // b)
+    """The smallest power of two >= n, at least 16 (plain integers, as :func:`cdiv`)."""
+    return max(16, next_power_of_2(n))
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ INTERPRETER_TILES: dict[str, Tiles] = {
 DECODE_SPLIT_TILES = 16
 INTERPRETER_DECODE_SPLIT_TILES = 2
 #: streaming multiprocessors assumed in the interpreter (how many splits decoding takes)
-INTERPRETER_SMS = 8
+INTERPRETER_SMS = 4
 #: shared memory one program may take on sm_90 (H100, H200): 227 of the SM's 228 KB
 SHARED_MEMORY = 227 * 1024
 #: shared memory of the reductions across warps (row statistics, dkdv's column sums), at most

@@ -137,12 +137,14 @@ def backward_dkdv(q, k, v, c, key_mask, cu_seqlens, bound, lse, delta, u, do, sc
 
 
 def decode_splits(q: torch.Tensor, keys: int, block_n: int) -> int:
-    """How many parallel splits a decoding call cuts its ``keys`` into: enough programs for one on every SM, each
-    reading at least ``DECODE_SPLIT_TILES`` tiles of ``block_n`` keys, at most ``decode.MAX_SPLITS`` splits.
-    With 3-stage tiles of 128 keys one program per SM reads at the bandwidth (``dev/gpu/tools/decode_sweep.py``);
-    more splits add the partials' traffic and the combine launch, which at 2K keys cost more than they save."""
+    """How many parallel splits a decoding call cuts its ``keys`` into: as many as two programs per SM take,
+    rounded down (an even number for one program per (batch row, KV head) on a full GPU), each reading at least
+    ``DECODE_SPLIT_TILES`` tiles of ``block_n`` keys, at most ``decode.MAX_SPLITS``. Timed by
+    ``dev/gpu/tools/decode_sweep.py`` (H200, batch 8, 16 KV heads, 32K keys, 3-stage tiles of 128 keys): cut in 2
+    or 4 the cache is read at 4.2 TB/s (D = 64) and 4.4 (D = 128), in 1 at 3.7 and 4.5; below 2K keys a split's
+    partials and the combine launch cost more than they save."""
     B, Hkv = q.shape[0], q.shape[2]
-    wanted = cdiv(sm_count(q.device), B * Hkv)
+    wanted = 2 * sm_count(q.device) // (B * Hkv)
     fewest = block_n * (DECODE_SPLIT_TILES if q.device.type == "cuda" else INTERPRETER_DECODE_SPLIT_TILES)
     return max(1, min(wanted, keys // fewest, decode.MAX_SPLITS))
 

@@ -38,7 +38,7 @@ __all__ = ["bayes_filter", "bayes_filter_step", "information_form", "BACKENDS"]
 logger = logging.getLogger("linmem.ops")
 
 #: names accepted by ``backend=``
-BACKENDS = ("auto", "reference", "delta", "triton", "chunk")
+BACKENDS = ("auto", "reference", "delta", "triton", "chunk", "chunk_triton")
 #: the backends of :func:`bayes_filter_step`
 STEP_BACKENDS = ("auto", "reference", "triton")
 #: input dtypes of the Triton kernels
@@ -82,6 +82,28 @@ def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
     return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1])
 
 
+def _chunk_triton_refusal(inputs: FilterInputs) -> Optional[str]:
+    """None if the chunked kernels serve these inputs, else why not."""
+    from .chunk_fwd import MAX_HEAD_DIM
+
+    if inputs.reset:
+        return "reset=True is the delta rule, served by the 'delta' backend"
+    if inputs.q.dtype not in KERNEL_DTYPES:
+        return f"dtype {inputs.q.dtype} (the kernels take float16, bfloat16, float32)"
+    K, V = inputs.q.shape[-1], inputs.v.shape[-1]
+    if max(K, V) > MAX_HEAD_DIM:
+        return f"head dims K = {K}, V = {V} (P [K, K] and m [K, V] are held on chip: K, V <= {MAX_HEAD_DIM})"
+    if inputs.q.shape[1] == 0:
+        return "no tokens"
+    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1]) or _device_refusal(inputs.q)
+
+
+def _chunk_triton_filter(inputs: FilterInputs) -> Result:
+    from .chunk_triton import chunk_triton_filter
+
+    return chunk_triton_filter(inputs)
+
+
 def _delta_refusal(inputs: FilterInputs) -> Optional[str]:
     return None if inputs.reset else "the delta rule is the filter with reset=True only"
 
@@ -122,6 +144,7 @@ _BACKENDS: dict[str, tuple[Callable[[FilterInputs], Result], Callable[[FilterInp
     "delta": (delta_filter, _delta_refusal),
     "triton": (_triton_filter, _triton_refusal),
     "chunk": (chunk_filter, _chunk_refusal),
+    "chunk_triton": (_chunk_triton_filter, _chunk_triton_refusal),
 }
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import exp, mm, rounded, running_total, total
+from .conditioning import CHUNK_SIZE
 
 # Zero tiles are tl.full(shape, 0.0, tl.float32): see kernels.py.
 
@@ -179,12 +180,17 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
 class ChunkLaunch:
     """How the chunked kernels run: tokens per chunk and warps per program."""
 
-    chunk: int  # C: tokens per chunk (a power of two, 16..64)
+    chunk: int  # C: tokens per chunk, a power of two from 16 (tl.dot's smallest tile) to CHUNK_SIZE (conditioning)
     num_warps: int  # warps per program
+
+    def __post_init__(self) -> None:
+        if self.chunk not in (16, 32, 64) or self.chunk > CHUNK_SIZE:
+            raise ValueError(f"ChunkLaunch: `chunk` must be 16, 32 or 64 (at most CHUNK_SIZE = {CHUNK_SIZE}, the "
+                             f"chunk length the conditioning bound assumes), got {self.chunk!r}")
 
     @staticmethod
     def default(K: int, V: int) -> "ChunkLaunch":
-        return ChunkLaunch(64, 4 if max(K, V) <= 64 else 8)
+        return ChunkLaunch(CHUNK_SIZE, 4 if max(K, V) <= 64 else 8)
 
 
 def pow2(n: int) -> int:

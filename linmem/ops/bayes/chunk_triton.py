@@ -2,7 +2,8 @@
 Triton kernels, forward (:mod:`.chunk_fwd`) and backward (:mod:`.chunk_bwd`, the maths in :mod:`.chunk_grad`).
 
 Shapes only, no host synchronisation. ``reset=False``; K, V <= 128; fp16, bf16 and fp32 inputs (fp32
-arithmetic); fixed length or ``cu_seqlens``; an initial state, process noise and the variance.
+arithmetic); fixed length or ``cu_seqlens``; an initial state, process noise and the variance. Under
+``torch.compile`` the kernels run as the custom ops ``linmem::bayes_chunk_fwd`` / ``_bwd`` (:mod:`.ops`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,21 @@ def _gates(inputs: FilterInputs) -> Tensor:
     return torch.stack([g, r, w], -1)
 
 
+def chunk_cotangents(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], variance: bool, do: Optional[Tensor],
+                     dvar: Optional[Tensor], dMT: Optional[Tensor], dPT: Optional[Tensor]
+                     ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
+    """The cotangents as the backward kernel takes them: contiguous, zeros for an output autograd left out, dvar
+    None without the variance."""
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dvar = None if not variance else (torch.zeros(B, T, H, **f32) if dvar is None else dvar.float().contiguous())
+    dMT = torch.zeros(N, H, K, v.shape[-1], **f32) if dMT is None else dMT.float().contiguous()
+    dPT = torch.zeros(N, H, K, K, **f32) if dPT is None else dPT.float().contiguous()
+    return do, dvar, dMT, dPT
+
+
 class ChunkFilterFunction(torch.autograd.Function):
     """The kernels under autograd: (q, k, v, gates, M0, P0) -> (o, var, M_T, P_T)."""
 
@@ -32,8 +48,7 @@ class ChunkFilterFunction(torch.autograd.Function):
         o, var, MT, PT, saved = chunk_forward(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, True,
                                               launch)
         ctx.save_for_backward(q, k, v, gates, saved, cu_seqlens)
-        ctx.scale, ctx.variance, ctx.launch = scale, variance, launch
-        ctx.has_init = M0 is not None
+        ctx.scale, ctx.variance, ctx.launch, ctx.has_init = scale, variance, launch, M0 is not None
         ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
         ctx.mark_non_differentiable(*([] if variance else [var]))
         return o, var, MT, PT
@@ -41,13 +56,7 @@ class ChunkFilterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dvar, dMT, dPT):
         q, k, v, gates, saved, cu_seqlens = ctx.saved_tensors
-        B, T, H, K = q.shape
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        f32 = dict(dtype=torch.float32, device=q.device)
-        do = torch.zeros_like(v) if do is None else do.contiguous()
-        dvar = None if not ctx.variance else (torch.zeros(B, T, H, **f32) if dvar is None else dvar.contiguous())
-        dMT = torch.zeros(N, H, K, v.shape[-1], **f32) if dMT is None else dMT.float().contiguous()
-        dPT = torch.zeros(N, H, K, K, **f32) if dPT is None else dPT.float().contiguous()
+        do, dvar, dMT, dPT = chunk_cotangents(q, v, cu_seqlens, ctx.variance, do, dvar, dMT, dPT)
         dq, dk, dv, dgates, dM0, dP0 = chunk_backward(q, k, v, gates, saved, cu_seqlens, ctx.scale, do, dvar, dMT,
                                                       dPT, ctx.launch)
         init = (dM0, dP0) if ctx.has_init else (None, None)
@@ -56,15 +65,19 @@ class ChunkFilterFunction(torch.autograd.Function):
 
 def chunk_triton_filter(inputs: FilterInputs, launch: Optional[ChunkLaunch] = None
                         ) -> tuple[Tensor, Optional[Tensor], Optional[State]]:
-    """The "chunk_triton" backend (inputs already validated, ``reset=False``, refusals checked): the contract of
-    :func:`.reference.reference_filter`, var and state fp32. ``launch``: chunk size and warps (default
+    """The "chunk_triton" backend (inputs already validated and served: ``bayes_filter``'s refusals): the contract
+    of :func:`.reference.reference_filter`, var and state fp32. ``launch``: chunk size and warps (default
     :meth:`ChunkLaunch.default`)."""
     q, k, v = (x.contiguous() for x in (inputs.q, inputs.k, inputs.v))
     launch = launch or ChunkLaunch.default(q.shape[-1], v.shape[-1])
     M0, P0 = (None, None) if inputs.initial_state is None else (x.float().contiguous() for x in inputs.initial_state)
     cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.contiguous()
     args = (q, k, v, _gates(inputs), M0, P0, cu, inputs.scale, inputs.prior, inputs.return_variance)
-    if inputs.records_grad:
+    if torch.compiler.is_compiling():
+        from .ops import chunk_fwd_op
+
+        o, var, MT, PT, _ = chunk_fwd_op(*args, inputs.records_grad, launch.chunk, launch.num_warps)
+    elif inputs.records_grad:
         o, var, MT, PT = ChunkFilterFunction.apply(*args, launch)
     else:
         o, var, MT, PT, _ = chunk_forward(*args, False, launch)

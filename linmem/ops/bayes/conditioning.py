@@ -21,10 +21,10 @@ computed in log space (``logcumsumexp``), one sequence of ``cu_seqlens`` at a ti
 about ``eps kappa`` relative to the state; a memory that forgets (``a < 1``) or gains process noise loses old
 errors as it loses old evidence, while one that does neither adds them up over the sequence, as recursive least
 squares without forgetting does: the stated bound (:func:`error_bound`) carries a factor T for that worst case.
-A backend that factors C tokens at once ("chunk") meets C times the condition (:func:`amplification`); beyond
-its bound it hands the inputs to the token loop. With the covariance reset (``reset=True``) the mean is the
-gated delta rule, whose write ``beta |k|^2 <= 1`` is well conditioned for any kappa, so the check does not apply
-there.
+A backend that factors C tokens at once ("chunk", "chunk_triton") meets C times the condition
+(:func:`amplification`); beyond its bound ``bayes_filter`` hands the inputs to a token-loop backend. With the
+covariance reset (``reset=True``) the mean is the gated delta rule, whose write ``beta |k|^2 <= 1`` is well
+conditioned for any kappa, so the check does not apply there.
 
 The checks read values, so they run where ``linear_recurrence``'s value checks run: on CPU tensors, and on GPU
 tensors only with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), never under
@@ -40,7 +40,8 @@ import torch
 from ..checks import values_checkable
 from ..recurrence.inputs import LOG_DECAY_FLOOR
 
-#: tokens per chunk of the "chunk" backend (:mod:`linmem.ops.bayes.chunk`)
+#: tokens per chunk of the "chunk" and "chunk_triton" backends (:mod:`linmem.ops.bayes.chunk`); the most the
+#: latter takes
 CHUNK_SIZE = 64
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
@@ -58,9 +59,9 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def amplification(backend: str, T: int) -> int:
     """How much more a backend's error grows with kappa than the token loop's on sequences of T tokens: 1 for
-    "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" (its C x C
-    innovation matrix has condition up to C kappa)."""
-    return max(1, min(CHUNK_SIZE, T)) if backend == "chunk" else 1
+    "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" and
+    "chunk_triton" (its C x C innovation matrix has condition up to C kappa)."""
+    return max(1, min(CHUNK_SIZE, T)) if backend in ("chunk", "chunk_triton") else 1
 
 
 def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification: int = 1) -> float:
@@ -75,8 +76,9 @@ def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification:
 
 
 def chunk_refusal(condition: Optional[float], dtype: torch.dtype, T: int) -> Optional[str]:
-    """Why the "chunk" backend does not serve inputs of condition ``condition`` (the inputs' largest kappa, None
-    where unchecked), ``dtype`` and length ``T``: its ``eps * A * kappa`` is beyond :data:`TOLERANCE`; else None."""
+    """Why the chunked backends ("chunk", "chunk_triton") do not serve inputs of condition ``condition`` (the inputs'
+    largest kappa, None where unchecked), ``dtype`` and length ``T``: their ``eps * A * kappa`` is beyond
+    :data:`TOLERANCE`; else None."""
     A = amplification("chunk", T)
     if condition is None or unit_roundoff(dtype) * A * condition <= TOLERANCE:
         return None

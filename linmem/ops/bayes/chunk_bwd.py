@@ -188,3 +188,18 @@ def chunk_backward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor
         IS_VARLEN=cu_seqlens is not None, C=launch.chunk, BK=pow2(K), BV=pow2(V), num_warps=launch.num_warps,
     )
     return dq, dk, dv, dgates, dM0, dP0
+
+
+def chunk_cotangents(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], variance: bool, do: Optional[Tensor],
+                     dvar: Optional[Tensor], dMT: Optional[Tensor], dPT: Optional[Tensor]
+                     ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
+    """The cotangents as the backward kernel takes them: contiguous, zeros for an output autograd left out, dvar
+    None without the variance."""
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dvar = None if not variance else (torch.zeros(B, T, H, **f32) if dvar is None else dvar.float().contiguous())
+    dMT = torch.zeros(N, H, K, v.shape[-1], **f32) if dMT is None else dMT.float().contiguous()
+    dPT = torch.zeros(N, H, K, K, **f32) if dPT is None else dPT.float().contiguous()
+    return do, dvar, dMT, dPT

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .chunk_bwd import chunk_backward
+from .chunk_bwd import chunk_backward, chunk_cotangents
 from .chunk_fwd import ChunkLaunch, chunk_forward
 from .inputs import FilterInputs, State
 
@@ -23,21 +23,6 @@ def _gates(inputs: FilterInputs) -> Tensor:
     g, r = inputs.log_decay.float(), inputs.obs_noise.float()
     w = torch.zeros_like(g) if inputs.process_noise is None else inputs.process_noise.float()
     return torch.stack([g, r, w], -1)
-
-
-def chunk_cotangents(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], variance: bool, do: Optional[Tensor],
-                     dvar: Optional[Tensor], dMT: Optional[Tensor], dPT: Optional[Tensor]
-                     ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
-    """The cotangents as the backward kernel takes them: contiguous, zeros for an output autograd left out, dvar
-    None without the variance."""
-    B, T, H, K = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    do = torch.zeros_like(v) if do is None else do.contiguous()
-    dvar = None if not variance else (torch.zeros(B, T, H, **f32) if dvar is None else dvar.float().contiguous())
-    dMT = torch.zeros(N, H, K, v.shape[-1], **f32) if dMT is None else dMT.float().contiguous()
-    dPT = torch.zeros(N, H, K, K, **f32) if dPT is None else dPT.float().contiguous()
-    return do, dvar, dMT, dPT
 
 
 class ChunkFilterFunction(torch.autograd.Function):

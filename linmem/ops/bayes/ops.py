@@ -21,9 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .chunk_bwd import chunk_backward
+from .chunk_bwd import chunk_backward, chunk_cotangents
 from .chunk_fwd import ChunkLaunch, chunk_forward, num_slots
-from .chunk_triton import chunk_cotangents
 from .launch import Launch, Saved, filter_backward, filter_forward
 
 F32 = torch.float32

@@ -3,9 +3,9 @@
 * The PyTorch VJP of :mod:`linmem.ops.bayes.chunk_grad` against autograd through chunk.py, fp64, to 1e-10.
 * The kernels against the token-loop reference: outputs, variance, final state and every input gradient (q, k, v,
   log_decay, obs_noise, process_noise, the initial mean and covariance) by the error ratio ``rms(x - ref) /
-  rms(ref)``: fp32 inputs against the fp64 reference (< 1e-4) and against "chunk" in fp32, bf16 inputs against the
-  fp32 reference on the same rounded inputs (< 5e-3); chunks of 16 and 32 tokens so that every sequence crosses
-  chunk boundaries, a partial last chunk, packed sequences with an empty one.
+  rms(ref)``: fp32 inputs against the fp64 reference (< 1e-4) and against "chunk" in fp32, bf16 and fp16 inputs
+  against the fp32 reference on the same rounded inputs (< 5e-3); chunks of 16 and 32 tokens so that every
+  sequence crosses chunk boundaries, a partial last chunk, packed sequences with an empty one.
 * Refusals by name, the custom ops' fake implementations, and on a GPU real shapes and "auto"'s choice.
 
 On a machine without CUDA the kernels run through the Triton interpreter at small shapes.
@@ -35,11 +35,11 @@ from tests.ops.test_bayes_triton import FP32_TOL, LOW_TOL, compare, make, public
 F64 = torch.float64
 
 
-def kernels(chunk, cu_seqlens=None, variance=True, prior=0.7):
+def kernels(chunk, cu_seqlens=None, variance=True, prior=0.7, scale=None):
     """bayes_filter's inputs through the chunked kernels at a chunk size, checking that bayes_filter would pick
     them for backend="chunk_triton"."""
     def fn(leaves, state):
-        inputs = validate(**{"process_noise": None, **leaves}, prior=prior, reset=False, scale=None,
+        inputs = validate(**{"process_noise": None, **leaves}, prior=prior, reset=False, scale=scale,
                           initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
                           return_variance=variance)
         assert bayes._chunk_triton_refusal(inputs) is None
@@ -91,23 +91,25 @@ def test_fp32_every_gradient_against_the_reference_and_chunk(B, T, K, V, chunk, 
 
 
 def test_fp32_varlen_with_an_empty_sequence_from_the_prior():
-    """Three packed sequences (the middle one empty, keeping its prior), no initial state, no process noise."""
+    """Three packed sequences (the middle one empty, keeping its prior), no initial state, no process noise, a
+    read-out scale of 0.3."""
     t, _ = make(1, 45, 2, 16, 16, seed=1, process_noise=False, initial_state=False)
     cu = torch.tensor([0, 20, 20, 45], device=DEVICE)
-    ref = run(public("reference", prior=0.7, cu_seqlens=cu), t, None, F64, F64)
-    got = run(kernels(16, cu_seqlens=cu), t, None, torch.float32, torch.float32)
+    ref = run(public("reference", prior=0.7, cu_seqlens=cu, scale=0.3), t, None, F64, F64)
+    got = run(kernels(16, cu_seqlens=cu, scale=0.3), t, None, torch.float32, torch.float32)
     compare(got, ref, FP32_TOL)
     assert torch.equal(got["P"][1, 0].cpu(), 0.7 * torch.eye(16)), "the empty sequence keeps its prior"
 
 
-def test_bf16_varlen_with_an_initial_state():
-    """bf16 q, k, v against the fp32 reference on the same rounded values; packed sequences (one empty, keeping
-    its initial state) each from its own initial belief, with process noise."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_varlen_with_an_initial_state(dtype):
+    """bf16 / fp16 q, k, v against the fp32 reference on the same rounded values; packed sequences (one empty,
+    keeping its initial state) each from its own initial belief, with process noise."""
     t, state = make(1, 40, 1, 16, 32, seed=2, N=3)
-    t = {n: (x.bfloat16().double() if n in "qkv" else x) for n, x in t.items()}
+    t = {n: (x.to(dtype).double() if n in "qkv" else x) for n, x in t.items()}
     cu = torch.tensor([0, 17, 40, 40], device=DEVICE)
     ref = run(public("reference", prior=0.7, cu_seqlens=cu), t, state, torch.float32, torch.float32)
-    got = run(kernels(16, cu_seqlens=cu), t, state, torch.bfloat16, torch.float32)
+    got = run(kernels(16, cu_seqlens=cu), t, state, dtype, torch.float32)
     compare(got, ref, LOW_TOL)
     P0 = state[1][2].float()
     assert rel_err(got["P"][2].cpu(), 0.5 * (P0 + P0.transpose(-1, -2))) < 1e-7

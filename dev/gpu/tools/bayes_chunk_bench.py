@@ -7,7 +7,7 @@ One run, one GPU; everything goes to ``$OUT/bayes_chunk_bench.json`` (and a summ
    and 128, T = 300 (a shorter last chunk), with an initial state and the mixer's process noise ``0.5 (1 - a^2)``:
    fp32 inputs against the fp64 reference, bf16 inputs against the fp32 reference on the same rounded values;
    outputs, variance, final state and every gradient as error ratios (bounds: fp32 1e-4, bf16 5e-3);
-2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 and "chunk_triton" at C = 32, 64 beside
+2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 and "chunk_triton" at C = 16, 32 beside
    "triton" (the sequential kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
    B x T = 16K tokens, bf16, with the peak memory of each forward+backward.
 
@@ -36,7 +36,7 @@ HEADS = 16
 SHAPES = [(8, 2048), (1, 16384)]
 DIMS = [64, 128]
 CHUNKS = [32, 64, 128]
-FUSED_CHUNKS = [32, 64]
+FUSED_CHUNKS = [16, 32]
 
 
 def chunked(chunk_size, **kwargs):

@@ -99,7 +99,8 @@ def _chunk_triton_refusal(inputs: FilterInputs) -> Optional[str]:
         return f"head dims K = {K}, V = {V} (P [K, K] and m [K, V] are held on chip: K, V <= {MAX_HEAD_DIM})"
     if inputs.q.shape[1] == 0:
         return "no tokens"
-    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1]) or _device_refusal(inputs.q)
+    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1], "chunk_triton") or \
+        _device_refusal(inputs.q)
 
 
 def _chunk_triton_filter(inputs: FilterInputs) -> Result:

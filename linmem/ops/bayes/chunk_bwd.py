@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import remaining_total, total
-from .chunk_fwd import ChunkLaunch, decays, dot, last, load_gates, load_rows, pow2, store_rows
+from .chunk_fwd import (ChunkLaunch, decays, dot, dot_state, dot_state_t, dot_sym, last, load_gates, load_rows, pow2,
+                        store_rows)
 
 
 @triton.jit
@@ -81,13 +82,13 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
         # the chunk again (chunk_fwd.whitening, keeping its pieces)
         alpha, A, AA, beta, B = decays(g, w, rows, cols)
         B_sym = B + tl.trans(B) - tl.where(diag, B, 0.0)
-        kP = dot(kc, P)
+        kP = dot_sym(kc, P)
         KK, KQ = dot(kc, tl.trans(kc)), dot(kc, tl.trans(qc))
         KPK, KPQ = dot(kP, tl.trans(kc)), dot(kP, tl.trans(qc))
         aC = last(alpha, rows, C)
         Alast = total(tl.where(lastcol, A, 0.0), 1)
         R = (alpha * aC)[:, None] * kP + (Alast * beta)[:, None] * kc
-        km = dot(kc, m)
+        km = dot_state(kc, m)
         Z = dot(Li, vc - alpha[:, None] * km)
         Wf = dot(Li, tl.where(upper, AA * KPQ, 0.0) + B * KQ)
         W = tl.where(upper, Wf, 0.0)
@@ -95,20 +96,20 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
 
         # the read-outs and the chunk end
         D = 0.5 * (dP + tl.trans(dP))
-        dZ = scale * dot(W, doc) + dot(F, dm)
+        dZ = scale * dot(W, doc) + dot_state(F, dm)
         dW = scale * dot(Z, tl.trans(doc))
-        dF = dot(Z, tl.trans(dm)) - 2.0 * dot(F, D)
-        dalpha = scale * total(doc * dot(qc, m), 1)
+        dF = dot_state_t(Z, dm) - 2.0 * dot_sym(F, D)
+        dalpha = scale * total(doc * dot_state(qc, m), 1)
         daC = total(total(dm * m, 1), 0) + 2.0 * aC * total(total(D * P, 1), 0)
         dalpha += tl.where(rows == C - 1, daC, 0.0)
-        dqc = scale * alpha[:, None] * dot(doc, tl.trans(m))
+        dqc = scale * alpha[:, None] * dot_state_t(doc, m)
         dm_prev = aC * dm + scale * dot(tl.trans(qc), alpha[:, None] * doc)
         dP_prev = (aC * aC) * D
         dbeta = tl.where(rows == C - 1, total(total(tl.where(kr[:, None] == kr[None, :], D, 0.0), 1), 0), 0.0)
         dr = r * 0.0
         if VAR:
             dv_ = tl.load(dvar + tok, mask=valid, other=0.0)
-            qP = dot(qc, P)
+            qP = dot_sym(qc, P)
             a2dvar = alpha * alpha * dv_
             dalpha += 2.0 * alpha * total(qP * qc, 1) * dv_
             dqc += 2.0 * a2dvar[:, None] * qP + 2.0 * (beta * dv_)[:, None] * qc
@@ -129,7 +130,7 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
 
         # Yhat = alpha * (k m)
         dalpha -= total(dE * km, 1)
-        dkc = -alpha[:, None] * dot(dE, tl.trans(m))
+        dkc = -alpha[:, None] * dot_state_t(dE, m)
         dm_prev -= dot(tl.trans(kc), alpha[:, None] * dE)
         # R = AA[:, C] * kP + B[:, C] * k
         dkP = (alpha * aC)[:, None] * dR
@@ -152,7 +153,7 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
         dB += tl.where(upper, dBs + tl.trans(dBs), 0.0) - tl.where(diag, dBs, 0.0)
         dr += total(tl.where(diag, dS, 0.0), 1)
         # kP = k P
-        dkc += dot(dkP, P)
+        dkc += dot_sym(dkP, P)
         dP_prev += dot(tl.trans(kc), dkP)
 
         dg, dw = gate_grads(g, w, dalpha, dAA, dB, dbeta, rows, cols)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import exp, mm, rounded, running_total, total
-from .conditioning import CHUNK_SIZE
+from .conditioning import FUSED_CHUNK_SIZE
 
 # Zero tiles are tl.full(shape, 0.0, tl.float32): see kernels.py.
 
@@ -40,8 +40,29 @@ MAX_HEAD_DIM = 128
 
 @triton.jit
 def dot(a, b):
-    """a @ b of fp32 tiles at about fp32's accuracy (three tf32 products)."""
+    """a @ b of fp32 tiles at about fp32's accuracy (three tf32 products). The right operand is staged in shared
+    memory as two fp32 copies (its tf32 part and the rest), the left one stays in registers: a state-sized right
+    operand ([K, K] or [K, V]: 128 KiB at K = V = 128) would not fit beside the others, so the products with a
+    state take it on the left (:func:`dot_sym`, :func:`dot_state`, :func:`dot_state_t`)."""
     return mm(a, b, tl.float32, True)
+
+
+@triton.jit
+def dot_sym(x, S):
+    """x @ S for a symmetric state S [K, K], as (S x^T)^T."""
+    return tl.trans(dot(S, tl.trans(x)))
+
+
+@triton.jit
+def dot_state(x, Y):
+    """x @ Y for a state Y [K, V], as (Y^T x^T)^T."""
+    return tl.trans(dot(tl.trans(Y), tl.trans(x)))
+
+
+@triton.jit
+def dot_state_t(x, Y):
+    """x @ Y^T for a state Y [K, V], as (Y x^T)^T."""
+    return tl.trans(dot(Y, tl.trans(x)))
 
 
 @triton.jit
@@ -110,7 +131,7 @@ def whitening(P, q, k, g, r, w, rows, cols, C: tl.constexpr):
     alpha, A, AA, beta, B = decays(g, w, rows, cols)
     diag = rows[:, None] == cols[None, :]
     upper = rows[:, None] <= cols[None, :]
-    kP = dot(k, P)
+    kP = dot_sym(k, P)
     KK = dot(k, tl.trans(k))
     B_sym = B + tl.trans(B) - tl.where(diag, B, 0.0)
     S = AA * dot(kP, tl.trans(k)) + B_sym * KK + tl.where(diag, r[:, None], 0.0)
@@ -162,11 +183,11 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
             tl.store(base + K * V + kr[:, None] * K + kr[None, :], P, mask=mkk)
             tl.store(base + K * V + K * K + rows[:, None] * C + cols[None, :], Li)
         W = tl.where(upper, Wf, 0.0)
-        Z = dot(Li, vc - alpha[:, None] * dot(kc, m))
-        out = scale * (alpha[:, None] * dot(qc, m) + dot(tl.trans(W), Z))
+        Z = dot(Li, vc - alpha[:, None] * dot_state(kc, m))
+        out = scale * (alpha[:, None] * dot_state(qc, m) + dot(tl.trans(W), Z))
         store_rows(o, tok, valid, vr, V, mv, out)
         if VAR:
-            qPq = total(dot(qc, P) * qc, 1)
+            qPq = total(dot_sym(qc, P) * qc, 1)
             tl.store(var + tok, alpha * alpha * qPq + beta * total(qc * qc, 1) - total(W * W, 0) + r, mask=valid)
         m = aC * m + dot(tl.trans(F), Z)
         P = (aC * aC) * P + last(beta, rows, C) * eye - dot(tl.trans(F), F)
@@ -180,17 +201,18 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
 class ChunkLaunch:
     """How the chunked kernels run: tokens per chunk and warps per program."""
 
-    chunk: int  # C: tokens per chunk, a power of two from 16 (tl.dot's smallest tile) to CHUNK_SIZE (conditioning)
+    chunk: int  # C: tokens per chunk, 16 (tl.dot's smallest tile) or FUSED_CHUNK_SIZE = 32
     num_warps: int  # warps per program
 
     def __post_init__(self) -> None:
-        if self.chunk not in (16, 32, 64) or self.chunk > CHUNK_SIZE:
-            raise ValueError(f"ChunkLaunch: `chunk` must be 16, 32 or 64 (at most CHUNK_SIZE = {CHUNK_SIZE}, the "
-                             f"chunk length the conditioning bound assumes), got {self.chunk!r}")
+        if self.chunk not in (16, FUSED_CHUNK_SIZE):
+            raise ValueError(f"ChunkLaunch: `chunk` must be 16 or {FUSED_CHUNK_SIZE} (the chunk length the "
+                             f"conditioning bound assumes, and the most the backward's shared memory holds on Hopper "
+                             f"at K = V = 128), got {self.chunk!r}")
 
     @staticmethod
     def default(K: int, V: int) -> "ChunkLaunch":
-        return ChunkLaunch(CHUNK_SIZE, 4 if max(K, V) <= 64 else 8)
+        return ChunkLaunch(FUSED_CHUNK_SIZE, 4 if max(K, V) <= 64 else 8)
 
 
 def pow2(n: int) -> int:

@@ -40,9 +40,11 @@ import torch
 from ..checks import values_checkable
 from ..recurrence.inputs import LOG_DECAY_FLOOR
 
-#: tokens per chunk of the "chunk" and "chunk_triton" backends (:mod:`linmem.ops.bayes.chunk`); the most the
-#: latter takes
+#: tokens per chunk of the "chunk" backend (:mod:`linmem.ops.bayes.chunk`)
 CHUNK_SIZE = 64
+#: tokens per chunk of the "chunk_triton" backend, at most: what its backward's shared memory holds on Hopper at
+#: K = V = 128 (``dev/kernels/bayes_chunk_resources.py``)
+FUSED_CHUNK_SIZE = 32
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
 #: the constant of the stated error bound ``ERROR_FACTOR * eps * (K + A * kappa * T)`` (:func:`error_bound`)
@@ -59,9 +61,10 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def amplification(backend: str, T: int) -> int:
     """How much more a backend's error grows with kappa than the token loop's on sequences of T tokens: 1 for
-    "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" and
-    "chunk_triton" (its C x C innovation matrix has condition up to C kappa)."""
-    return max(1, min(CHUNK_SIZE, T)) if backend in ("chunk", "chunk_triton") else 1
+    "reference" and "triton" (one key a step), the chunk length ``min(C, T)`` for "chunk" (C = CHUNK_SIZE) and
+    "chunk_triton" (C = FUSED_CHUNK_SIZE): a C x C innovation matrix has condition up to C kappa."""
+    size = {"chunk": CHUNK_SIZE, "chunk_triton": FUSED_CHUNK_SIZE}.get(backend)
+    return 1 if size is None else max(1, min(size, T))
 
 
 def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification: int = 1) -> float:
@@ -75,11 +78,11 @@ def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification:
     return ERROR_FACTOR * unit_roundoff(dtype) * (K + amplification * kappa * T)
 
 
-def chunk_refusal(condition: Optional[float], dtype: torch.dtype, T: int) -> Optional[str]:
-    """Why the chunked backends ("chunk", "chunk_triton") do not serve inputs of condition ``condition`` (the inputs'
-    largest kappa, None where unchecked), ``dtype`` and length ``T``: their ``eps * A * kappa`` is beyond
+def chunk_refusal(condition: Optional[float], dtype: torch.dtype, T: int, backend: str = "chunk") -> Optional[str]:
+    """Why a chunked backend ("chunk", "chunk_triton") does not serve inputs of condition ``condition`` (the inputs'
+    largest kappa, None where unchecked), ``dtype`` and length ``T``: its ``eps * A * kappa`` is beyond
     :data:`TOLERANCE`; else None."""
-    A = amplification("chunk", T)
+    A = amplification(backend, T)
     if condition is None or unit_roundoff(dtype) * A * condition <= TOLERANCE:
         return None
     return (f"the innovation's condition {condition:.3g} times the chunk length {A} is beyond "

@@ -23,8 +23,9 @@ from torch import Tensor
 
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import remaining_total, total
-from .chunk_fwd import (ChunkLaunch, decays, dot, dot_state, dot_state_t, dot_sym, last, load_gates, load_rows, pow2,
-                        store_rows)
+from ..triton_launch import run_kernel
+from .chunk_fwd import (STAGES, ChunkLaunch, decays, dot, dot_state, dot_state_t, dot_sym, last, load_gates, load_rows,
+                        pow2, store_rows)
 
 
 @triton.jit
@@ -183,11 +184,12 @@ def chunk_backward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgates = torch.empty(B, T, H, 3, **f32)
     dM0, dP0 = torch.empty(N, H, K, V, **f32), torch.empty(N, H, K, K, **f32)
-    chunk_bwd_kernel[(N * H,)](
-        q, k, v, gates, saved, do, gates if dvar is None else dvar, dMT, dPT, dq, dk, dv, dgates, dM0, dP0,
-        gates if cu_seqlens is None else cu_seqlens, scale, T, H, K, V, VAR=dvar is not None,
-        IS_VARLEN=cu_seqlens is not None, C=launch.chunk, BK=pow2(K), BV=pow2(V), num_warps=launch.num_warps,
-    )
+    run_kernel(
+        chunk_bwd_kernel, (N * H,),
+        (q, k, v, gates, saved, do, gates if dvar is None else dvar, dMT, dPT, dq, dk, dv, dgates, dM0, dP0,
+         gates if cu_seqlens is None else cu_seqlens, scale, T, H, K, V),
+        {"VAR": dvar is not None, "IS_VARLEN": cu_seqlens is not None, "C": launch.chunk, "BK": pow2(K),
+         "BV": pow2(V)}, launch.num_warps, STAGES)
     return dq, dk, dv, dgates, dM0, dP0
 
 

@@ -30,12 +30,15 @@ from torch import Tensor
 
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import exp, mm, rounded, running_total, total
+from ..triton_launch import next_power_of_2, run_kernel
 from .conditioning import FUSED_CHUNK_SIZE
 
 # Zero tiles are tl.full(shape, 0.0, tl.float32): see kernels.py.
 
 #: the largest key and value head dims: P [K, K] and m [K, V] (and in the backward their adjoints) live on chip
 MAX_HEAD_DIM = 128
+#: software-pipelining stages of every launch (Triton's default)
+STAGES = 3
 
 
 @triton.jit
@@ -217,7 +220,7 @@ class ChunkLaunch:
 
 def pow2(n: int) -> int:
     """The smallest power of two >= n, at least 16 (tl.dot's smallest tile)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    return max(16, next_power_of_2(n))
 
 
 def num_slots(B: int, T: int, N: int, C: int, varlen: bool) -> int:
@@ -243,10 +246,10 @@ def chunk_forward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, M0: Optional[T
     MT, PT = torch.empty(N, H, K, V, **f32), torch.empty(N, H, K, K, **f32)
     size = (num_slots(B, T, N, C, cu_seqlens is not None), H, K * V + K * K + C * C)
     saved = torch.empty(size, **f32) if save else q.new_empty(0, dtype=torch.float32)
-    chunk_fwd_kernel[(N * H,)](
-        q, k, v, gates, MT if M0 is None else M0, PT if P0 is None else P0, o, var if variance else gates, MT, PT,
-        saved if save else gates, gates if cu_seqlens is None else cu_seqlens, scale, prior, T, H, K, V,
-        HAS_INIT=M0 is not None, VAR=variance, SAVE=save, IS_VARLEN=cu_seqlens is not None, C=C, BK=pow2(K),
-        BV=pow2(V), num_warps=launch.num_warps,
-    )
+    run_kernel(
+        chunk_fwd_kernel, (N * H,),
+        (q, k, v, gates, MT if M0 is None else M0, PT if P0 is None else P0, o, var if variance else gates, MT, PT,
+         saved if save else gates, gates if cu_seqlens is None else cu_seqlens, scale, prior, T, H, K, V),
+        {"HAS_INIT": M0 is not None, "VAR": variance, "SAVE": save, "IS_VARLEN": cu_seqlens is not None, "C": C,
+         "BK": pow2(K), "BV": pow2(V)}, launch.num_warps, STAGES)
     return o, var, MT, PT, saved

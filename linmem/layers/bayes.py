@@ -55,8 +55,10 @@ from .recurrent import MemoryMixer, RecurrenceArgs
 #: |b_t| is clamped to this before r_t = r_h exp(-b_t)
 LOGIT_LIMIT = 10.0
 #: the backends of :func:`linmem.ops.bayes_filter` the layer runs ("delta" is the covariance-reset filter only;
-#: "chunk" has no decoding step in :func:`linmem.ops.bayes_filter_step`)
+#: "chunk" has no decoding step in :func:`linmem.ops.bayes_filter_step`; "chunk_triton" decodes with "triton")
 LAYER_BACKENDS = tuple(b for b in BACKENDS if b not in ("delta", "chunk"))
+#: the decoding step's backend for a layer backend that has no step of its own
+STEP_BACKEND = {"chunk_triton": "triton"}
 #: softplus^-1(1): the raw value of a noise parameter that starts at 1
 SOFTPLUS_INV_ONE = math.log(math.e - 1.0)
 
@@ -92,7 +94,8 @@ class BayesianMemory(MemoryMixer):
 
     The filter sees q, k ``[B, T, H, K]`` (unit norm), v ``[B, T, H, V]`` and the decay, observation
     and process noise ``[B, T, H]`` (fp32). ``MixerArgs.backend`` picks the filter's backend: "auto"
-    (the fused Triton kernels on CUDA for K <= 128, the token loop elsewhere), "triton" or "reference".
+    (the fused Triton kernels on CUDA for K <= 128, chunked where they serve the inputs; the token loop
+    elsewhere), "chunk_triton" (chunked kernels; the decoding step takes "triton"), "triton" or "reference".
 
     Example:
         >>> from linmem.layers import MixerArgs, build_mixer
@@ -181,6 +184,6 @@ class BayesianMemory(MemoryMixer):
         self, step: FilterArgs, state: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         o, _, state = bayes_filter_step(step.q, step.k, step.v, state, **step.filter_kwargs(),
-                                        backend=self.args.backend)
+                                        backend=STEP_BACKEND.get(self.args.backend, self.args.backend))
         return o, state
 

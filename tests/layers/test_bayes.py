@@ -2,8 +2,9 @@
 save/load and gradients to every parameter: tests/layers/test_mixers.py, test_autocast.py, test_mom.py and
 tests/models/test_model.py run them for ``bayes`` as for every registered mixer): with its covariance reset it is
 Gated DeltaNet with the same weights; the noise parameters learn; extreme gates stay finite; the conv-free layer
-decodes; the fused kernels (through the Triton interpreter on CPU) equal the token loop; MoM carries the
-covariance; a backend the layer cannot run is refused by name."""
+decodes; the fused kernels, sequential and chunked (through the Triton interpreter on CPU), equal the token loop;
+the chunked kernels' layer decodes with the step kernel; MoM carries the covariance; a backend the layer cannot run
+is refused by name."""
 
 from __future__ import annotations
 
@@ -78,15 +79,27 @@ def test_the_fused_kernels_equal_the_token_loop():
     x = torch.randn(1, 7, D, device=device)
     cu = torch.tensor([0, 3, 7], device=device)
     results = []
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "chunk_triton", "reference"):
         layer = make(backend=backend).to(device)
         leaf = x.clone().requires_grad_(True)
         y = layer(leaf, cu_seqlens=cu)
         y.square().sum().backward()
         noise = (layer.obs_noise_raw, layer.process_noise_raw, layer.A_log)
         results.append([y.detach(), leaf.grad, *(p.grad for p in noise)])
-    for got, expected in zip(*results):
-        assert rel_err(got, expected) < 1e-4
+    for run in results[:2]:
+        for got, expected in zip(run, results[2]):
+            assert rel_err(got, expected) < 1e-4
+
+
+def test_the_chunked_kernels_layer_decodes_with_the_step_kernel():
+    device = triton_kernels_device()
+    layer = make(backend="chunk_triton").to(device).eval()
+    x = torch.randn(1, 6, D, device=device)
+    with torch.no_grad():
+        full = make(backend="reference").to(device).eval()(x)
+        cache = LayerState()
+        parts = [layer(x[:, :4], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(4, 6)]
+    assert rel_err(torch.cat(parts, 1), full) < 1e-5
 
 
 def test_mom_keeps_a_covariance_per_sequence_and_memory_from_the_prior():

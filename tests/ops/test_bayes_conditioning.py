@@ -29,7 +29,7 @@ from linmem.ops.bayes.inputs import validate  # noqa: E402
 from linmem.ops import checks  # noqa: E402
 
 F64 = torch.float64
-BACKENDS = ("reference", "chunk", "triton")
+BACKENDS = ("reference", "chunk", "triton", "chunk_triton")
 EPS32 = 2.0 ** -24
 
 
@@ -269,7 +269,7 @@ def _sweep_case(backend, K, T, log_r, log_key, log_kappa, P0, process, decay, se
     if EPS32 * kappa > conditioning.TOLERANCE / margin:
         return "at the threshold"
     A = conditioning.amplification(backend, T)
-    served = EPS32 * A * kappa <= conditioning.TOLERANCE  # else "chunk" falls back to the reference
+    served = EPS32 * A * kappa <= conditioning.TOLERANCE  # else "chunk", "chunk_triton" fall back to the reference
     bound = conditioning.error_bound(kappa, K, T, torch.float32, A if served else 1)
     err = error(run(backend, t, state), oracle(t, state), t)
     assert err <= bound, f"kappa {kappa:.3g}: error {err:.3g} > bound {bound:.3g}"
@@ -289,10 +289,12 @@ def test_sweep_agrees_within_the_bound_or_refuses(backend, K, T, log_r, log_key,
     _sweep_case(backend, K, T, log_r, log_key, log_kappa, P0, process, decay, seed)
 
 
+@pytest.mark.parametrize("backend", ["triton", "chunk_triton"])
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(**SWEEP)
-def test_sweep_triton_agrees_within_the_bound_or_refuses(K, T, log_r, log_key, log_kappa, P0, process, decay, seed):
-    _sweep_case("triton", K, T, log_r, log_key, log_kappa, P0, process, decay, seed)
+def test_sweep_kernels_agree_within_the_bound_or_refuse(backend, K, T, log_r, log_key, log_kappa, P0, process, decay,
+                                                        seed):
+    _sweep_case(backend, K, T, log_r, log_key, log_kappa, P0, process, decay, seed)
 
 
 @pytest.mark.parametrize("backend", ["reference", "chunk"])

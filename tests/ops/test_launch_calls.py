@@ -25,17 +25,20 @@ from tests.helpers import triton_kernels_device
 DEVICE = triton_kernels_device()
 
 from linmem.ops.attention.triton import launch as attention_launch  # noqa: E402
+from linmem.ops.bayes import chunk_bwd, chunk_fwd  # noqa: E402
 from linmem.ops.bayes import launch as bayes_launch  # noqa: E402
 from linmem.ops.fused.triton import conv, cross_entropy, norm, rotary, swiglu  # noqa: E402
 from linmem.ops.recurrence.triton import launch as recurrence_launch  # noqa: E402
 
 #: the modules that launch kernels, each through its own name ``run_kernel``
-LAUNCHERS = (norm, swiglu, conv, rotary, cross_entropy, attention_launch, bayes_launch, recurrence_launch)
+LAUNCHERS = (norm, swiglu, conv, rotary, cross_entropy, attention_launch, bayes_launch, chunk_fwd, chunk_bwd,
+             recurrence_launch)
 #: the modules whose kernels must each be launched by :func:`test_every_launch_lists_the_kernels_parameters`
 KERNEL_MODULES = ("linmem.ops.fused.triton.norm", "linmem.ops.fused.triton.swiglu", "linmem.ops.fused.triton.conv",
                   "linmem.ops.fused.triton.rotary", "linmem.ops.fused.triton.cross_entropy",
                   "linmem.ops.attention.triton.forward", "linmem.ops.attention.triton.backward",
-                  "linmem.ops.attention.triton.decode", "linmem.ops.bayes.kernels")
+                  "linmem.ops.attention.triton.decode", "linmem.ops.bayes.kernels", "linmem.ops.bayes.chunk_fwd",
+                  "linmem.ops.bayes.chunk_bwd")
 ROOT = Path(__file__).resolve().parents[2] / "linmem"
 
 
@@ -83,6 +86,9 @@ def tiny_calls(gen: torch.Generator) -> None:
     o, var, MT, PT, saved = bayes_launch.filter_forward(q, k, v, g, r, wt, None, None, None, 0.25, 1.0, True, True,
                                                         run)
     bayes_launch.filter_backward(q, k, v, g, r, wt, None, None, None, 0.25, 1.0, saved, PT, o, var, MT, PT, run)
+    gates, chunked = torch.stack([g, r, wt], -1), chunk_fwd.ChunkLaunch(16, 4)
+    o, var, MT, PT, saved = chunk_fwd.chunk_forward(q, k, v, gates, None, None, None, 0.25, 1.0, True, True, chunked)
+    chunk_bwd.chunk_backward(q, k, v, gates, saved, None, 0.25, o, var, MT, PT, chunked)
 
 
 def test_every_launch_lists_the_kernels_parameters(monkeypatch):

@@ -1,13 +1,14 @@
-"""Check the chunked Bayesian filter (backend "chunk") on a GPU and time it beside the sequential kernels.
+"""Check the chunked Bayesian filter (backends "chunk" and "chunk_triton") on a GPU and time it beside the sequential
+kernels.
 
 One run, one GPU; everything goes to ``$OUT/bayes_chunk_bench.json`` (and a summary to stdout):
 
-1. correctness: ``chunk_filter`` (C = 64) against the token-loop reference at K = V = 64 and 128, T = 300
-   (a shorter last chunk), with an initial state and the mixer's process noise ``0.5 (1 - a^2)``: fp32 inputs
-   against the fp64 reference, bf16 inputs against the fp32 reference on the same rounded values; outputs,
-   variance, final state and every gradient as error ratios (bounds: fp32 1e-4, bf16 5e-3);
-2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 beside "triton" (the sequential
-   kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
+1. correctness: ``chunk_filter`` (C = 64) and the chunked kernels against the token-loop reference at K = V = 64
+   and 128, T = 300 (a shorter last chunk), with an initial state and the mixer's process noise ``0.5 (1 - a^2)``:
+   fp32 inputs against the fp64 reference, bf16 inputs against the fp32 reference on the same rounded values;
+   outputs, variance, final state and every gradient as error ratios (bounds: fp32 1e-4, bf16 5e-3);
+2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 and "chunk_triton" at C = 16, 32 beside
+   "triton" (the sequential kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
    B x T = 16K tokens, bf16, with the peak memory of each forward+backward.
 
     OUT=/tmp/out python dev/gpu/tools/bayes_chunk_bench.py
@@ -26,6 +27,8 @@ from bayes_bench import check, filter_inputs, fwd_bwd, ms, peak_mib  # this fold
 
 from linmem.ops import bayes_filter, linear_recurrence
 from linmem.ops.bayes.chunk import chunk_filter
+from linmem.ops.bayes.chunk_fwd import ChunkLaunch
+from linmem.ops.bayes.chunk_triton import chunk_triton_filter
 from linmem.ops.bayes.inputs import validate
 
 DEV = "cuda"
@@ -33,6 +36,7 @@ HEADS = 16
 SHAPES = [(8, 2048), (1, 16384)]
 DIMS = [64, 128]
 CHUNKS = [32, 64, 128]
+FUSED_CHUNKS = [16, 32]
 
 
 def chunked(chunk_size, **kwargs):
@@ -41,11 +45,20 @@ def chunked(chunk_size, **kwargs):
     return chunk_filter(inputs, chunk_size)
 
 
+def fused(chunk_size, **kwargs):
+    """bayes_filter's "chunk_triton" backend at a given chunk size (default warps)."""
+    inputs = validate(**kwargs)
+    warps = ChunkLaunch.default(inputs.q.shape[-1], inputs.v.shape[-1]).num_warps
+    return chunk_triton_filter(inputs, ChunkLaunch(chunk_size, warps))
+
+
 def call(backend, t, state=None, chunk_size=64, **extra):
     kwargs = dict(**t, initial_state=state, prior=1.0, reset=False, scale=None, cu_seqlens=None)
     kwargs.update(dict(output_final_state=False, return_variance=False), **extra)
     if backend == "chunk":
         return chunked(chunk_size, **kwargs)
+    if backend == "chunk_triton":
+        return fused(chunk_size, **kwargs)
     return bayes_filter(**kwargs, backend=backend)
 
 
@@ -56,6 +69,8 @@ def timing(B, T, K) -> dict:
     runs = {"triton": lambda: call("triton", t)[0]}
     for C in CHUNKS:
         runs[f"chunk{C}"] = lambda C=C: call("chunk", t, chunk_size=C)[0]
+    for C in FUSED_CHUNKS:
+        runs[f"chunk_triton{C}"] = lambda C=C: call("chunk_triton", t, chunk_size=C)[0]
     runs["gated_delta"] = lambda: linear_recurrence(t["q"], t["k"], t["v"], log_decay=t["log_decay"], beta=beta)[0]
     row = dict(B=B, T=T, H=HEADS, K=K, V=K)
     for name, fn in runs.items():
@@ -65,10 +80,18 @@ def timing(B, T, K) -> dict:
                 row[f"{name}_fwd_ms"] = ms(fn)
             row[f"{name}_fwd_bwd_ms"] = ms(fwd_bwd(fn, wrt))
             row[f"{name}_peak_mib"] = peak_mib(fwd_bwd(fn, wrt))
-        except torch.OutOfMemoryError as error:  # a size that does not fit is a result, not a failure
+        except (torch.OutOfMemoryError, triton.runtime.errors.OutOfResources) as error:  # a result, not a failure
             row[f"{name}_error"] = repr(error)[:200]
             torch.cuda.empty_cache()
     return row
+
+
+def checked(backend, K, dtype) -> dict:
+    """check() of a backend, or the error that stopped it (a kernel that does not compile at this size, say)."""
+    try:
+        return dict(check(K, dtype, backend, T=300, mixer_noise=True), backend=backend)
+    except Exception as error:  # recorded and printed as the result
+        return dict(backend=backend, K=K, dtype=str(dtype), ok=False, error=repr(error)[:300])
 
 
 def main() -> None:
@@ -76,10 +99,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     start = time.time()
-    report["checks"] = [check(K, dtype, "chunk", T=300, mixer_noise=True) for K in DIMS
+    report["checks"] = [checked(backend, K, dtype) for backend in ("chunk", "chunk_triton") for K in DIMS
                         for dtype in (torch.float32, torch.bfloat16)]
     for c in report["checks"]:
-        print(f"check K={c['K']} {c['dtype']}: worst error ratio {c['worst']:.2e} {'ok' if c['ok'] else 'FAIL'}")
+        result = f"worst error ratio {c['worst']:.2e} {'ok' if c['ok'] else 'FAIL'}" if "worst" in c else c["error"]
+        print(f"check {c['backend']} K={c['K']} {c['dtype']}: {result}")
     report["timing"] = []
     for K in DIMS:
         for B, T in SHAPES:
@@ -88,7 +112,8 @@ def main() -> None:
             print(f"K=V={K} {B}x{T}: " + ", ".join(
                 f"{n} {row[f'{n}_fwd_bwd_ms']:.2f} ms (fwd {row[f'{n}_fwd_ms']:.2f}, {row[f'{n}_peak_mib']:.0f} MiB)"
                 if f"{n}_fwd_bwd_ms" in row else f"{n} failed"
-                for n in ["triton", *(f"chunk{C}" for C in CHUNKS), "gated_delta"]))
+                for n in ["triton", *(f"chunk{C}" for C in CHUNKS), *(f"chunk_triton{C}" for C in FUSED_CHUNKS),
+                          "gated_delta"]))
             (out / "bayes_chunk_bench.json").write_text(json.dumps(report, indent=1))
     report["seconds"] = time.time() - start
     (out / "bayes_chunk_bench.json").write_text(json.dumps(report, indent=1))

@@ -1,6 +1,6 @@
 """The Bayesian memory of Memory by Design (arXiv 2605.31163): a Kalman filter over an associative memory.
 
-One entry point, :func:`bayes_filter`, with four backends:
+One entry point, :func:`bayes_filter`, with five backends:
 
 * ``"reference"``: the token loop of :mod:`.reference` (fp32, fp64 for fp64 inputs), the oracle;
 * ``"delta"``: with ``reset=True`` the filter is exactly the gated delta rule with
@@ -8,12 +8,16 @@ One entry point, :func:`bayes_filter`, with four backends:
 * ``"triton"``: the fused sequential kernels of :mod:`.kernels` (forward and backward, P in fp32
   registers per head, K <= 128, V in blocks);
 * ``"chunk"``: the exact chunked form of :mod:`.chunk` in PyTorch (per chunk of 64 tokens a 64 x 64
-  Cholesky factorisation and triangular solves; gradients by autograd), ``reset=False`` only.
+  Cholesky factorisation and triangular solves; gradients by autograd), ``reset=False`` only;
+* ``"chunk_triton"``: the same chunked form as fused Triton kernels (:mod:`.chunk_triton`: one program per
+  sequence and head runs its chunks, forward and a hand-written backward), ``reset=False``, K, V <= 128.
 
-``"auto"`` takes "delta" for ``reset=True``, else "triton" on CUDA, else "reference". A backend that
-cannot serve the inputs falls back to "delta" (reset) or "reference", with the reason logged at
-debug level ("chunk" beyond its conditioning, :mod:`.conditioning`). Inputs beyond every backend's conditioning
-and an initial covariance that is not positive semi-definite are refused by name where values are checked.
+``"auto"`` takes "delta" for ``reset=True``, else on CUDA "chunk_triton", then "triton" where it cannot serve
+the inputs (:func:`set_auto_cuda_backends` changes that order), else "reference". A backend that cannot serve
+the inputs falls back to the next one named, then to "delta" (reset) or "reference", with the reason logged at
+debug level ("chunk", "chunk_triton" beyond their conditioning, :mod:`.conditioning`). Inputs beyond every
+backend's conditioning and an initial covariance that is not positive semi-definite are refused by name where
+values are checked.
 ``docs/bayes.md`` derives the chunked form and states the bound.
 """
 
@@ -33,12 +37,12 @@ from .delta import delta_filter
 from .inputs import FilterInputs, State, compute_dtype, validate
 from .reference import filter_step, information_form, reference_filter
 
-__all__ = ["bayes_filter", "bayes_filter_step", "information_form", "BACKENDS"]
+__all__ = ["bayes_filter", "bayes_filter_step", "information_form", "set_auto_cuda_backends", "BACKENDS"]
 
 logger = logging.getLogger("linmem.ops")
 
 #: names accepted by ``backend=``
-BACKENDS = ("auto", "reference", "delta", "triton", "chunk")
+BACKENDS = ("auto", "reference", "delta", "triton", "chunk", "chunk_triton")
 #: the backends of :func:`bayes_filter_step`
 STEP_BACKENDS = ("auto", "reference", "triton")
 #: input dtypes of the Triton kernels
@@ -82,6 +86,29 @@ def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
     return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1])
 
 
+def _chunk_triton_refusal(inputs: FilterInputs) -> Optional[str]:
+    """None if the chunked kernels serve these inputs, else why not."""
+    from .chunk_fwd import MAX_HEAD_DIM
+
+    if inputs.reset:
+        return "reset=True is the delta rule, served by the 'delta' backend"
+    if inputs.q.dtype not in KERNEL_DTYPES:
+        return f"dtype {inputs.q.dtype} (the kernels take float16, bfloat16, float32)"
+    K, V = inputs.q.shape[-1], inputs.v.shape[-1]
+    if max(K, V) > MAX_HEAD_DIM:
+        return f"head dims K = {K}, V = {V} (P [K, K] and m [K, V] are held on chip: K, V <= {MAX_HEAD_DIM})"
+    if inputs.q.shape[1] == 0:
+        return "no tokens"
+    return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1], "chunk_triton") or \
+        _device_refusal(inputs.q)
+
+
+def _chunk_triton_filter(inputs: FilterInputs) -> Result:
+    from .chunk_triton import chunk_triton_filter
+
+    return chunk_triton_filter(inputs)
+
+
 def _delta_refusal(inputs: FilterInputs) -> Optional[str]:
     return None if inputs.reset else "the delta rule is the filter with reset=True only"
 
@@ -122,22 +149,47 @@ _BACKENDS: dict[str, tuple[Callable[[FilterInputs], Result], Callable[[FilterInp
     "delta": (delta_filter, _delta_refusal),
     "triton": (_triton_filter, _triton_refusal),
     "chunk": (chunk_filter, _chunk_refusal),
+    "chunk_triton": (_chunk_triton_filter, _chunk_triton_refusal),
 }
+
+
+#: the backends "auto" tries on CUDA tensors with reset=False, in order (:func:`set_auto_cuda_backends`)
+_auto_cuda: tuple[str, ...] = ("chunk_triton", "triton")
+
+
+def set_auto_cuda_backends(*names: str) -> None:
+    """Choose the backends that ``bayes_filter(..., backend="auto")`` tries on CUDA tensors with ``reset=False``, in
+    order: the first that serves the inputs runs, else "reference". The default is ``("chunk_triton", "triton")``:
+    the chunked kernels, and the sequential ones where the chunked form cannot serve the inputs (beyond its
+    conditioning, or K, V > 128).
+
+    Example:
+        >>> from linmem.ops.bayes import set_auto_cuda_backends
+        >>> set_auto_cuda_backends("triton")  # the sequential kernels only
+        >>> set_auto_cuda_backends("chunk_triton", "triton")  # the default again
+    """
+    global _auto_cuda
+    if not names:
+        raise ValueError("set_auto_cuda_backends: name at least one backend, e.g. \"chunk_triton\", \"triton\"")
+    for name in names:
+        check_backend("set_auto_cuda_backends", name, tuple(b for b in BACKENDS if b not in ("auto", "delta")))
+    _auto_cuda = tuple(names)
 
 
 def _choose(backend: str, inputs: FilterInputs) -> Callable[[FilterInputs], Result]:
     check_backend("bayes_filter", backend, BACKENDS)
     fallback = "delta" if inputs.reset else "reference"
     if backend == "auto":
-        wanted = ["delta"] if inputs.reset else (["triton"] if inputs.q.device.type == "cuda" else [])
+        wanted = ["delta"] if inputs.reset else (list(_auto_cuda) if inputs.q.device.type == "cuda" else [])
     else:
         wanted = [backend]
-    for name in wanted:
+    for i, name in enumerate(wanted):
         fn, refusal = _BACKENDS[name]
         reason = refusal(inputs)
         if reason is None:
             return fn
-        logger.debug("bayes_filter: backend %r cannot serve these inputs (%s); using %r", name, reason, fallback)
+        after = wanted[i + 1] if i + 1 < len(wanted) else fallback
+        logger.debug("bayes_filter: backend %r cannot serve these inputs (%s); using %r", name, reason, after)
     return _BACKENDS[fallback][0]
 
 
@@ -192,8 +244,9 @@ def bayes_filter(
         output_final_state: also return the final ``(M, P)``.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of N sequences packed along T (B == 1).
         return_variance: also return the predictive variance ``var``.
-        backend: ``"auto"``, ``"reference"``, ``"delta"`` (reset only), ``"triton"`` or ``"chunk"`` (the exact
-            chunked form in PyTorch, reset=False only).
+        backend: ``"auto"``, ``"reference"``, ``"delta"`` (reset only), ``"triton"``, ``"chunk"`` (the exact
+            chunked form in PyTorch, reset=False only) or ``"chunk_triton"`` (the chunked form as Triton kernels,
+            reset=False, K, V <= 128).
 
     Returns:
         ``(o, var, state)``: ``o [B, T, H, V]`` in the dtype of q; ``var [B, T, H]`` (fp32, fp64 for fp64

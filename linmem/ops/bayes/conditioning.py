@@ -21,10 +21,10 @@ computed in log space (``logcumsumexp``), one sequence of ``cu_seqlens`` at a ti
 about ``eps kappa`` relative to the state; a memory that forgets (``a < 1``) or gains process noise loses old
 errors as it loses old evidence, while one that does neither adds them up over the sequence, as recursive least
 squares without forgetting does: the stated bound (:func:`error_bound`) carries a factor T for that worst case.
-A backend that factors C tokens at once ("chunk") meets C times the condition (:func:`amplification`); beyond
-its bound it hands the inputs to the token loop. With the covariance reset (``reset=True``) the mean is the
-gated delta rule, whose write ``beta |k|^2 <= 1`` is well conditioned for any kappa, so the check does not apply
-there.
+A backend that factors C tokens at once ("chunk", "chunk_triton") meets C times the condition
+(:func:`amplification`); beyond its bound ``bayes_filter`` hands the inputs to a token-loop backend. With the
+covariance reset (``reset=True``) the mean is the gated delta rule, whose write ``beta |k|^2 <= 1`` is well
+conditioned for any kappa, so the check does not apply there.
 
 The checks read values, so they run where ``linear_recurrence``'s value checks run: on CPU tensors, and on GPU
 tensors only with debug checks on (``LINMEM_DEBUG=1`` or :func:`linmem.ops.set_debug_checks`), never under
@@ -42,6 +42,9 @@ from ..recurrence.inputs import LOG_DECAY_FLOOR
 
 #: tokens per chunk of the "chunk" backend (:mod:`linmem.ops.bayes.chunk`)
 CHUNK_SIZE = 64
+#: tokens per chunk of the "chunk_triton" backend, at most: what its backward's shared memory holds on Hopper at
+#: K = V = 128 (``dev/kernels/bayes_chunk_resources.py``)
+FUSED_CHUNK_SIZE = 32
 #: the largest ``eps * A * kappa`` a backend serves (A: :func:`amplification`)
 TOLERANCE = 1e-2
 #: the constant of the stated error bound ``ERROR_FACTOR * eps * (K + A * kappa * T)`` (:func:`error_bound`)
@@ -58,9 +61,10 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def amplification(backend: str, T: int) -> int:
     """How much more a backend's error grows with kappa than the token loop's on sequences of T tokens: 1 for
-    "reference" and "triton" (one key a step), the chunk length ``min(CHUNK_SIZE, T)`` for "chunk" (its C x C
-    innovation matrix has condition up to C kappa)."""
-    return max(1, min(CHUNK_SIZE, T)) if backend == "chunk" else 1
+    "reference" and "triton" (one key a step), the chunk length ``min(C, T)`` for "chunk" (C = CHUNK_SIZE) and
+    "chunk_triton" (C = FUSED_CHUNK_SIZE): a C x C innovation matrix has condition up to C kappa."""
+    size = {"chunk": CHUNK_SIZE, "chunk_triton": FUSED_CHUNK_SIZE}.get(backend)
+    return 1 if size is None else max(1, min(size, T))
 
 
 def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification: int = 1) -> float:
@@ -74,10 +78,11 @@ def error_bound(kappa: float, K: int, T: int, dtype: torch.dtype, amplification:
     return ERROR_FACTOR * unit_roundoff(dtype) * (K + amplification * kappa * T)
 
 
-def chunk_refusal(condition: Optional[float], dtype: torch.dtype, T: int) -> Optional[str]:
-    """Why the "chunk" backend does not serve inputs of condition ``condition`` (the inputs' largest kappa, None
-    where unchecked), ``dtype`` and length ``T``: its ``eps * A * kappa`` is beyond :data:`TOLERANCE`; else None."""
-    A = amplification("chunk", T)
+def chunk_refusal(condition: Optional[float], dtype: torch.dtype, T: int, backend: str = "chunk") -> Optional[str]:
+    """Why a chunked backend ("chunk", "chunk_triton") does not serve inputs of condition ``condition`` (the inputs'
+    largest kappa, None where unchecked), ``dtype`` and length ``T``: its ``eps * A * kappa`` is beyond
+    :data:`TOLERANCE`; else None."""
+    A = amplification(backend, T)
     if condition is None or unit_roundoff(dtype) * A * condition <= TOLERANCE:
         return None
     return (f"the innovation's condition {condition:.3g} times the chunk length {A} is beyond "

@@ -4,11 +4,14 @@ the filter compiles as one graph.
 ``linmem::bayes_filter_fwd`` runs the forward kernel and also returns what the backward needs
 (``u, s, e, q^T P q``, empty when no gradient is recorded); ``linmem::bayes_filter_bwd`` runs the three
 backward passes; ``register_autograd`` joins them. ``linmem::bayes_filter_step`` is the decoding step,
-updating the state ``(M, P)`` in place. Every op has a fake implementation (shapes and dtypes only) for
-tracing. Absent optional outputs are empty tensors, since a custom op returns tensors only.
+updating the state ``(M, P)`` in place. ``linmem::bayes_chunk_fwd`` and ``linmem::bayes_chunk_bwd`` are the
+chunked kernels' pair (backend "chunk_triton"; the forward also returns the chunk starts and inverse factors it
+saves for the backward). Every op has a fake implementation (shapes and dtypes only) for tracing. Absent optional
+outputs are empty tensors, since a custom op returns tensors only.
 
 Outside ``torch.compile`` the same launchers run without the custom ops' dispatch
-(:class:`~linmem.ops.bayes.launch.BayesFilterFunction`, :func:`~linmem.ops.bayes.launch.filter_forward`).
+(:class:`~linmem.ops.bayes.launch.BayesFilterFunction`, :func:`~linmem.ops.bayes.launch.filter_forward`,
+:class:`~linmem.ops.bayes.chunk_triton.ChunkFilterFunction`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .chunk_bwd import chunk_backward, chunk_cotangents
+from .chunk_fwd import ChunkLaunch, chunk_forward, num_slots
 from .launch import Launch, Saved, filter_backward, filter_forward
 
 F32 = torch.float32
@@ -121,3 +126,58 @@ def step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, r: Tensor, w: Optional[T
 @step_op.register_fake
 def _(q, k, v, g, r, w, M, P, scale, prior, variance, block_v, num_warps):
     return torch.empty_like(v), (q.new_empty(q.shape[:3], dtype=F32) if variance else _empty(q))
+
+
+@torch.library.custom_op("linmem::bayes_chunk_fwd", mutates_args=())
+def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, M0: Optional[Tensor], P0: Optional[Tensor],
+                 cu_seqlens: Optional[Tensor], scale: float, prior: float, variance: bool, save: bool, chunk: int,
+                 num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The chunked forward (backend "chunk_triton") -> (o, var, M_T, P_T, and with ``save`` the chunk starts and
+    inverse factors for the backward); absent ones are empty."""
+    return chunk_forward(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, save,
+                         ChunkLaunch(chunk, num_warps))
+
+
+@chunk_fwd_op.register_fake
+def _(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, save, chunk, num_warps):
+    B, T, H, K = q.shape
+    V, N = v.shape[-1], _num_sequences(q, cu_seqlens)
+    var = q.new_empty(B, T, H, dtype=F32) if variance else _empty(q)
+    size = (num_slots(B, T, N, chunk, cu_seqlens is not None), H, K * V + K * K + chunk * chunk)
+    return (torch.empty_like(v), var, q.new_empty(N, H, K, V, dtype=F32), q.new_empty(N, H, K, K, dtype=F32),
+            q.new_empty(size, dtype=F32) if save else _empty(q))
+
+
+@torch.library.custom_op("linmem::bayes_chunk_bwd", mutates_args=())
+def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor, cu_seqlens: Optional[Tensor],
+                 scale: float, do: Tensor, dvar: Optional[Tensor], dMT: Tensor, dPT: Tensor, chunk: int,
+                 num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dgates, dM0, dP0) of the chunked forward."""
+    return chunk_backward(q, k, v, gates, saved, cu_seqlens, scale, do, dvar, dMT, dPT, ChunkLaunch(chunk, num_warps))
+
+
+@chunk_bwd_op.register_fake
+def _(q, k, v, gates, saved, cu_seqlens, scale, do, dvar, dMT, dPT, chunk, num_warps):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gates),
+            torch.empty_like(dMT), torch.empty_like(dPT))
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, _, chunk, num_warps = inputs
+    o, var, MT, PT, saved = output
+    ctx.save_for_backward(q, k, v, gates, saved, cu_seqlens)
+    ctx.scale, ctx.variance, ctx.launch, ctx.has_init = scale, variance, (chunk, num_warps), M0 is not None
+    ctx.mark_non_differentiable(saved, *([] if variance else [var]))
+    ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
+
+
+def _chunk_backward(ctx, do, dvar, dMT, dPT, _):
+    q, k, v, gates, saved, cu_seqlens = ctx.saved_tensors
+    do, dvar, dMT, dPT = chunk_cotangents(q, v, cu_seqlens, ctx.variance, do, dvar, dMT, dPT)
+    dq, dk, dv, dgates, dM0, dP0 = chunk_bwd_op(q, k, v, gates, saved, cu_seqlens, ctx.scale, do, dvar, dMT, dPT,
+                                                *ctx.launch)
+    init = (dM0, dP0) if ctx.has_init else (None, None)
+    return (dq, dk, dv, dgates, *init, None, None, None, None, None, None, None)
+
+
+chunk_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)

@@ -41,7 +41,7 @@ from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import expert_parallel
-from .tensor import apply_tp, tensor_parallel_refusal
+from .tensor import apply_tp, splits_halves_by_rows, tensor_parallel_refusal
 
 __all__ = [
     "parallelize",
@@ -83,9 +83,9 @@ def check_model(model: nn.Module, config: ParallelConfig, *, compile_blocks: boo
         raise ParallelConfigError(refusal)
     data = config.dp * config.sp
     if config.tp > 1 and data > 1 and any(not isinstance(b.mlp, MoEFeedForward) or b.mlp.shared is not None
-                                          for b in blocks):
+                                          or splits_halves_by_rows(b.mixer) for b in blocks):
         width = blocks[0].mlp_norm.weight.shape[0]
-        if width % data:  # FSDP shards a SwiGLU's [gate; up], split by halves over tp, along its input width
+        if width % data:  # FSDP shards a [gate; up] (Mamba's [x; z]), split by halves over tp, along its input width
             raise ParallelConfigError(f"parallel.tp = {config.tp} with dp * sp = {data} data ranks: the hidden size "
                                       f"{width} must be a multiple of {data}")
 

@@ -20,10 +20,21 @@ gate, RWKV's token-shift mixes) stay whole on every rank, their gradients summed
 the part from its heads). Mamba-2's fused input projection keeps its weight whole: its B and C rows serve every
 head, so a rank computes with its own z, x and dt rows and the shared B, C rows.
 
+Three mixers need more than that. Mamba-1 splits its channels (whole heads), but its ``x_proj`` reads every
+channel for the step sizes' low-rank input and for B and C, which all channels share: its partial outputs are
+summed inside the region, a second all-reduce each way (``dt_rank + 2 N`` wide). S4D splits the channels of its
+input, each its own SSM, over the ranks (the rank reads its channels of x: :attr:`Mixer.heads`); its output GLU
+pairs channel j of ``out_proj`` with channel D + j, so the partial outputs of both halves are summed before the
+GLU (the one all-reduce, ``2 D`` wide). A mixture of memories splits every memory by its rule's plan (each stacked
+weight ``[M', out, in]`` one dimension further) while every rank routes alike with the whole router: its region
+is ``mix_memories`` after the routing, entered by the routing weights with their gradients summed, so the router
+and the balancing loss get the same whole gradient on every rank.
+
 Split parameters are DTensors on the ``tp`` mesh (global shapes: FSDP2 shards them over the data ranks, DCP
 saves and reshards them, ``full_tensor()`` gathers them); while a region runs, its module sees the local tensors
 (``to_local()``, differentiable), so the layers' code runs unchanged on its share of the heads (it takes its
-head count from its tensors' shapes). Layouts this cannot split are refused by name (:data:`REFUSED`).
+head count from its tensors' shapes). Every mixer has a plan (:data:`PLANS`); counts of heads (channels) or
+hidden units that ``tp`` does not divide are refused by name.
 
 Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -33,7 +44,7 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -45,12 +56,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layers.base import Mixer
 from ..layers.moe import MoEFeedForward
+from ..layers.mom import MemoryLinear
 from ..layers.norms import RMSNorm
 from .collectives import all_reduce_sum, sum_gradients, sum_partials
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import ExpertParallelMoE
 
-__all__ = ["REFUSED", "apply_tp", "tensor_parallel_refusal", "tp_placements"]
+__all__ = ["PLANS", "apply_tp", "splits_halves_by_rows", "tensor_parallel_refusal", "tp_placements"]
 
 
 # ---------------------------------------------------------------- how a parameter splits
@@ -74,24 +86,40 @@ class Halves:
 
 @dataclass(frozen=True)
 class Rows:
-    """Kept whole on every rank; a rank computes with the rows ``index(rank, ranks)`` of dimension 0 (Mamba-2's
+    """Kept whole on every rank; a rank computes with the rows ``index(rank, ranks)`` of dimension ``dim`` (Mamba-2's
     input projection and convolution, whose B and C rows every head reads), its gradient summed over the ranks."""
 
     index: Callable[[int, int], list[int]]
+    dim: int = 0
 
 
-Split = Union[Heads, Halves, Rows]
+@dataclass(frozen=True)
+class Replicated:
+    """Kept whole on every rank and outside the region's sums: every rank computes the same whole gradient for it
+    (MoM's router, which routes before the region)."""
+
+
+Split = Union[Heads, Halves, Rows, Replicated]
 
 
 @dataclass
 class Plan:
     """How one region (a mixer or a feed-forward) splits: the parameters not named in ``params`` stay whole on
-    every rank (their gradients summed over the ranks); ``output`` is the row-parallel projection whose bias is
-    added after the sum; ``norms`` are RMSNorms over the width of all heads."""
+    every rank (their gradients summed over the ranks); ``output`` is the row-parallel projection, whose partial
+    outputs are summed over the ranks at the region's end (with ``output_inside``, where the projection computes
+    them: S4's GLU follows it), its bias added after the sum; ``norms`` are RMSNorms over the width of all heads;
+    ``sums`` are row-parallel maps inside the region whose outputs the rank's heads need whole (Mamba's
+    ``x_proj``): summed over the ranks both ways, one all-reduce each. ``units`` names what
+    the region splits and how many there are, when not its heads (S4's channels); ``method`` is the module's method
+    that is the region (MoM's ``mix_memories``: every rank routes alike before it)."""
 
     params: dict[str, Split] = field(default_factory=dict)
     output: Optional[str] = None
     norms: tuple[str, ...] = ()
+    output_inside: bool = False
+    sums: tuple[str, ...] = ()
+    units: Optional[tuple[str, int]] = None
+    method: str = "forward"
 
 
 def _columns(*modules: str) -> dict[str, Split]:
@@ -154,6 +182,38 @@ def _mamba2(m: nn.Module) -> Plan:
                  **_heads("A_log", "dt_bias", "D", "norm.weight"), **_rows("out_proj")}, "out_proj", ("norm",))
 
 
+def _mamba(m: nn.Module) -> Plan:
+    """Mamba-1 by channels (whole heads): ``in_proj``'s [x; z] by halves, the convolution, ``dt_proj``, ``dt_bias``,
+    ``A_log`` and ``D`` by channel; ``x_proj`` reads every channel (the step sizes' low-rank input, B and C, which
+    all channels share), so its partial outputs are summed (the region's second all-reduce)."""
+    return Plan({"in_proj.weight": Halves(0), **_columns("conv", "dt_proj"), **_heads("dt_bias", "A_log", "D"),
+                 "x_proj.weight": Heads(1), **_rows("out_proj")}, "out_proj", sums=("x_proj",))
+
+
+def _s4(m: nn.Module) -> Plan:
+    """S4D by channels of the layer input (each its own SSM); ``out_proj`` reads every channel, and its two halves
+    meet in the GLU after it (channel j with channel D + j), so its partial outputs, both halves, are summed before
+    the GLU: the region's one all-reduce, of width 2 D."""
+    return Plan({**_heads("log_dt", "A_log", "C", "D"), **_rows("out_proj")}, "out_proj", output_inside=True,
+                units=("channels", m.args.hidden_size))
+
+
+def _mom(m: nn.Module) -> Plan:
+    """A mixture of memories: its rule's plan inside every memory (a stacked weight ``[M', out, in]``, bias
+    ``[M', out]``, split as the rule's, one dimension further), the router whole and before the region: every rank
+    routes alike, and the routing weights enter the region with their gradients summed."""
+    rule = PLANS[m.args.mom_memory](m.memory)
+    params: dict[str, Split] = {"router.weight": Replicated()}
+    for name, _ in m.memory.named_parameters():
+        split = rule.params.get(name)
+        if split is not None and isinstance(m.memory.get_submodule(name.rpartition(".")[0]), MemoryLinear):
+            split = replace(split, dim=split.dim + 1)
+        if split is not None:
+            params[f"memory.{name}"] = split
+    inner = lambda names: tuple(f"memory.{n}" for n in names)  # noqa: E731
+    return Plan(params, f"memory.{rule.output}", inner(rule.norms), sums=inner(rule.sums), method="mix_memories")
+
+
 def _rwkv(*columns: str, loras: tuple[str, ...], heads: tuple[str, ...]) -> Callable[[nn.Module], Plan]:
     """RWKV-6/7: column-parallel maps, LoRAs whose second map (``B: [rank, d_out]``) and bias split by heads, the
     per-head GroupNorm; the token-shift mixes (``D -> D``) stay whole."""
@@ -182,21 +242,10 @@ PLANS: dict[str, Callable[[nn.Module], Plan]] = {
     "lightning": _memory("q_proj", "k_proj", "v_proj", "g_proj", norms=("o_norm",)),
     "hgrn2": _memory("q_proj", "f_proj", "i_proj", norms=("o_norm",)),
     "gsa": _memory("q_proj", "k_proj", "v_proj", "f_proj", norms=("o_norm",)),
-    "mamba2": _mamba2,
+    "mamba2": _mamba2, "mamba": _mamba, "s4": _s4, "mom": _mom,
     "rwkv6": _rwkv("receptance", "key", "value", "gate", loras=("decay",), heads=("bonus",)),
     "rwkv7": _rwkv("receptance", "key", "value", loras=("decay", "icl_rate", "gate"), heads=("k_k", "k_a", "r_k")),
 }
-
-#: mixers tensor parallelism refuses, and why
-REFUSED: dict[str, str] = {
-    "mamba": "its x_proj maps every channel of the inner width to the step sizes, B and C (a reduction across "
-             "all heads), so the heads cannot be computed apart",
-    "s4": "it has no projection into heads: its channels are the model width itself, and its output GLU pairs "
-          "channels of both halves of out_proj",
-    "mom": "its memories' stacked projections (one weight per memory) and routed recurrence are not split by heads "
-           "here",
-}
-
 
 def _swiglu() -> Plan:
     return Plan({"gate_up.weight": Halves(0), "down.weight": Heads(1)}, "down")
@@ -213,20 +262,20 @@ def tp_placements(split: Split) -> list:
 
 
 def tensor_parallel_refusal(model: nn.Module, tp: int) -> Optional[str]:
-    """Why ``model``'s blocks cannot split over ``tp`` ranks (None: they can): a mixer :data:`REFUSED` or not
-    planned, or heads, KV heads or hidden units that ``tp`` does not divide, each naming its layer."""
+    """Why ``model``'s blocks cannot split over ``tp`` ranks (None: they can): a mixer without a plan, or heads
+    (S4: channels), KV heads or hidden units that ``tp`` does not divide, each naming its layer."""
     if tp == 1:
         return None
     for i, block in enumerate(_blocks(model)):
         mixer = block.mixer
         name = type(mixer).name or type(mixer).__name__
-        if name in REFUSED:
-            return f"parallel.tp = {tp} cannot split layer {i}'s mixer {name!r}: {REFUSED[name]}"
         if name not in PLANS:
             return f"parallel.tp = {tp} has no plan for layer {i}'s mixer {name!r} ({type(mixer).__name__})"
+        units = PLANS[name](mixer).units
         heads = mixer.args.num_heads
         kv = getattr(mixer, "num_kv_heads", heads)
-        for what, count in (("heads", heads), ("KV heads", kv)):
+        counts = [units] if units is not None else [("heads", heads), ("KV heads", kv)]
+        for what, count in counts:
             if count % tp:
                 return f"parallel.tp = {tp} must divide the {what} of every layer: layer {i} ({name}) has {count}"
         mlp = block.mlp
@@ -237,34 +286,46 @@ def tensor_parallel_refusal(model: nn.Module, tp: int) -> Optional[str]:
     return None
 
 
+def splits_halves_by_rows(mixer: Mixer) -> bool:
+    """Whether ``mixer``'s plan splits a weight by halves along its rows (Mamba's [x; z] input projection), which
+    FSDP2 then shards along its input width, as a SwiGLU's [gate; up]."""
+    return any(isinstance(split, Halves) and split.dim == 0 for split in PLANS[type(mixer).name](mixer).params.values())
+
+
 # ---------------------------------------------------------------- the regions
 
 
 @dataclass
 class _Local:
     """One parameter of a region as the rank computes with it: ``owner._parameters[name]`` replaced, while the
-    region runs, by its local tensor (a DTensor's), its rows (``index``) or itself with gradients summed."""
+    region runs, by its local tensor (a DTensor's), its rows (``index`` along ``dim``) or itself with gradients
+    summed."""
 
     owner: nn.Module
     name: str
     index: Optional[torch.Tensor] = None  # Rows: the rank's rows
+    dim: int = 0
 
     def value(self, param: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         if isinstance(param, DTensor):
             return param.to_local()
         whole = sum_gradients(param, group)
-        return whole if self.index is None else whole.index_select(0, self.index)
+        return whole if self.index is None else whole.index_select(self.dim, self.index)
 
 
 class _TensorParallelForward:
-    """The forward of a region: its parameters local while it runs; with ``reduce``, its input's gradients and
-    its output summed over the ranks (f and g), the output projection's bias added after the sum."""
+    """A region: its parameters local while it runs; with ``reduce``, the gradients of its floating-point
+    positional inputs (the layer input; MoM's routing weights) summed over the ranks (f); with ``output``, its
+    output summed over the ranks (g) and that projection's bias added after the sum."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], params: list[_Local], group: ProcessGroup,
                  output: Optional[nn.Module], reduce: bool) -> None:
         self.forward, self.params, self.group, self.output, self.reduce = forward, params, group, output, reduce
 
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.reduce:
+            args = tuple(sum_gradients(a, self.group) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
         saved = [(p.owner, p.name, p.owner._parameters[p.name]) for p in self.params]
         bias = None if self.output is None else self.output._parameters.get("bias")
         try:
@@ -272,15 +333,39 @@ class _TensorParallelForward:
                 owner._parameters[name] = local.value(param, self.group)
             if bias is not None:
                 self.output._parameters["bias"] = None  # added once, after the ranks' partial outputs are summed
-            out = self.forward(sum_gradients(x, self.group) if self.reduce else x, *args, **kwargs)
+            out = self.forward(*args, **kwargs)
         finally:
             for owner, name, param in saved:
                 owner._parameters[name] = param
             if bias is not None:
                 self.output._parameters["bias"] = bias
-        if not self.reduce:
+        if self.output is None:
             return out
         out = sum_partials(out, self.group)
+        return out if bias is None else out + bias.to(out.dtype)
+
+
+class _Summed:
+    """The forward of a row-parallel linear map called as a module inside a region: its product on the rank's
+    input columns, summed over the ranks by ``collective``, then its bias added once. An output projection the
+    forward goes on after (:func:`sum_partials`, Megatron's g: the gradient, the same on every rank, passes back
+    unchanged) or a map whose output the rank's heads need whole (:func:`all_reduce_sum`: the gradients, each
+    rank's from its heads, summed too)."""
+
+    def __init__(self, linear: nn.Linear, group: ProcessGroup,
+                 collective: Callable[[torch.Tensor, ProcessGroup], torch.Tensor]) -> None:
+        self.linear, self.forward, self.group, self.collective = linear, linear.forward, group, collective
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.linear._parameters.get("bias")
+        if bias is not None:
+            self.linear._parameters["bias"] = None  # added once, after the ranks' partial products are summed
+        try:
+            out = self.forward(x)
+        finally:
+            if bias is not None:
+                self.linear._parameters["bias"] = bias
+        out = self.collective(out, self.group)
         return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -299,31 +384,40 @@ class _WidthRMSNorm:
 
 
 def _split(module: nn.Module, plan: Plan, mesh: DeviceMesh, *, reduce: bool) -> None:
-    """Distribute ``module``'s parameters as ``plan`` says and make its forward a region."""
+    """Distribute ``module``'s parameters as ``plan`` says and make its ``plan.method`` a region; with ``reduce``,
+    the ranks' partial outputs are summed (at the region's end, or where the output projection computes them)."""
     group, rank, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    output = module.get_submodule(plan.output) if plan.output is not None else None
+    if not reduce and output is not None and output.bias is not None:
+        raise ValueError(f"tensor parallelism: {plan.output} of a region whose caller sums the ranks' outputs "
+                         "has a bias, which every rank would add")
+    output_bias = f"{plan.output}.bias"  # added after the sum, the same on every rank: its gradient too
     params: list[_Local] = []
     for full_name, param in list(module.named_parameters()):
         owner_name, _, name = full_name.rpartition(".")
         owner = module.get_submodule(owner_name)
         split = plan.params.get(full_name)
+        if isinstance(split, Replicated) or (reduce and full_name == output_bias):
+            continue
         if isinstance(split, (Heads, Halves)):
             sharded = distribute_tensor(param.detach(), mesh, tp_placements(split))
             setattr(owner, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
             params.append(_Local(owner, name))
         elif isinstance(split, Rows):
             index = torch.tensor(split.index(rank, ranks), dtype=torch.long, device=param.device)
-            params.append(_Local(owner, name, index))
+            params.append(_Local(owner, name, index, split.dim))
         else:
             params.append(_Local(owner, name))
     for name in plan.norms:
         norm = module.get_submodule(name)
         norm.forward = _WidthRMSNorm(norm, norm.weight.shape[0], group)
-    output = module.get_submodule(plan.output) if plan.output is not None else None
-    if not reduce and output is not None and output.bias is not None:
-        raise ValueError(f"tensor parallelism: {plan.output} of a region whose caller sums the ranks' outputs "
-                         "has a bias, which every rank would add")
-    output = output if reduce else None
-    module.forward = _TensorParallelForward(module.forward, params, group, output, reduce)
+    for name in plan.sums:
+        linear = module.get_submodule(name)
+        linear.forward = _Summed(linear, group, all_reduce_sum)
+    if reduce and output is not None and plan.output_inside:
+        output.forward = _Summed(output, group, sum_partials)
+    summed = output if reduce and not plan.output_inside else None
+    setattr(module, plan.method, _TensorParallelForward(getattr(module, plan.method), params, group, summed, reduce))
 
 
 def _tensor_parallel_experts(moe: nn.Module, mesh: ParallelMesh) -> None:
@@ -366,9 +460,12 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn
     rank = tp.get_local_rank()
     for block in _blocks(model):
         mixer: Mixer = block.mixer
-        _split(mixer, PLANS[type(mixer).name](mixer), tp, reduce=True)
-        share = mixer.args.num_heads // config.tp
-        mixer.heads = slice(rank * share, (rank + 1) * share)
+        plan = PLANS[type(mixer).name](mixer)
+        _split(mixer, plan, tp, reduce=True)
+        share = (mixer.args.num_heads if plan.units is None else plan.units[1]) // config.tp
+        for module in mixer.modules():  # the mixer, and a mixture's rule
+            if isinstance(module, Mixer):
+                module.heads = slice(rank * share, (rank + 1) * share)
         if isinstance(block.mlp, MoEFeedForward):
             if not isinstance(block.mlp, ExpertParallelMoE):
                 raise TypeError("apply_tp: MoE layers must be made expert-parallel first (apply_expert_parallel)")

@@ -214,9 +214,40 @@ class MixtureOfMemories(Mixer):
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         check_cache_and_varlen(cache, cu_seqlens)
+        weights, memories, valid = self.route(hidden, token_mask)
+        return self.mix_memories(hidden, weights, memories, valid, cu_seqlens=cu_seqlens, cache=cache)
+
+    def route(
+        self, hidden: torch.Tensor, token_mask: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The router's choice for hidden ``[B, T, D]`` (N = B * T tokens): weights ``[N, S]``, memories ``[N, S]``
+        (S = k, + 1 with the shared memory, last) and valid ``[N]`` (None without ``token_mask``); sets
+        ``router_stats``."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits = router_logits(flat, self.router.weight)
+        weights, memories, probs = top_k_routing(logits, self.args.top_k)
+        valid = None if token_mask is None else token_mask.reshape(-1)
+        self.router_stats = router_stats("mom", logits, probs, memories, valid)
+        if self.args.shared_memory:
+            memories = torch.cat([memories, torch.full_like(memories[:, :1], self.args.num_memories)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        return weights, memories, valid
+
+    def mix_memories(
+        self,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        memories: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[LayerState] = None,
+    ) -> torch.Tensor:
+        """hidden ``[B, T, D]`` through the memories :meth:`route` chose (``weights``, ``memories``: ``[B * T, S]``,
+        ``valid``: ``[B * T]`` or None), their read-outs mixed by ``weights``, then the rule's output stage ->
+        ``[B, T, D]``."""
         B, T, D = hidden.shape
         flat = hidden.reshape(B * T, D)
-        weights, memories, valid = self._route(flat, token_mask)
         segments, num_segments = _sequence_of_tokens(B, T, cu_seqlens, hidden.device)
         d = dispatch(memories, num_groups=self.num_states, segments=segments, num_segments=num_segments,
                      keep=None if valid is None else valid[:, None].expand_as(memories))
@@ -226,19 +257,6 @@ class MixtureOfMemories(Mixer):
         else:
             args, o = self._cached(flat, d, B, cache)
         return self._mix(o, args, d, weights, hidden)
-
-    def _route(
-        self, flat: torch.Tensor, token_mask: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """flat ``[N, D]`` -> (weights ``[N, S]``, memories ``[N, S]``, valid ``[N]`` or None), S = k (+ 1 shared)."""
-        logits = router_logits(flat, self.router.weight)
-        weights, memories, probs = top_k_routing(logits, self.args.top_k)
-        valid = None if token_mask is None else token_mask.reshape(-1)
-        self.router_stats = router_stats("mom", logits, probs, memories, valid)
-        if self.args.shared_memory:
-            memories = torch.cat([memories, torch.full_like(memories[:, :1], self.args.num_memories)], dim=1)
-            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
-        return weights, memories, valid
 
     def _recurrence_inputs(
         self, rows: torch.Tensor, cu_seqlens: torch.Tensor, group_sizes: torch.Tensor

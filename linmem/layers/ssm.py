@@ -111,7 +111,8 @@ class Mamba(MemoryMixer):
         cu_seqlens: Optional[torch.Tensor],
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
-        H, N = self.args.num_heads, self.args.key_dim
+        N = self.args.key_dim
+        H = self.A_log.shape[0] // self.args.value_dim  # all heads, or a tensor-parallel share
         x, z = self.project("in_proj", hidden, projected).chunk(2, dim=-1)
         x = self.conv(x, cache=cache, key="conv_x", cu_seqlens=cu_seqlens) if self.use_short_conv else F.silu(x)
         delta, B, C = self.x_proj(x).split([self.dt_rank, N, N], dim=-1)
@@ -173,13 +174,14 @@ class S4D(MemoryMixer):
         projected: Optional[dict[str, torch.Tensor]] = None,
     ) -> RecurrenceArgs:
         Bsz, T = hidden.shape[:2]
+        u = hidden[..., self.heads]  # [B, T, D']: every channel, or under tensor parallelism the rank's share
         acc = _acc(hidden)
         A = -torch.exp(self.A_log.to(acc))  # [D, N]
         dA = torch.exp(self.log_dt.to(acc))[:, None] * A  # log decay per channel and state, constant in time
         B_bar = torch.expm1(dA) / A  # zero-order hold of B = 1
         every = lambda m: m.expand(Bsz, T, -1, -1)  # noqa: E731  [D, N] -> [B, T, D, N]
-        return RecurrenceArgs(q=every(self.C.to(hidden.dtype)), k=every(B_bar.to(hidden.dtype)), v=hidden[..., None],
-                              log_decay=every(dA), scale=1.0, extras={"u": hidden})
+        return RecurrenceArgs(q=every(self.C.to(hidden.dtype)), k=every(B_bar.to(hidden.dtype)), v=u[..., None],
+                              log_decay=every(dA), scale=1.0, extras={"u": u})
 
     def output(self, o: torch.Tensor, hidden: torch.Tensor, args: RecurrenceArgs) -> torch.Tensor:
         y = o[..., 0] + self.D.to(o.dtype) * args.extras["u"].to(o.dtype)  # [B, T, D]

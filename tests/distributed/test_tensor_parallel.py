@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from linmem.distributed import ParallelConfig, ParallelConfigError, check_model
-from linmem.distributed.tensor import PLANS, REFUSED
+from linmem.distributed.tensor import PLANS
 from linmem.layers import mixer_names
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.train import Trainer, load_config
@@ -47,6 +47,7 @@ def _four_ranks(out: str) -> None:
     tensor_checks.mesh_checks()
     tensor_checks.zoo_checks()
     training_checks.training_checks(ParallelConfig(dp=2, tp=2), str(Path(out) / "dp_tp"))
+    training_checks.training_checks(ParallelConfig(dp=2, tp=2), str(Path(out) / "mom"), tensor_checks.mom_hybrid())
     training_checks.training_checks(ParallelConfig(sp=2, tp=2), str(Path(out) / "sp_tp"))
     training_checks.training_checks(ParallelConfig(dp=2, ep=2, tp=2, fsdp=False), str(Path(out) / "ep_tp"))
 
@@ -81,8 +82,8 @@ def test_config_errors() -> None:
         ParallelConfig(tp=0).validate()
 
 
-def test_every_mixer_is_planned_or_refused() -> None:
-    assert set(PLANS).isdisjoint(REFUSED) and set(PLANS) | set(REFUSED) == set(mixer_names())
+def test_every_mixer_is_planned() -> None:
+    assert set(PLANS) == set(mixer_names())
 
 
 def test_model_errors() -> None:
@@ -95,11 +96,13 @@ def test_model_errors() -> None:
         check_model(gqa, ParallelConfig(tp=2))
     with pytest.raises(ParallelConfigError, match="hidden units: layer 0's intermediate_size is 32"):
         check_model(LinmemForCausalLM(LinmemConfig(**tiny)), ParallelConfig(tp=3))
-    for memory, reason in (("mamba", "x_proj maps every channel"), ("s4", "no projection into heads"),
-                           ("mom", "stacked projections")):
-        model = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 2}, memory=memory))
-        with pytest.raises(ParallelConfigError, match=f"cannot split layer 0's mixer '{memory}': .*{reason}"):
-            check_model(model, ParallelConfig(tp=2))
+    s4 = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 3, "layer_pattern": "L"}, memory="s4"))  # 24 channels
+    check_model(s4, ParallelConfig(tp=2))
+    with pytest.raises(ParallelConfigError, match=r"must divide the channels of every layer: layer 0 \(s4\) has 24"):
+        check_model(s4, ParallelConfig(tp=16))
+    mamba = LinmemForCausalLM(LinmemConfig(**tiny, memory="mamba", mlp="moe", moe=dict(intermediate_size=16)))
+    with pytest.raises(ParallelConfigError, match="hidden size 24 must be a multiple of 16"):  # [x; z] by halves
+        check_model(mamba, ParallelConfig(dp=16, tp=2))
     moe = LinmemForCausalLM(LinmemConfig(**{**tiny, "num_heads": 4}, mlp="moe", moe=dict(intermediate_size=18)))
     with pytest.raises(ParallelConfigError, match="hidden units: layer 0's moe.intermediate_size is 18"):
         check_model(moe, ParallelConfig(tp=4))

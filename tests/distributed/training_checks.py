@@ -10,6 +10,7 @@ next-token loss over all its targets plus the routers' losses, AdamW, and gradie
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -49,14 +50,15 @@ def global_batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, T), generator=torch.Generator().manual_seed(100 + step))
 
 
-def fresh_model() -> LinmemForCausalLM:
+def fresh_model(config: Optional[LinmemConfig] = None) -> LinmemForCausalLM:
+    """The model of ``config`` (default :func:`model_config`), the same initial weights on every rank."""
     torch.manual_seed(0)
-    return LinmemForCausalLM(model_config())
+    return LinmemForCausalLM(config or model_config())
 
 
-def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(model_config: Optional[LinmemConfig] = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch per step: the losses and the first step's gradients."""
-    model = fresh_model()
+    model = fresh_model(model_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, first_grads = [], {}
     for step in range(STEPS):
@@ -76,10 +78,10 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
 class ParallelRun:
     """A parallelised copy of the model, its optimizer, and one training step on this rank's share."""
 
-    def __init__(self, config: ParallelConfig) -> None:
+    def __init__(self, config: ParallelConfig, model_config: Optional[LinmemConfig] = None) -> None:
         self.config = config
         self.mesh = build_mesh(config, "cpu")
-        self.model = parallelize(fresh_model(), self.mesh, config)
+        self.model = parallelize(fresh_model(model_config), self.mesh, config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.group = self.mesh.data.get_group()
 
@@ -90,8 +92,10 @@ class ParallelRun:
         dp_rank, sp_rank = self.mesh.dp.get_local_rank(), self.mesh.sp.get_local_rank()
         ids = global_batch(step)[dp_rank * rows:(dp_rank + 1) * rows]
         piece, layout = shard_sequence({"input_ids": ids, "labels": ids}, sp_rank, c.sp)
-        handler = SequenceParallel(self.mesh.sp.get_group(), layout, None)
-        with sequence_parallel(handler):  # forward and backward: checkpointed blocks recompute in backward
+        # as the trainer: the handler only under sequence parallelism (a mixture of memories refuses it)
+        handler = sequence_parallel(SequenceParallel(self.mesh.sp.get_group(), layout, None)) if c.sp > 1 \
+            else nullcontext()
+        with handler:  # forward and backward: checkpointed blocks recompute in backward
             out = self.model(piece["input_ids"], position_ids=piece["position_ids"], use_cache=False)
             loss = global_lm_loss(out.logits, piece["targets"], self.group) + out.aux_loss
             loss.backward()
@@ -119,9 +123,9 @@ class ParallelRun:
                 assert err < 1e-5, f"{self.config}: gradient of {name} differs from one process ({err:.1e})"
 
 
-def _reference() -> tuple[list[float], Optional[dict[str, torch.Tensor]]]:
+def _reference(model_config: Optional[LinmemConfig]) -> tuple[list[float], Optional[dict[str, torch.Tensor]]]:
     """Rank 0 trains the reference; every rank receives its losses, rank 0 keeps the first gradients."""
-    losses, grads = reference_run() if dist.get_rank() == 0 else ([0.0] * STEPS, None)
+    losses, grads = reference_run(model_config) if dist.get_rank() == 0 else ([0.0] * STEPS, None)
     values = torch.tensor(losses, dtype=torch.float64)
     dist.broadcast(values, 0)
     return values.tolist(), grads
@@ -132,12 +136,13 @@ def _assert_curve(got: list[float], ref: list[float], what: str, tol: float = 1e
         assert abs(a - b) <= tol * abs(b), f"{what}: step {i + 1} loss {a:.8f}, one process {b:.8f}"
 
 
-def training_checks(config: ParallelConfig, out_dir: str) -> None:
+def training_checks(config: ParallelConfig, out_dir: str, model_config: Optional[LinmemConfig] = None) -> None:
     """Train STEPS steps (checkpoint after SAVE_AT) and resume from that checkpoint: the curve must be the
-    one-process curve, the resumed losses the same losses. ``out_dir`` gets a checkpoint named by the world size."""
+    one-process curve, the resumed losses the same losses. ``out_dir`` gets a checkpoint named by the world size;
+    ``model_config`` is the model's (default :func:`model_config`)."""
     out = Path(out_dir)
-    ref, ref_grads = _reference()
-    run = ParallelRun(config)
+    ref, ref_grads = _reference(model_config)
+    run = ParallelRun(config, model_config)
     losses = []
     for step in range(STEPS):
         losses.append(run.step(step, ref_grads))
@@ -145,7 +150,7 @@ def training_checks(config: ParallelConfig, out_dir: str) -> None:
             save_distributed(out / f"world{dist.get_world_size()}", run.model, run.optimizer, {"step": SAVE_AT})
     _assert_curve(losses, ref, f"{config}")
 
-    again = ParallelRun(config)
+    again = ParallelRun(config, model_config)
     start = load_distributed(out / f"world{dist.get_world_size()}", again.model, again.optimizer)["step"]
     resumed = [again.step(step) for step in range(start, STEPS)]
     assert resumed == losses[start:], f"{config}: resumed losses {resumed} differ from {losses[start:]}"

@@ -56,6 +56,11 @@ def fresh_model(config: Optional[LinmemConfig] = None) -> LinmemForCausalLM:
     return LinmemForCausalLM(config or model_config())
 
 
+def _with_aux(loss: torch.Tensor, out) -> torch.Tensor:
+    """The next-token loss plus the routers' losses (a model without routers has none)."""
+    return loss if out.aux_loss is None else loss + out.aux_loss
+
+
 def reference_run(model_config: Optional[LinmemConfig] = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch per step: the losses and the first step's gradients."""
     model = fresh_model(model_config)
@@ -64,7 +69,7 @@ def reference_run(model_config: Optional[LinmemConfig] = None) -> tuple[list[flo
     for step in range(STEPS):
         ids = global_batch(step)
         out = model(ids, use_cache=False)
-        loss = global_lm_loss(out.logits, next_token_targets(ids), None) + out.aux_loss
+        loss = _with_aux(global_lm_loss(out.logits, next_token_targets(ids), None), out)
         loss.backward()
         if step == 0:
             first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -97,7 +102,7 @@ class ParallelRun:
             else nullcontext()
         with handler:  # forward and backward: checkpointed blocks recompute in backward
             out = self.model(piece["input_ids"], position_ids=piece["position_ids"], use_cache=False)
-            loss = global_lm_loss(out.logits, piece["targets"], self.group) + out.aux_loss
+            loss = _with_aux(global_lm_loss(out.logits, piece["targets"], self.group), out)
             loss.backward()
         if step == 0:
             self.check_gradients(reference_grads)

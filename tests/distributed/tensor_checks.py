@@ -28,9 +28,9 @@ STEPS, LR, CLIP = 3, 1e-2, 0.5
 VOCAB, ROWS, T = 32, 2, 8
 # fp64 models keep some steps in fp32 (norm statistics, gates): gradients agree to ~1e-6 of their size. AdamW divides
 # each entry by its own size plus eps (1e-8), so an entry near eps moves by a share of the learning rate that such an
-# error changes (measured: up to 1e-4 after the first step, losses of the third 1e-6 apart): the first loss (the same
-# weights) must agree to LOSS_TOL, the later ones to STEP_TOL
-LOSS_TOL, STEP_TOL, TOL = 1e-7, 1e-5, 1e-5
+# error changes (measured: weights up to 1e-4 apart after the first step, losses of the third up to 2.5e-6): the
+# first loss (the same weights) must agree to LOSS_TOL, the later ones to STEP_TOL (the training checks' curves')
+LOSS_TOL, STEP_TOL, TOL = 1e-7, 1e-4, 1e-5
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_heads=4, intermediate_size=32, recurrence_backend="chunk")
 
 
@@ -53,7 +53,8 @@ def kinds(tp: int) -> list[tuple[str, dict[str, Any]]]:
         ("mamba", {}), ("s4", dict(mixer=dict(head_dim=4))),
         # mixtures: stacked [x; z] halves and x_proj's sum (mamba), a stacked low-rank gate (gla), stacked rows
         # of a weight kept whole (mamba2); without the shared memory once
-        ("mom", dict(mom=dict(memory="mamba"))), ("mom", dict(mom=dict(memory="gla", shared_memory=False), **conv)),
+        ("mom", dict(mom=dict(memory="mamba"), mixer=dict(head_dim=4))),
+        ("mom", dict(mom=dict(memory="gla", shared_memory=False), **conv)),
         ("mom", dict(mom=dict(memory="mamba2"))),
     ]
 

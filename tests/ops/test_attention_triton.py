@@ -298,7 +298,7 @@ def test_the_served_head_dims_and_the_fp32_limit_on_cuda():
 def test_every_cuda_tile_fits_shared_memory():
     """Each entry of the CUDA tile tables, at the widest inputs it serves (D = Dv = its head dim, bf16, decoding at
     the most query rows ``cached_attention`` hands the kernel; fp32 at ``FP32_MAX_HEAD_DIM``), fits the shared
-    memory of one program on sm_90 (decoding: one query row, and with ``configs.decode_tiles``'s stages the most)
+    memory of one program on sm_90 (decoding: one query row, and the most with ``DECODE_MANY_ROWS_TILES``)
     by ``configs.shared_memory``'s estimate (an upper bound of Triton 3.6's
     allocation, which ``dev/gpu/tools/fox_compile.py`` checks for every variant); the tables cover every served head
     dim, and dkdv's query tiles nest in its key block."""
@@ -309,9 +309,9 @@ def test_every_cuda_tile_fits_shared_memory():
     for kernel, table in configs.TILES.items():
         assert sorted(table) == list(triton_backend.HEAD_DIMS), kernel
         for dim, t in table.items():
-            if kernel == "decode":  # the entry fits one query row; the launcher drops stages for more
+            if kernel == "decode":  # one query row a KV head; more take DECODE_MANY_ROWS_TILES
                 assert configs.shared_memory(kernel, t, dim, dim, 2, 16) <= configs.SHARED_MEMORY, (dim, t)
-                t = configs.decode_tiles(t, dim, dim, 2, rows)
+                t = configs.DECODE_MANY_ROWS_TILES[dim]
             used = configs.shared_memory(kernel, t, dim, dim, 2, rows)
             assert used <= configs.SHARED_MEMORY, (kernel, dim, t, used)
             assert t.split is False or kernel == "dkdv", (kernel, dim, t)

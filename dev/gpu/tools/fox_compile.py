@@ -209,7 +209,7 @@ def jobs(candidates: bool, head_dims: list[int], all_variants: set[int]):
         for rows, flags in itertools.product((16, most_rows), DECODE_VARIANTS):
             if rows != 16 and flags != DECODE_VARIANTS[-1]:
                 continue  # the most rows: the largest variant only
-            t = cfg.decode_tiles(cfg.TILES["decode"][D], D, D, 2, rows)  # the stages the launcher takes
+            t = (cfg.TILES["decode"] if rows <= 16 else cfg.DECODE_MANY_ROWS_TILES)[D]  # as the launcher takes them
             const = dict(flags, G=4, D=D, DV=D, BD=_pow2(D), BDV=_pow2(D), BR=rows, BN=t.block_n)
             yield "decode", ("decode", "decode_kernel"), "bf16", const, t, rows
     if 128 in head_dims:

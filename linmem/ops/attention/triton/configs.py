@@ -7,7 +7,7 @@ estimate of :func:`shared_memory` beside what Triton allocates, on a machine wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 
@@ -50,6 +50,12 @@ TILES: dict[str, dict[int, Tiles]] = {
     "decode": {32: Tiles(16, 128, 8, 3), 64: Tiles(16, 128, 8, 3), 96: Tiles(16, 128, 4, 3),
                128: Tiles(16, 128, 4, 3), 192: Tiles(16, 64, 8, 2), 256: Tiles(16, 64, 8, 2)},
 }
+#: decoding with more than 16 query rows a KV head (a group of query heads, several new tokens), whose scores go
+#: through tensor cores: the one-row tiles spill there (at D = 96 and 128, 128 keys at 4 warps: 68 spill operations
+#: a tile at 2 stages, where 3 overflow shared memory)
+DECODE_MANY_ROWS_TILES: dict[int, Tiles] = {
+    32: Tiles(16, 64, 4, 2), 64: Tiles(16, 64, 4, 2), 96: Tiles(16, 64, 8, 2), 128: Tiles(16, 64, 8, 2),
+    192: Tiles(16, 64, 8, 2), 256: Tiles(16, 64, 8, 2)}
 #: per kernel for fp32 inputs (head dims up to ``FP32_MAX_HEAD_DIM``): fp32 tiles take twice the registers and
 #: shared memory, and the three tf32 products of each fp32 product split both operands in two
 FP32_TILES: dict[str, Tiles] = {
@@ -83,8 +89,7 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
     once per pipelining stage (forward, dq and decode: k and v of a key tile; dkdv: q and dO of a query tile; a
     split dkdv's dk launch, the larger, holds and streams the same), each as wide as the head dim rounded up to a
     power of two. Besides: in decoding a [rows, block_n] fp32 tile (the forget bias of each query row and key
-    changes layout through shared memory; above 16 rows one more, the scores on their way to the second product,
-    as Triton 3.6 allocates at 64 rows and 128 keys), with fp32 inputs both operands of the largest product twice
+    changes layout through shared memory), with fp32 inputs both operands of the largest product twice
     (tf32x3 splits each into a high and a low part), and ``SCRATCH_BYTES`` for the reductions across warps.
 
     Example:
@@ -105,21 +110,7 @@ def shared_memory(kernel: str, t: Tiles, head_dim: int, value_dim: int, elem_byt
     total = elem_bytes * (held + t.stages * streamed) + SCRATCH_BYTES
     if kernel == "decode":  # the forget bias, gathered per query row and key, changes layout through shared memory
         total += 4 * m * n
-        if m > 16:  # on tensor cores (wgmma) the scores also pass through shared memory to the second product
-            total += 4 * m * n
     if elem_bytes == 4:  # tf32x3: the high and low parts of both operands of the largest product
         total += 2 * 4 * max(r * k + k * c for r, k, c in products)
     return total
 
-
-def decode_tiles(t: Tiles, head_dim: int, value_dim: int, elem_bytes: int, rows: int) -> Tiles:
-    """The decoding tiles ``t`` with as many stages as fit shared memory at ``rows`` query rows (a table entry holds
-    for one query row a KV head; a group of query heads or several new tokens take more).
-
-    Example:
-        >>> decode_tiles(Tiles(16, 128, 4, 3), 128, 128, 2, rows=64).stages
-        2
-    """
-    while t.stages > 1 and shared_memory("decode", t, head_dim, value_dim, elem_bytes, rows) > SHARED_MEMORY:
-        t = replace(t, stages=t.stages - 1)
-    return t

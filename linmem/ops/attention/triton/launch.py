@@ -18,6 +18,7 @@ from ...recurrence.triton import configs as recurrence_configs
 from ...triton_launch import cdiv, next_power_of_2, run_kernel
 from . import backward, decode, forward
 from .configs import (
+    DECODE_MANY_ROWS_TILES,
     DECODE_SPLIT_TILES,
     FP32_TILES,
     INTERPRETER_DECODE_SPLIT_TILES,
@@ -25,20 +26,22 @@ from .configs import (
     INTERPRETER_TILES,
     TILES,
     Tiles,
-    decode_tiles,
 )
 
 #: warps and stages of the decoding's combine kernel (Triton's defaults)
 COMBINE_WARPS, COMBINE_STAGES = 4, 3
 
 
-def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Tiles:
-    """The tiles of ``kernel`` for these inputs (by dtype and the larger head dim on CUDA)."""
+def tiles(kernel: str, q: torch.Tensor, v: torch.Tensor, rows: int = 16) -> Tiles:
+    """The tiles of ``kernel`` for these inputs (by dtype and the larger head dim on CUDA; decoding also by its
+    query rows a KV head, ``rows``)."""
     dim = max(q.shape[-1], v.shape[-1])
     if q.device.type != "cuda":
         return replace(INTERPRETER_TILES[kernel], split=TILES[kernel][dim].split)
     if q.dtype == torch.float32:
         return FP32_TILES[kernel]
+    if kernel == "decode" and rows > 16:
+        return DECODE_MANY_ROWS_TILES[dim]
     return TILES[kernel][dim]
 
 
@@ -158,7 +161,7 @@ def attention_decode(q, k, v, c, key_mask, scale: float, window: Optional[int], 
     Tk, Hkv, DV = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     BR = max(16, next_power_of_2(G * Tq))
-    cfg = decode_tiles(tiles("decode", q, v), D, DV, q.element_size(), BR)
+    cfg = tiles("decode", q, v, BR)
     keys = Tk if window is None else min(Tk, Tq - 1 + window)
     splits = splits if splits is not None else decode_splits(q, keys, cfg.block_n)
     chunk = cdiv(cdiv(keys, splits), cfg.block_n) * cfg.block_n

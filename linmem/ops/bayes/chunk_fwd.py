@@ -111,20 +111,20 @@ def last(x, rows, C: tl.constexpr):
 
 @triton.jit
 def inverse_factor(S, rows, cols, C: tl.constexpr):
-    """Li = L^-1 for S = L L^T [C, C] symmetric positive definite: a right-looking Cholesky factorisation, one
-    column of L a step, and forward substitution of the same row of Li (``Li_j = (e_j - L_j,<j Li_<j) / L_jj``)."""
-    L = tl.full([C, C], 0.0, tl.float32)
-    Li = tl.full([C, C], 0.0, tl.float32)
+    """Li = L^-1 for S = L L^T [C, C] symmetric positive definite, by elimination on [S | I]: step j subtracts
+    (S_ij / S_jj) times row j from every row i > j of both, which leaves S's trailing block its Schur complement
+    (symmetric: its row j is its column j) and turns I into X, the inverse of the unit lower triangular factor of
+    ``S = X^-1 diag(p) X^-T``, the p_j the pivots S_jj. Then ``Li = diag(p)^-1/2 X``: Cholesky's factor, inverted."""
+    X = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    pivots = tl.full([C], 1.0, tl.float32)
     for j in range(C):
-        col = total(tl.where(cols[None, :] == j, S, 0.0), 1)  # column j of the trailing matrix
-        d = tl.sqrt(total(tl.where(rows == j, col, 0.0), 0))
-        lj = tl.where(rows >= j, col / d, 0.0)
-        S = S - lj[:, None] * lj[None, :]
-        L = tl.where(cols[None, :] == j, lj[:, None], L)
-        Lrow = total(tl.where(rows[:, None] == j, L, 0.0), 0)  # L_j,: (its rows of Li beyond j are still 0)
-        row = (tl.where(cols == j, 1.0, 0.0) - total(Lrow[:, None] * Li, 0)) / d
-        Li = tl.where(rows[:, None] == j, row[None, :], Li)
-    return Li
+        col = total(tl.where(cols[None, :] == j, S, 0.0), 1)  # column j of the trailing block, = its row j
+        p = total(tl.where(rows == j, col, 0.0), 0)
+        factor = tl.where(rows > j, col / p, 0.0)
+        S = S - factor[:, None] * tl.where(rows >= j, col, 0.0)[None, :]
+        X = X - factor[:, None] * total(tl.where(rows[:, None] == j, X, 0.0), 0)[None, :]
+        pivots = tl.where(rows == j, p, pivots)
+    return X / tl.sqrt(pivots)[:, None]
 
 
 @triton.jit

@@ -38,11 +38,11 @@ F32, BF16 = "*fp32", "*bf16"
 def signatures(K: int, chunk: int) -> dict:
     """(kernel, signature, constexprs) of the forward and the backward at key and value head dim K."""
     BK = chunk_fwd.pow2(K)
-    fwd = dict(q=BF16, k=BF16, v=BF16, gates=F32, M0=F32, P0=F32, o=BF16, var=F32, MT=F32, PT=F32, saved=F32,
-               cu_seqlens="*i32", scale="fp32", prior="fp32", T="i32", H="i32", K="i32", V="i32")
-    bwd = dict(q=BF16, k=BF16, v=BF16, gates=F32, saved=F32, do=BF16, dvar=F32, dMT=F32, dPT=F32, dq=BF16,
-               dk=BF16, dv=BF16, dgates=F32, dM0=F32, dP0=F32, cu_seqlens="*i32", scale="fp32", T="i32", H="i32",
-               K="i32", V="i32")
+    fwd = dict(q=BF16, k=BF16, v=BF16, gates=F32, M0=F32, P0=F32, o=BF16, var=F32, MT=F32, PT=F32, states=F32,
+               factors=F32, cu_seqlens="*i32", scale="fp32", prior="fp32", T="i32", H="i32", K="i32", V="i32")
+    bwd = dict(q=BF16, k=BF16, v=BF16, gates=F32, states=F32, factors=F32, scratch=F32, do=BF16, dvar=F32, dMT=F32,
+               dPT=F32, dq=BF16, dk=BF16, dv=BF16, dgates=F32, dM0=F32, dP0=F32, cu_seqlens="*i32", scale="fp32",
+               T="i32", H="i32", K="i32", V="i32")
     shape = dict(IS_VARLEN=False, C=chunk, BK=BK, BV=BK)
     return {
         "forward": (chunk_fwd.chunk_fwd_kernel, fwd, dict(HAS_INIT=True, VAR=True, SAVE=True, **shape)),

@@ -82,7 +82,8 @@ def test_the_hand_written_gradient_equals_autograd_through_chunk_py(process_nois
 
 @pytest.mark.parametrize("B,T,K,V,chunk,variance", [(2, 40, 16, 16, 16, True), (1, 130, 32, 16, 32, False)])
 def test_fp32_every_gradient_against_the_reference_and_chunk(B, T, K, V, chunk, variance):
-    """An initial state (non-symmetric P0) and process noise; T crosses chunk boundaries with a short last chunk."""
+    """An initial state (non-symmetric P0) and process noise; T crosses chunk boundaries with a short last chunk
+    (130 tokens: five chunks of 32, two groups of saved states)."""
     t, state = make(B, T, 2, K, V, seed=0)
     ref = run(public("reference", prior=0.7, variance=variance), t, state, F64, F64)
     got = run(kernels(chunk, variance=variance), t, state, torch.float32, torch.float32)
@@ -91,10 +92,10 @@ def test_fp32_every_gradient_against_the_reference_and_chunk(B, T, K, V, chunk, 
 
 
 def test_fp32_varlen_with_an_empty_sequence_from_the_prior():
-    """Three packed sequences (the middle one empty, keeping its prior), no initial state, no process noise, a
-    read-out scale of 0.3."""
-    t, _ = make(1, 45, 2, 16, 16, seed=1, process_noise=False, initial_state=False)
-    cu = torch.tensor([0, 20, 20, 45], device=DEVICE)
+    """Three packed sequences (the middle one empty, keeping its prior; the last one of five chunks, two groups of
+    saved states), no initial state, no process noise, a read-out scale of 0.3."""
+    t, _ = make(1, 90, 2, 16, 16, seed=1, process_noise=False, initial_state=False)
+    cu = torch.tensor([0, 20, 20, 90], device=DEVICE)
     ref = run(public("reference", prior=0.7, cu_seqlens=cu, scale=0.3), t, None, F64, F64)
     got = run(kernels(16, cu_seqlens=cu, scale=0.3), t, None, torch.float32, torch.float32)
     compare(got, ref, FP32_TOL)
@@ -168,12 +169,12 @@ def test_fake_outputs_match_the_kernels(with_state):
         M0, P0 = (x.expand(2, *x.shape[1:]).contiguous() for x in (M0, P0))
     args = (t["q"], t["k"], t["v"], gates, M0, P0, cu, 0.25, 1.0, with_state, True, 16, 4)
     torch.library.opcheck(ops.chunk_fwd_op, args, test_utils=("test_faketensor",))
-    saved = ops.chunk_fwd_op(*args)[4]
+    states, factors = ops.chunk_fwd_op(*args)[4:]
     N = 2 if with_state else 1
     gen = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
-    bwd = (t["q"], t["k"], t["v"], gates, saved, cu, 0.25, rnd(1, 20, 1, 16), rnd(1, 20, 1) if with_state else None,
-           rnd(N, 1, 16, 16), rnd(N, 1, 16, 16), 16, 4)
+    bwd = (t["q"], t["k"], t["v"], gates, states, factors, cu, 0.25, rnd(1, 20, 1, 16),
+           rnd(1, 20, 1) if with_state else None, rnd(N, 1, 16, 16), rnd(N, 1, 16, 16), 16, 4)
     torch.library.opcheck(ops.chunk_bwd_op, bwd, test_utils=("test_faketensor",))
 
 

@@ -87,8 +87,9 @@ def tiny_calls(gen: torch.Generator) -> None:
                                                         run)
     bayes_launch.filter_backward(q, k, v, g, r, wt, None, None, None, 0.25, 1.0, saved, PT, o, var, MT, PT, run)
     gates, chunked = torch.stack([g, r, wt], -1), chunk_fwd.ChunkLaunch(16, 4)
-    o, var, MT, PT, saved = chunk_fwd.chunk_forward(q, k, v, gates, None, None, None, 0.25, 1.0, True, True, chunked)
-    chunk_bwd.chunk_backward(q, k, v, gates, saved, None, 0.25, o, var, MT, PT, chunked)
+    o, var, MT, PT, states, factors = chunk_fwd.chunk_forward(q, k, v, gates, None, None, None, 0.25, 1.0, True, True,
+                                                              chunked)
+    chunk_bwd.chunk_backward(q, k, v, gates, states, factors, None, 0.25, o, var, MT, PT, chunked)
 
 
 def test_every_launch_lists_the_kernels_parameters(monkeypatch):

@@ -1,8 +1,9 @@
 """The chunked Bayesian filter's backward kernel and its launcher (backend "chunk_triton").
 
 One program per (sequence, head) runs the chunks in reverse, carrying the adjoints ``dm [K, V]`` and ``dP [K, K]``
-of the chunk end to its start. Each chunk is recomputed from the start ``(m, P)`` and the inverse factor ``Li``
-that the forward saved (:mod:`.chunk_fwd`), then the vector-Jacobian product of :mod:`.chunk_grad` is applied
+of the chunk end to its start. Entering a group of GROUP chunks (:mod:`.chunk_fwd`) it recomputes their starts
+from the group's saved start and the saved inverse factors ``Li`` into a scratch of GROUP states per program; each
+chunk is then recomputed from its start and ``Li``, and the vector-Jacobian product of :mod:`.chunk_grad` applied
 line by line; that module writes the maths out in PyTorch and is tested against autograd. The Cholesky factor's
 VJP in the explicit-inverse form::
 
@@ -24,8 +25,8 @@ from torch import Tensor
 from ..recurrence.triton.layout import first_slot, sequence_bounds
 from ..recurrence.triton.numerics import remaining_total, total
 from ..triton_launch import run_kernel
-from .chunk_fwd import (STAGES, ChunkLaunch, decays, dot, dot_state, dot_state_t, dot_sym, last, load_gates, load_rows,
-                        pow2, store_rows)
+from .chunk_fwd import (GROUP, GROUP_TL, STAGES, ChunkLaunch, chunk_end, decays, dot, dot_state, dot_state_t, dot_sym,
+                        last, load_gates, load_rows, pow2, state_offsets, store_rows)
 
 
 @triton.jit
@@ -41,12 +42,13 @@ def gate_grads(g, w, dalpha, dAA, dB, dbeta, rows, cols):
 
 
 @triton.jit
-def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgates, dM0, dP0, cu_seqlens, scale,
-                     T, H, K, V, VAR: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr):
-    """The gradients of one sequence and head, a chunk at a time in reverse. dq, dk, dv in the dtypes of q, k, v;
-    dgates [tokens, H, 3], dM0 [N, H, K, V], dP0 [N, H, K, K] (symmetric) fp32; dMT, dPT: the final state's
-    cotangents [N, H, K, V], [N, H, K, K] fp32."""
+def chunk_bwd_kernel(q, k, v, gates, states, factors, scratch, do, dvar, dMT, dPT, dq, dk, dv, dgates, dM0, dP0,
+                     cu_seqlens, scale, T, H, K, V, VAR: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr):
+    """The gradients of one sequence and head, a chunk at a time in reverse. states, factors: the forward's;
+    scratch: [N H, GROUP, K V + K K] fp32. dq, dk, dv in the dtypes of q, k, v; dgates [tokens, H, 3], dM0
+    [N, H, K, V], dP0 [N, H, K, K] (symmetric) fp32; dMT, dPT: the final state's cotangents [N, H, K, V],
+    [N, H, K, K] fp32."""
     nh = tl.program_id(0)
     n, h = nh // H, nh % H
     bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
@@ -61,11 +63,33 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
     state_P = nh.to(tl.int64) * K * K + kr[:, None] * K + kr[None, :]
     dm = tl.load(dMT + state_m, mask=mkv, other=0.0)
     dP = tl.load(dPT + state_P, mask=mkk, other=0.0)
-    SZ = K * V + K * K + C * C
+    SZ = K * V + K * K
+    at_m, at_P = state_offsets(K, V, kr, vr)
+    eye = tl.where((kr[:, None] == kr[None, :]) & mk[:, None], 1.0, 0.0)
     chunks = (eos - bos + C - 1) // C
     first = first_slot(n, bos, T, C, IS_VARLEN)
+    first_group = first_slot(n, bos, T, C * GROUP_TL, IS_VARLEN)
+    own = scratch + nh.to(tl.int64) * GROUP_TL * SZ
     for i in range(0, chunks):
         c = chunks - 1 - i
+        if (c == chunks - 1) | (c % GROUP_TL == GROUP_TL - 1):  # entering a group: the starts of its chunks up to c
+            start = states + ((first_group + c // GROUP_TL) * H + h) * SZ
+            gm = tl.load(start + at_m, mask=mkv, other=0.0)
+            gP = tl.load(start + at_P, mask=mkk, other=0.0)
+            tl.debug_barrier()  # the scratch's last reads are done
+            for j in range(0, c % GROUP_TL):
+                tl.store(own + j * SZ + at_m, gm, mask=mkv)
+                tl.store(own + j * SZ + at_P, gP, mask=mkk)
+                cj = c - c % GROUP_TL + j
+                tokj = (bos + cj * C + rows) * H + h
+                validj = bos + cj * C + rows < eos
+                gj, rj, wj = load_gates(gates, tokj, validj)
+                Lij = tl.load(factors + ((first + cj) * H + h) * C * C + rows[:, None] * C + cols[None, :])
+                gm, gP = chunk_end(gm, gP, load_rows(k, tokj, validj, kr, K, mk), load_rows(v, tokj, validj, vr, V, mv),
+                                   gj, wj, Lij, eye, rows, cols, C)
+            tl.store(own + (c % GROUP_TL) * SZ + at_m, gm, mask=mkv)
+            tl.store(own + (c % GROUP_TL) * SZ + at_P, gP, mask=mkk)
+            tl.debug_barrier()  # every start is written before it is read
         t0 = bos + c * C
         valid = t0 + rows < eos
         tok = (t0 + rows) * H + h
@@ -74,10 +98,9 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
         vc = load_rows(v, tok, valid, vr, V, mv)
         doc = load_rows(do, tok, valid, vr, V, mv)
         g, r, w = load_gates(gates, tok, valid)
-        base = saved + ((first + c) * H + h) * SZ
-        m = tl.load(base + kr[:, None] * V + vr[None, :], mask=mkv, other=0.0)
-        P = tl.load(base + K * V + kr[:, None] * K + kr[None, :], mask=mkk, other=0.0)
-        Li = tl.load(base + K * V + K * K + rows[:, None] * C + cols[None, :])
+        m = tl.load(own + (c % GROUP_TL) * SZ + at_m, mask=mkv, other=0.0)
+        P = tl.load(own + (c % GROUP_TL) * SZ + at_P, mask=mkk, other=0.0)
+        Li = tl.load(factors + ((first + c) * H + h) * C * C + rows[:, None] * C + cols[None, :])
         LiT = tl.trans(Li)
 
         # the chunk again (chunk_fwd.whitening, keeping its pieces)
@@ -168,15 +191,15 @@ def chunk_bwd_kernel(q, k, v, gates, saved, do, dvar, dMT, dPT, dq, dk, dv, dgat
     tl.store(dP0 + state_P, 0.5 * (dP + tl.trans(dP)), mask=mkk)
 
 
-def chunk_backward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor, cu_seqlens: Optional[Tensor],
-                   scale: float, do: Tensor, dvar: Optional[Tensor], dMT: Tensor, dPT: Tensor, launch: ChunkLaunch
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def chunk_backward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, states: Tensor, factors: Tensor,
+                   cu_seqlens: Optional[Tensor], scale: float, do: Tensor, dvar: Optional[Tensor], dMT: Tensor,
+                   dPT: Tensor, launch: ChunkLaunch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk [B, T, H, K], dv [B, T, H, V] in the dtypes of q, k, v; dgates [B, T, H, 3] fp32 (log decay,
     observation noise, process noise); dM0 [N, H, K, V], dP0 [N, H, K, K] fp32, those of the initial belief).
 
-    Inputs as :func:`.chunk_fwd.chunk_forward` took them, ``saved`` as it returned; do [B, T, H, V] contiguous,
-    dvar [B, T, H] fp32 contiguous or None (the variance was not read), dMT [N, H, K, V] and dPT [N, H, K, K] fp32
-    contiguous (zeros where the final state was not read).
+    Inputs as :func:`.chunk_fwd.chunk_forward` took them, ``states`` and ``factors`` as it returned; do
+    [B, T, H, V] contiguous, dvar [B, T, H] fp32 contiguous or None (the variance was not read), dMT [N, H, K, V] and
+    dPT [N, H, K, K] fp32 contiguous (zeros where the final state was not read).
     """
     B, T, H, K = q.shape
     V, N = v.shape[-1], dMT.shape[0]
@@ -184,10 +207,11 @@ def chunk_backward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgates = torch.empty(B, T, H, 3, **f32)
     dM0, dP0 = torch.empty(N, H, K, V, **f32), torch.empty(N, H, K, K, **f32)
+    scratch = torch.empty(N * H, GROUP, K * V + K * K, **f32)
     run_kernel(
         chunk_bwd_kernel, (N * H,),
-        (q, k, v, gates, saved, do, gates if dvar is None else dvar, dMT, dPT, dq, dk, dv, dgates, dM0, dP0,
-         gates if cu_seqlens is None else cu_seqlens, scale, T, H, K, V),
+        (q, k, v, gates, states, factors, scratch, do, gates if dvar is None else dvar, dMT, dPT, dq, dk, dv, dgates,
+         dM0, dP0, gates if cu_seqlens is None else cu_seqlens, scale, T, H, K, V),
         {"VAR": dvar is not None, "IS_VARLEN": cu_seqlens is not None, "C": launch.chunk, "BK": pow2(K),
          "BV": pow2(V)}, launch.num_warps, STAGES)
     return dq, dk, dv, dgates, dM0, dP0

@@ -12,9 +12,10 @@ on tensor cores::
 
 (the formulas and their names: :mod:`.chunk`). A chunk shorter than C is padded with neutral tokens (k = q = v =
 0, a = 1, r = 1, w = 0): their rows of S are those of the identity, so they change nothing. For the backward it
-saves each chunk's start ``(m, P)`` and ``Li`` (``[slots, H, K V + K K + C C]`` fp32; C floats a token beyond the
-states). Layout: q, k ``[tokens, H, K]``, v ``[tokens, H, V]``, the gates ``[tokens, H, 3]`` fp32 (log decay,
-observation noise, process noise); sequence n owns tokens ``[bos, eos)`` and chunk slots from
+saves every chunk's ``Li`` (``factors [slots, H, C C]`` fp32: C floats a token) and the start ``(m, P)`` of every
+GROUP-th chunk (``states [group slots, H, K V + K K]`` fp32); the backward recomputes the starts between them
+(:func:`chunk_end`). Layout: q, k ``[tokens, H, K]``, v ``[tokens, H, V]``, the gates ``[tokens, H, 3]`` fp32
+(log decay, observation noise, process noise); sequence n owns tokens ``[bos, eos)`` and chunk slots from
 :func:`~linmem.ops.recurrence.triton.layout.first_slot`.
 """
 
@@ -39,6 +40,11 @@ from .conditioning import FUSED_CHUNK_SIZE
 MAX_HEAD_DIM = 128
 #: software-pipelining stages of every launch (Triton's default)
 STAGES = 3
+#: chunks per saved state: the forward saves the start (m, P) of every GROUP-th chunk, the backward recomputes the
+#: others from it (one more chunk step each), which keeps K (K + V) / GROUP floats per chunk instead of K (K + V)
+GROUP = 4
+#: GROUP as the kernels read it (a global of a kernel must be a constexpr instance)
+GROUP_TL = tl.constexpr(GROUP)
 
 
 @triton.jit
@@ -147,11 +153,38 @@ def whitening(P, q, k, g, r, w, rows, cols, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, scale, prior, T, H, K, V,
+def advance(m, P, F, Z, aC, beta_C, eye):
+    """The next chunk's start: m' = alpha_C m + F^T Z, P' = sym(alpha_C^2 P + beta_C I - F^T F)."""
+    m = aC * m + dot(tl.trans(F), Z)
+    P = (aC * aC) * P + beta_C * eye - dot(tl.trans(F), F)
+    return m, 0.5 * (P + tl.trans(P))
+
+
+@triton.jit
+def chunk_end(m, P, k, v, g, w, Li, eye, rows, cols, C: tl.constexpr):
+    """(m', P') of a chunk from its start (m, P) and its inverse factor Li: the forward's step without the
+    read-outs (the same products, so the same values), for the backward's recomputation of chunk starts."""
+    alpha, A, AA, beta, B = decays(g, w, rows, cols)
+    aC = last(alpha, rows, C)
+    Alast = total(tl.where(cols[None, :] == C - 1, A, 0.0), 1)
+    R = (alpha * aC)[:, None] * dot_sym(k, P) + (Alast * beta)[:, None] * k
+    Z = dot(Li, v - alpha[:, None] * dot_state(k, m))
+    return advance(m, P, dot(Li, R), Z, aC, last(beta, rows, C), eye)
+
+
+@triton.jit
+def state_offsets(K, V, kr, vr):
+    """Offsets of m [K, V] and P [K, K] in a saved state (K V + K K floats)."""
+    return kr[:, None] * V + vr[None, :], K * V + kr[:, None] * K + kr[None, :]
+
+
+@triton.jit
+def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, states, factors, cu_seqlens, scale, prior, T, H, K, V,
                      HAS_INIT: tl.constexpr, VAR: tl.constexpr, SAVE: tl.constexpr, IS_VARLEN: tl.constexpr,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The filter over one sequence and head, a chunk at a time. o: [tokens, H, V] (the dtype of v); var
-    [tokens, H] fp32; M0, MT [N, H, K, V], P0, PT [N, H, K, K] fp32; saved: [slots, H, K V + K K + C C]."""
+    [tokens, H] fp32; M0, MT [N, H, K, V], P0, PT [N, H, K, K] fp32; states [group slots, H, K V + K K], factors
+    [slots, H, C C] (see the module docstring)."""
     nh = tl.program_id(0)
     n, h = nh // H, nh % H
     bos, eos = sequence_bounds(n, cu_seqlens, T, IS_VARLEN)
@@ -170,7 +203,8 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
         m = tl.full([BK, BV], 0.0, tl.float32)
         P = prior * eye
     slot = first_slot(n, bos, T, C, IS_VARLEN)
-    SZ = K * V + K * K + C * C
+    group_slot = first_slot(n, bos, T, C * GROUP_TL, IS_VARLEN)
+    at_m, at_P = state_offsets(K, V, kr, vr)
     upper = rows[:, None] <= cols[None, :]
     for t0 in range(bos, eos, C):
         valid = t0 + rows < eos
@@ -181,10 +215,12 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
         g, r, w = load_gates(gates, tok, valid)
         Li, Wf, F, alpha, aC, beta = whitening(P, qc, kc, g, r, w, rows, cols, C)
         if SAVE:
-            base = saved + (slot * H + h) * SZ
-            tl.store(base + kr[:, None] * V + vr[None, :], m, mask=mkv)
-            tl.store(base + K * V + kr[:, None] * K + kr[None, :], P, mask=mkk)
-            tl.store(base + K * V + K * K + rows[:, None] * C + cols[None, :], Li)
+            tl.store(factors + (slot * H + h) * C * C + rows[:, None] * C + cols[None, :], Li)
+            first = (kr * 0 + (t0 - bos) % (C * GROUP_TL)) == 0  # the group's first chunk: its start is saved
+            base = states + (group_slot * H + h) * (K * V + K * K)
+            tl.store(base + at_m, m, mask=mkv & first[:, None])
+            tl.store(base + at_P, P, mask=mkk & first[:, None])
+            group_slot += tl.where((t0 - bos) % (C * GROUP_TL) == C * (GROUP_TL - 1), 1, 0)
         W = tl.where(upper, Wf, 0.0)
         Z = dot(Li, vc - alpha[:, None] * dot_state(kc, m))
         out = scale * (alpha[:, None] * dot_state(qc, m) + dot(tl.trans(W), Z))
@@ -192,9 +228,7 @@ def chunk_fwd_kernel(q, k, v, gates, M0, P0, o, var, MT, PT, saved, cu_seqlens, 
         if VAR:
             qPq = total(dot_sym(qc, P) * qc, 1)
             tl.store(var + tok, alpha * alpha * qPq + beta * total(qc * qc, 1) - total(W * W, 0) + r, mask=valid)
-        m = aC * m + dot(tl.trans(F), Z)
-        P = (aC * aC) * P + last(beta, rows, C) * eye - dot(tl.trans(F), F)
-        P = 0.5 * (P + tl.trans(P))
+        m, P = advance(m, P, F, Z, aC, last(beta, rows, C), eye)
         slot += 1
     tl.store(MT + state_m, m, mask=mkv)
     tl.store(PT + state_P, P, mask=mkk)
@@ -224,15 +258,17 @@ def pow2(n: int) -> int:
 
 
 def num_slots(B: int, T: int, N: int, C: int, varlen: bool) -> int:
-    """Chunk slots of a call: every sequence's chunks, at first_slot's offsets."""
+    """Slots of a call for chunks of C tokens (C * GROUP for the saved states): every sequence's chunks, at
+    first_slot's offsets."""
     return B * T // C + N + 1 if varlen else N * -(-T // C)
 
 
 def chunk_forward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, M0: Optional[Tensor], P0: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: float, prior: float, variance: bool, save: bool,
-                  launch: ChunkLaunch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  launch: ChunkLaunch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (o [B, T, H, V], var [B, T, H] fp32 (empty without ``variance``), M_T [N, H, K, V], P_T [N, H, K, K],
-    saved [slots, H, K V + K K + C C] fp32 (empty without ``save``)).
+    and for the backward states [group slots, H, K V + K K] and factors [slots, H, C C] fp32, empty without
+    ``save``).
 
     q, k [B, T, H, K], v [B, T, H, V] contiguous; gates [B, T, H, 3] fp32 contiguous (log decay, observation
     noise, process noise); M0 [N, H, K, V], P0 [N, H, K, K] fp32 contiguous or None (the prior).
@@ -244,12 +280,19 @@ def chunk_forward(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, M0: Optional[T
     o = torch.empty_like(v)
     var = torch.empty(B, T, H, **f32) if variance else q.new_empty(0, dtype=torch.float32)
     MT, PT = torch.empty(N, H, K, V, **f32), torch.empty(N, H, K, K, **f32)
-    size = (num_slots(B, T, N, C, cu_seqlens is not None), H, K * V + K * K + C * C)
-    saved = torch.empty(size, **f32) if save else q.new_empty(0, dtype=torch.float32)
+    states, factors = (torch.empty(size, **f32) if save else q.new_empty(0, dtype=torch.float32)
+                       for size in saved_sizes(B, T, H, K, V, N, C, cu_seqlens is not None))
     run_kernel(
         chunk_fwd_kernel, (N * H,),
         (q, k, v, gates, MT if M0 is None else M0, PT if P0 is None else P0, o, var if variance else gates, MT, PT,
-         saved if save else gates, gates if cu_seqlens is None else cu_seqlens, scale, prior, T, H, K, V),
+         states if save else gates, factors if save else gates, gates if cu_seqlens is None else cu_seqlens, scale,
+         prior, T, H, K, V),
         {"HAS_INIT": M0 is not None, "VAR": variance, "SAVE": save, "IS_VARLEN": cu_seqlens is not None, "C": C,
          "BK": pow2(K), "BV": pow2(V)}, launch.num_warps, STAGES)
-    return o, var, MT, PT, saved
+    return o, var, MT, PT, states, factors
+
+
+def saved_sizes(B: int, T: int, H: int, K: int, V: int, N: int, C: int, varlen: bool
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of the forward's states and factors (:func:`chunk_forward`)."""
+    return ((num_slots(B, T, N, C * GROUP, varlen), H, K * V + K * K), (num_slots(B, T, N, C, varlen), H, C * C))

@@ -30,9 +30,9 @@ class ChunkFilterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, launch):
-        o, var, MT, PT, saved = chunk_forward(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, True,
-                                              launch)
-        ctx.save_for_backward(q, k, v, gates, saved, cu_seqlens)
+        o, var, MT, PT, states, factors = chunk_forward(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance,
+                                                        True, launch)
+        ctx.save_for_backward(q, k, v, gates, states, factors, cu_seqlens)
         ctx.scale, ctx.variance, ctx.launch, ctx.has_init = scale, variance, launch, M0 is not None
         ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
         ctx.mark_non_differentiable(*([] if variance else [var]))
@@ -40,10 +40,10 @@ class ChunkFilterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dvar, dMT, dPT):
-        q, k, v, gates, saved, cu_seqlens = ctx.saved_tensors
+        q, k, v, gates, states, factors, cu_seqlens = ctx.saved_tensors
         do, dvar, dMT, dPT = chunk_cotangents(q, v, cu_seqlens, ctx.variance, do, dvar, dMT, dPT)
-        dq, dk, dv, dgates, dM0, dP0 = chunk_backward(q, k, v, gates, saved, cu_seqlens, ctx.scale, do, dvar, dMT,
-                                                      dPT, ctx.launch)
+        dq, dk, dv, dgates, dM0, dP0 = chunk_backward(q, k, v, gates, states, factors, cu_seqlens, ctx.scale, do, dvar,
+                                                      dMT, dPT, ctx.launch)
         init = (dM0, dP0) if ctx.has_init else (None, None)
         return dq, dk, dv, dgates, *init, None, None, None, None, None
 
@@ -61,9 +61,9 @@ def chunk_triton_filter(inputs: FilterInputs, launch: Optional[ChunkLaunch] = No
     if torch.compiler.is_compiling():
         from .ops import chunk_fwd_op
 
-        o, var, MT, PT, _ = chunk_fwd_op(*args, inputs.records_grad, launch.chunk, launch.num_warps)
+        o, var, MT, PT, _, _ = chunk_fwd_op(*args, inputs.records_grad, launch.chunk, launch.num_warps)
     elif inputs.records_grad:
         o, var, MT, PT = ChunkFilterFunction.apply(*args, launch)
     else:
-        o, var, MT, PT, _ = chunk_forward(*args, False, launch)
+        o, var, MT, PT, _, _ = chunk_forward(*args, False, launch)
     return o, (var if inputs.return_variance else None), ((MT, PT) if inputs.output_final_state else None)

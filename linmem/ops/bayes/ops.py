@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .chunk_bwd import chunk_backward, chunk_cotangents
-from .chunk_fwd import ChunkLaunch, chunk_forward, num_slots
+from .chunk_fwd import ChunkLaunch, chunk_forward, saved_sizes
 from .launch import Launch, Saved, filter_backward, filter_forward
 
 F32 = torch.float32
@@ -131,9 +131,9 @@ def _(q, k, v, g, r, w, M, P, scale, prior, variance, block_v, num_warps):
 @torch.library.custom_op("linmem::bayes_chunk_fwd", mutates_args=())
 def chunk_fwd_op(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, M0: Optional[Tensor], P0: Optional[Tensor],
                  cu_seqlens: Optional[Tensor], scale: float, prior: float, variance: bool, save: bool, chunk: int,
-                 num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The chunked forward (backend "chunk_triton") -> (o, var, M_T, P_T, and with ``save`` the chunk starts and
-    inverse factors for the backward); absent ones are empty."""
+                 num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The chunked forward (backend "chunk_triton") -> (o, var, M_T, P_T, and with ``save`` the saved chunk starts and
+    the inverse factors for the backward); absent ones are empty."""
     return chunk_forward(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, save,
                          ChunkLaunch(chunk, num_warps))
 
@@ -143,39 +143,41 @@ def _(q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, save, chunk, n
     B, T, H, K = q.shape
     V, N = v.shape[-1], _num_sequences(q, cu_seqlens)
     var = q.new_empty(B, T, H, dtype=F32) if variance else _empty(q)
-    size = (num_slots(B, T, N, chunk, cu_seqlens is not None), H, K * V + K * K + chunk * chunk)
+    saved = [q.new_empty(size, dtype=F32) if save else _empty(q)
+             for size in saved_sizes(B, T, H, K, V, N, chunk, cu_seqlens is not None)]
     return (torch.empty_like(v), var, q.new_empty(N, H, K, V, dtype=F32), q.new_empty(N, H, K, K, dtype=F32),
-            q.new_empty(size, dtype=F32) if save else _empty(q))
+            *saved)
 
 
 @torch.library.custom_op("linmem::bayes_chunk_bwd", mutates_args=())
-def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, saved: Tensor, cu_seqlens: Optional[Tensor],
-                 scale: float, do: Tensor, dvar: Optional[Tensor], dMT: Tensor, dPT: Tensor, chunk: int,
-                 num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, states: Tensor, factors: Tensor,
+                 cu_seqlens: Optional[Tensor], scale: float, do: Tensor, dvar: Optional[Tensor], dMT: Tensor,
+                 dPT: Tensor, chunk: int, num_warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dgates, dM0, dP0) of the chunked forward."""
-    return chunk_backward(q, k, v, gates, saved, cu_seqlens, scale, do, dvar, dMT, dPT, ChunkLaunch(chunk, num_warps))
+    return chunk_backward(q, k, v, gates, states, factors, cu_seqlens, scale, do, dvar, dMT, dPT,
+                          ChunkLaunch(chunk, num_warps))
 
 
 @chunk_bwd_op.register_fake
-def _(q, k, v, gates, saved, cu_seqlens, scale, do, dvar, dMT, dPT, chunk, num_warps):
+def _(q, k, v, gates, states, factors, cu_seqlens, scale, do, dvar, dMT, dPT, chunk, num_warps):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gates),
             torch.empty_like(dMT), torch.empty_like(dPT))
 
 
 def _chunk_setup_context(ctx, inputs, output):
     q, k, v, gates, M0, P0, cu_seqlens, scale, prior, variance, _, chunk, num_warps = inputs
-    o, var, MT, PT, saved = output
-    ctx.save_for_backward(q, k, v, gates, saved, cu_seqlens)
+    o, var, MT, PT, states, factors = output
+    ctx.save_for_backward(q, k, v, gates, states, factors, cu_seqlens)
     ctx.scale, ctx.variance, ctx.launch, ctx.has_init = scale, variance, (chunk, num_warps), M0 is not None
-    ctx.mark_non_differentiable(saved, *([] if variance else [var]))
+    ctx.mark_non_differentiable(states, factors, *([] if variance else [var]))
     ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
 
 
-def _chunk_backward(ctx, do, dvar, dMT, dPT, _):
-    q, k, v, gates, saved, cu_seqlens = ctx.saved_tensors
+def _chunk_backward(ctx, do, dvar, dMT, dPT, *_):
+    q, k, v, gates, states, factors, cu_seqlens = ctx.saved_tensors
     do, dvar, dMT, dPT = chunk_cotangents(q, v, cu_seqlens, ctx.variance, do, dvar, dMT, dPT)
-    dq, dk, dv, dgates, dM0, dP0 = chunk_bwd_op(q, k, v, gates, saved, cu_seqlens, ctx.scale, do, dvar, dMT, dPT,
-                                                *ctx.launch)
+    dq, dk, dv, dgates, dM0, dP0 = chunk_bwd_op(q, k, v, gates, states, factors, cu_seqlens, ctx.scale, do, dvar,
+                                                dMT, dPT, *ctx.launch)
     init = (dM0, dP0) if ctx.has_init else (None, None)
     return (dq, dk, dv, dgates, *init, None, None, None, None, None, None, None)
 

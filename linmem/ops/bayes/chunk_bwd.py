@@ -83,7 +83,7 @@ def chunk_bwd_kernel(q, k, v, gates, states, factors, scratch, do, dvar, dMT, dP
                 cj = c - c % GROUP_TL + j
                 tokj = (bos + cj * C + rows) * H + h
                 validj = bos + cj * C + rows < eos
-                gj, rj, wj = load_gates(gates, tokj, validj)
+                gj, _, wj = load_gates(gates, tokj, validj)
                 Lij = tl.load(factors + ((first + cj) * H + h) * C * C + rows[:, None] * C + cols[None, :])
                 gm, gP = chunk_end(gm, gP, load_rows(k, tokj, validj, kr, K, mk), load_rows(v, tokj, validj, vr, V, mv),
                                    gj, wj, Lij, eye, rows, cols, C)

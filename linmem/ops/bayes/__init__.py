@@ -88,7 +88,7 @@ def _chunk_refusal(inputs: FilterInputs) -> Optional[str]:
 
 def _chunk_triton_refusal(inputs: FilterInputs) -> Optional[str]:
     """None if the chunked kernels serve these inputs, else why not."""
-    from .chunk_fwd import MAX_HEAD_DIM
+    from .chunk_fwd import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM
 
     if inputs.reset:
         return "reset=True is the delta rule, served by the 'delta' backend"
@@ -97,6 +97,9 @@ def _chunk_triton_refusal(inputs: FilterInputs) -> Optional[str]:
     K, V = inputs.q.shape[-1], inputs.v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
         return f"head dims K = {K}, V = {V} (P [K, K] and m [K, V] are held on chip: K, V <= {MAX_HEAD_DIM})"
+    if inputs.q.dtype == torch.float32 and max(K, V) > MAX_FP32_HEAD_DIM:
+        return (f"float32 inputs at head dims K = {K}, V = {V} (their tiles take 257 KiB of shared memory at 128, "
+                f"past the 227 of an H100 or H200: K, V <= {MAX_FP32_HEAD_DIM} in float32)")
     if inputs.q.shape[1] == 0:
         return "no tokens"
     return chunk_refusal(inputs.condition, inputs.q.dtype, inputs.q.shape[1], "chunk_triton") or \
@@ -153,20 +156,23 @@ _BACKENDS: dict[str, tuple[Callable[[FilterInputs], Result], Callable[[FilterInp
 }
 
 
-#: the backends "auto" tries on CUDA tensors with reset=False, in order (:func:`set_auto_cuda_backends`)
-_auto_cuda: tuple[str, ...] = ("chunk_triton", "triton")
+#: the backends "auto" tries on CUDA tensors with reset=False, in order (:func:`set_auto_cuda_backends`): the
+#: sequential kernels, whose Joseph-form update stays finite on inputs of any conditioning; the chunked ones, 2-4x
+#: faster, give NaN where a chunk's innovation matrix rounds indefinite, which unchecked GPU inputs cannot rule out
+_auto_cuda: tuple[str, ...] = ("triton",)
 
 
 def set_auto_cuda_backends(*names: str) -> None:
     """Choose the backends that ``bayes_filter(..., backend="auto")`` tries on CUDA tensors with ``reset=False``, in
-    order: the first that serves the inputs runs, else "reference". The default is ``("chunk_triton", "triton")``:
-    the chunked kernels, and the sequential ones where the chunked form cannot serve the inputs (beyond its
-    conditioning, or K, V > 128).
+    order: the first that serves the inputs runs, else "reference". The default is ``("triton",)``, the sequential
+    kernels; ``("chunk_triton", "triton")`` takes the chunked kernels (2-4x faster on an H200) where they serve the
+    inputs, for models whose observation noise keeps every chunk within the chunked form's conditioning (on GPU
+    tensors the choice cannot read it: docs/bayes.md, "Conditioning").
 
     Example:
         >>> from linmem.ops.bayes import set_auto_cuda_backends
-        >>> set_auto_cuda_backends("triton")  # the sequential kernels only
-        >>> set_auto_cuda_backends("chunk_triton", "triton")  # the default again
+        >>> set_auto_cuda_backends("chunk_triton", "triton")  # the chunked kernels first
+        >>> set_auto_cuda_backends("triton")  # the default again
     """
     global _auto_cuda
     if not names:

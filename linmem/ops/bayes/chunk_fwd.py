@@ -38,6 +38,8 @@ from .conditioning import FUSED_CHUNK_SIZE
 
 #: the largest key and value head dims: P [K, K] and m [K, V] (and in the backward their adjoints) live on chip
 MAX_HEAD_DIM = 128
+#: the largest head dim of float32 inputs (Hopper's shared memory)
+MAX_FP32_HEAD_DIM = 64
 #: software-pipelining stages of every launch (Triton's default)
 STAGES = 3
 #: chunks per saved state: the forward saves the start (m, P) of every GROUP-th chunk, the backward recomputes the

@@ -309,8 +309,8 @@ def halves_to_blocks(value: DTensor) -> DTensor:
     """``value`` split by halves over ``tp`` (``_StridedShard(dim, split_factor=2)`` on the mesh dimension named
     ``tp``; the other mesh dimensions, FSDP's, on other tensor dimensions) as plain blocks (``Shard(dim)``): tp rank r
     holds rows ``[r 2F/n, (r + 1) 2F/n)`` of the global ``[gate; up]`` (``[2F, ...]`` along ``dim``, n ranks)
-    instead of ``[gate_r; up_r]``. One all-gather over the ``tp`` ranks; the other placements are kept. ``value``
-    itself when it is not split by halves.
+    instead of ``[gate_r; up_r]``. One all-gather over the ``tp`` ranks, outside autograd; the other placements are
+    kept. ``value`` itself when it is not split by halves.
 
     Example (under ``torchrun``, a SwiGLU's ``gate_up.weight: [2F, D]`` after ``parallelize``)::
 
@@ -331,7 +331,7 @@ def halves_to_blocks(value: DTensor) -> DTensor:
 def blocks_to_halves(value: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     """The inverse of :func:`halves_to_blocks`: ``value``, plain blocks along ``dim`` over ``tp`` (``Shard(dim)``),
     in ``placements``, the halves' layout (``_StridedShard(dim, split_factor=2)`` on ``tp``, the others as
-    ``value``'s). One all-gather over the ``tp`` ranks.
+    ``value``'s). One all-gather over the ``tp`` ranks, outside autograd.
 
     Example (under ``torchrun``)::
 

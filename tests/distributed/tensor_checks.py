@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -211,19 +212,23 @@ def halves_checks() -> None:
             whole = full_tensor(weight)
             assert torch.equal(whole, weight.full_tensor()), f"{config}: {name} gathered differs from torch's"
             assert torch.equal(whole, one.model.layers[0].get_parameter(name)), f"{config}: {name} differs"
+        if config.ep == 1:  # the (data, tp) mesh: a mesh built for them would only add process groups to the job
+            _refusals(weight.device_mesh)
 
-    mesh = build_mesh(ParallelConfig(dp=2, tp=2), "cpu").root["edp", "tp"]
+
+def _refusals(mesh: DeviceMesh) -> None:
+    """Layouts the hand conversion does not describe, on a 2-D (data, tp) mesh, refused by name."""
     same_dim = DTensor.from_local(torch.zeros(2, 3), mesh, (Shard(0), _StridedShard(0, split_factor=2)),
                                   run_check=False, shape=(8, 3), stride=(3, 1))
     _raises(lambda: halves_to_blocks(same_dim), "shard tensor dimension 0, which tp splits by halves, on mesh "
                                                 "dimension 0 too; FSDP must shard another dimension")
     odd = DTensor.from_local(torch.zeros(3, 3), mesh, (Shard(1), _StridedShard(0, split_factor=2)), run_check=False,
                              shape=(6, 6), stride=(6, 1))
-    _raises(lambda: halves_to_blocks(odd), r"dimension 0 of shape (6, 6) must split into 2 halves of 2 blocks")
+    _raises(lambda: halves_to_blocks(odd), "dimension 0 of shape (6, 6) must split into 2 halves of 2 blocks")
     _raises(lambda: blocks_to_halves(odd, odd.placements), "blocks_to_halves: placements must split by halves")
 
 
-def _raises(call, message: str) -> None:
+def _raises(call: Callable[[], Any], message: str) -> None:
     try:
         call()
     except ValueError as error:

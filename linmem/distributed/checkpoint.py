@@ -9,8 +9,9 @@ weights to rank 0 and writes a folder that ``from_pretrained`` loads on one devi
 
 DCP records each rank's shard as one block of the global tensor. Under tensor parallelism a SwiGLU's
 ``[gate; up]`` weight is split by halves (``_StridedShard`` on the ``tp`` mesh dimension: rank r holds block r
-of both halves, two blocks), so it and its optimizer state are written and read redistributed to plain shards
-(:func:`_blockwise`), and the files are those of any other layout.
+of both halves, two blocks), so it and its optimizer state are written and read as plain blocks of the global
+tensor (:func:`~linmem.distributed.tensor.halves_to_blocks` and back), and the files are those of any other layout;
+:func:`export_pretrained` gathers them the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
+
+from .tensor import blocks_to_halves, full_tensor, halves_to_blocks
 
 __all__ = ["save_distributed", "load_distributed", "write_shards", "read_shards", "export_pretrained"]
 
@@ -64,17 +66,14 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict
 
 
 def _blockwise(state: dict[str, Any]) -> dict[str, DTensor]:
-    """The entries of a (flat) state dict split by halves over ``tp``, redistributed so that every rank holds one
-    block of the global tensor (each ``_StridedShard`` on the ``tp`` mesh dimension becomes a ``Shard``)."""
+    """The entries of a (flat) state dict split by halves over ``tp``, as plain blocks of the global tensor
+    (:func:`~linmem.distributed.tensor.halves_to_blocks`)."""
     blocks = {}
     for name, value in state.items():
-        if not isinstance(value, DTensor):
-            continue
-        dims = value.device_mesh.mesh_dim_names or ()
-        placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) and dims[i] == "tp" else p
-                           for i, p in enumerate(value.placements))
-        if placements != tuple(value.placements):
-            blocks[name] = value.redistribute(placements=placements)
+        if isinstance(value, DTensor):
+            block = halves_to_blocks(value)
+            if block is not value:
+                blocks[name] = block
     return blocks
 
 
@@ -105,7 +104,7 @@ def read_shards(path: Union[str, Path], model: nn.Module, optimizer: Optional[to
         dcp.load(state, checkpoint_id=str(path))
     for part, placements in halves.items():  # back to the halves' layout
         for name, placement in placements.items():
-            state[part][name] = state[part][name].redistribute(placements=placement)
+            state[part][name] = blocks_to_halves(state[part][name], placement)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -162,7 +161,11 @@ def export_pretrained(model: nn.Module, path: Union[str, Path]) -> Optional[Path
     Call on every rank; returns the path on rank 0 and None elsewhere. The folder holds the
     model's own class (not its FSDP wrapper) with plain tensors.
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = {}
+    for name, value in get_model_state_dict(model).items():  # one tensor gathered at a time, rank 0 keeps it
+        value = full_tensor(value)
+        if _is_main():
+            full[name] = value.detach().cpu()
     path = Path(path)
     if _is_main():
         cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))

@@ -31,10 +31,14 @@ is ``mix_memories`` after the routing, entered by the routing weights with their
 and the balancing loss get the same whole gradient on every rank.
 
 Split parameters are DTensors on the ``tp`` mesh (global shapes: FSDP2 shards them over the data ranks, DCP
-saves and reshards them, ``full_tensor()`` gathers them); while a region runs, its module sees the local tensors
+saves and reshards them, :func:`full_tensor` gathers them); while a region runs, its module sees the local tensors
 (``to_local()``, differentiable), so the layers' code runs unchanged on its share of the heads (it takes its
 head count from its tensors' shapes). Every mixer has a plan (:data:`PLANS`); counts of heads (channels) or
 hidden units that ``tp`` does not divide are refused by name.
+
+A weight split by halves is turned into plain blocks of its global tensor and back by hand (:func:`halves_to_blocks`,
+:func:`blocks_to_halves`: one all-gather over the ``tp`` ranks), not by DTensor's ``redistribute``: torch 2.11
+cannot redistribute ``(Shard(1), _StridedShard(0, sf=2))``, the placements FSDP2 gives such a weight.
 
 Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -48,11 +52,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..layers.base import Mixer
 from ..layers.moe import MoEFeedForward
@@ -62,7 +67,8 @@ from .collectives import all_reduce_sum, sum_gradients, sum_partials
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
 from .expert import ExpertParallelMoE
 
-__all__ = ["PLANS", "apply_tp", "splits_halves_by_rows", "tensor_parallel_refusal", "tp_placements"]
+__all__ = ["PLANS", "apply_tp", "blocks_to_halves", "full_tensor", "halves_to_blocks", "splits_halves_by_rows",
+           "tensor_parallel_refusal", "tp_placements"]
 
 
 # ---------------------------------------------------------------- how a parameter splits
@@ -256,6 +262,103 @@ def tp_placements(split: Split) -> list:
     if isinstance(split, Halves):
         return [_StridedShard(split.dim, split_factor=2)]
     return [Shard(split.dim)]
+
+
+# ---------------------------------------------------------------- halves <-> blocks
+
+
+def _tp_dim(value: DTensor) -> Optional[int]:
+    """The index of the ``tp`` dimension of ``value``'s mesh (None: not on it)."""
+    names = value.device_mesh.mesh_dim_names or ()
+    return names.index("tp") if "tp" in names else None
+
+
+def _check_halves(what: str, value: DTensor, mesh_dim: int, dim: int) -> None:
+    """Refuse by name a layout the hand conversion does not describe: another mesh dimension (FSDP's) sharding the
+    split dimension too, or halves that the ``tp`` ranks do not divide evenly."""
+    for i, p in enumerate(value.placements):
+        if i != mesh_dim and isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
+            raise ValueError(f"{what}: placements {tuple(value.placements)} shard tensor dimension {dim}, which "
+                             f"tp splits by halves, on mesh dimension {i} too; FSDP must shard another dimension")
+    ranks = value.device_mesh.size(mesh_dim)
+    if value.shape[dim] % (2 * ranks):
+        raise ValueError(f"{what}: dimension {dim} of shape {tuple(value.shape)} must split into 2 halves of "
+                         f"{ranks} blocks (tp = {ranks})")
+
+
+@torch.no_grad()
+def _regroup(value: DTensor, mesh_dim: int, dim: int, placements: tuple[Placement, ...],
+             to_blocks: bool) -> DTensor:
+    """``value`` with its local tensor along ``dim`` regrouped over the ranks of ``mesh_dim`` (one all-gather):
+    ``[gate_r; up_r]`` into block r of ``[gate; up]`` (``to_blocks``), or back; ``placements`` describe the result."""
+    mesh = value.device_mesh
+    ranks, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    local = value.to_local().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(ranks)]
+    dist.all_gather(pieces, local, group=mesh.get_group(mesh_dim))
+    if to_blocks:  # piece r = [gate_r; up_r]: gather each half's blocks, then take block r of the whole
+        whole = torch.cat([torch.cat([piece.chunk(2, dim)[half] for piece in pieces], dim) for half in (0, 1)], dim)
+        mine = whole.chunk(ranks, dim)[rank]
+    else:  # piece r = block r of [gate; up]: block r of each half
+        mine = torch.cat([half.chunk(ranks, dim)[rank] for half in torch.cat(pieces, dim).chunk(2, dim)], dim)
+    return DTensor.from_local(mine.contiguous(), mesh, placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
+def halves_to_blocks(value: DTensor) -> DTensor:
+    """``value`` split by halves over ``tp`` (``_StridedShard(dim, split_factor=2)`` on the mesh dimension named
+    ``tp``; the other mesh dimensions, FSDP's, on other tensor dimensions) as plain blocks (``Shard(dim)``): tp rank r
+    holds rows ``[r 2F/n, (r + 1) 2F/n)`` of the global ``[gate; up]`` (``[2F, ...]`` along ``dim``, n ranks)
+    instead of ``[gate_r; up_r]``. One all-gather over the ``tp`` ranks, outside autograd; the other placements are
+    kept. ``value`` itself when it is not split by halves.
+
+    Example (under ``torchrun``, a SwiGLU's ``gate_up.weight: [2F, D]`` after ``parallelize``)::
+
+        blocks = halves_to_blocks(mlp.gate_up.weight)   # placements (Shard(1), Shard(0)) on (data, tp)
+    """
+    mesh_dim = _tp_dim(value)
+    placement = None if mesh_dim is None else value.placements[mesh_dim]
+    if not isinstance(placement, _StridedShard):
+        return value
+    if placement.split_factor != 2:
+        raise ValueError(f"halves_to_blocks: expected _StridedShard(dim, split_factor=2) on tp (halves), got "
+                         f"{placement}")
+    _check_halves("halves_to_blocks", value, mesh_dim, placement.dim)
+    placements = tuple(Shard(placement.dim) if i == mesh_dim else p for i, p in enumerate(value.placements))
+    return _regroup(value, mesh_dim, placement.dim, placements, to_blocks=True)
+
+
+def blocks_to_halves(value: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """The inverse of :func:`halves_to_blocks`: ``value``, plain blocks along ``dim`` over ``tp`` (``Shard(dim)``),
+    in ``placements``, the halves' layout (``_StridedShard(dim, split_factor=2)`` on ``tp``, the others as
+    ``value``'s). One all-gather over the ``tp`` ranks, outside autograd.
+
+    Example (under ``torchrun``)::
+
+        halves = blocks_to_halves(halves_to_blocks(weight), weight.placements)   # equal to weight
+    """
+    placements = tuple(placements)
+    mesh_dim = _tp_dim(value)
+    target = None if mesh_dim is None else placements[mesh_dim]
+    expected = tuple(Shard(target.dim) if i == mesh_dim else p for i, p in enumerate(placements)) \
+        if isinstance(target, _StridedShard) and target.split_factor == 2 else None
+    if expected is None or tuple(value.placements) != expected:
+        raise ValueError(f"blocks_to_halves: placements must split by halves over tp (_StridedShard(dim, "
+                         f"split_factor=2)) and value's be the same with Shard(dim) there; got placements "
+                         f"{placements}, value's {tuple(value.placements)}")
+    _check_halves("blocks_to_halves", value, mesh_dim, target.dim)
+    return _regroup(value, mesh_dim, target.dim, placements, to_blocks=False)
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` whole on every rank: a DTensor gathered (a collective: every rank of its mesh takes part; one split
+    by halves over ``tp`` through :func:`halves_to_blocks` first), any other tensor as it is.
+
+    Example (under ``torchrun``)::
+
+        grads = [full_tensor(p.grad) for p in model.parameters()]
+    """
+    return halves_to_blocks(value).full_tensor() if isinstance(value, DTensor) else value
 
 
 # ---------------------------------------------------------------- refusals

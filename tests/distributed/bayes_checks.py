@@ -39,6 +39,7 @@ from linmem.distributed import (
     split_packing,
 )
 from linmem.distributed.bayes import _Relay
+from linmem.distributed.tensor import full_tensor
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from linmem.ops import bayes_filter
 from tests.helpers import rel_err
@@ -269,7 +270,7 @@ def fsdp_case(config: ParallelConfig) -> None:
     kind = "fp32 model, FSDP2 + checkpointing" + (" + tp" if config.tp > 1 else "")
     _check("loss", _summed(loss.detach(), loss) / world, ref_loss.detach(), case, MODEL_TOL, kind)
     for name, p in sharded.named_parameters():
-        _check(f"d{name}", p.grad.full_tensor(), ref_grads[name], case, MODEL_TOL, kind)
+        _check(f"d{name}", full_tensor(p.grad), ref_grads[name], case, MODEL_TOL, kind)
 
 
 def all_bayes_checks() -> None:

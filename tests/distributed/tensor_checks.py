@@ -3,21 +3,25 @@
 The zoo is one model whose layers are every mixer kind tensor parallelism splits (with their options: short
 convolutions, GQA, the "Pro" attention options, biases, low-rank gates, per-head norms and constants), so one
 run covers them all: three AdamW steps with gradient clipping on the same batches, the losses and the first
-step's gradients (gathered whole with ``full_tensor``) against one process (rank 0 trains the reference), fp64.
+step's gradients (gathered whole with :func:`~linmem.distributed.tensor.full_tensor`) against one process (rank 0
+trains the reference), fp64.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from linmem.distributed import ParallelConfig, build_mesh, clip_grad_norm_, parallelize
+from linmem.distributed.tensor import blocks_to_halves, full_tensor, halves_to_blocks
 from linmem.layers import build_mixer, mixer_class
 from linmem.models import LinmemConfig, LinmemForCausalLM
 from tests.helpers import rel_err
@@ -86,7 +90,7 @@ def batch(step: int) -> torch.Tensor:
 
 def whole(grad: torch.Tensor) -> torch.Tensor:
     """A gradient gathered whole (a collective for a DTensor: every rank takes part)."""
-    return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
+    return full_tensor(grad) if isinstance(grad, DTensor) else grad.clone()
 
 
 def _train(model: torch.nn.Module, clip) -> tuple[list[float], list[torch.Tensor]]:
@@ -173,3 +177,61 @@ def capacity_checks() -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         err = rel_err(whole(p.grad), q.grad)
         assert err < TOL, f"capacity, tp = {tp}: d{name} differs from one process ({err:.1e})"
+
+
+def halves_checks() -> None:
+    """dp = 2 x tp = 2, and dp = ep = 2 x tp = 2, on 4 ranks: the weights split by halves over tp (a SwiGLU's
+    [gate; up], Mamba's [x; z], the experts' [E, 2F, D]), sharded by FSDP2 too, turn into plain blocks and back by
+    hand as torch's ``redistribute`` does, bit for bit, and gather whole as its ``full_tensor`` and the one-process
+    weights; layouts the conversion does not describe are refused by name."""
+    mamba = LinmemConfig(vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="L", memory="mamba",
+                         intermediate_size=32, recurrence_backend="chunk")
+    moe = LinmemConfig(vocab_size=VOCAB, hidden_size=16, num_heads=2, layer_pattern="L", mlp="moe",
+                       moe=dict(num_experts=4, intermediate_size=16), recurrence_backend="chunk")
+    cases = [(ParallelConfig(dp=2, tp=2), mamba, ("mlp.gate_up.weight", "mixer.in_proj.weight")),
+             (ParallelConfig(dp=2, ep=2, tp=2, fsdp=False), moe, ("mlp.gate_up",))]
+    for config, model_config, names in cases:
+        torch.manual_seed(0)
+        one = LinmemForCausalLM(model_config)
+        model = parallelize(copy.deepcopy(one), build_mesh(config, "cpu"), config)
+        for name in names:
+            weight = model.model.layers[0].get_parameter(name)
+            tp = weight.device_mesh.mesh_dim_names.index("tp")
+            assert isinstance(weight.placements[tp], _StridedShard) and len(weight.placements) >= 2, \
+                f"{config}: {name} has placements {weight.placements}"
+            blocks = halves_to_blocks(weight)
+            dim = weight.placements[tp].dim
+            assert blocks.placements[tp] == Shard(dim) and blocks.placements[:tp] == weight.placements[:tp]
+            torch_blocks = weight.redistribute(placements=blocks.placements)
+            halves = blocks_to_halves(torch_blocks, weight.placements)
+            torch_halves = torch_blocks.redistribute(placements=weight.placements)
+            for got, ref, what in ((blocks, torch_blocks, "to blocks"), (halves, torch_halves, "to halves"),
+                                   (halves, weight, "there and back")):
+                assert got.placements == ref.placements and got.shape == ref.shape and got.stride() == ref.stride()
+                assert torch.equal(got.to_local(), ref.to_local()), f"{config}: {name} {what} differs from torch's"
+            whole = full_tensor(weight)
+            assert torch.equal(whole, weight.full_tensor()), f"{config}: {name} gathered differs from torch's"
+            assert torch.equal(whole, one.model.layers[0].get_parameter(name)), f"{config}: {name} differs"
+        if config.ep == 1:  # the (data, tp) mesh: a mesh built for them would only add process groups to the job
+            _refusals(weight.device_mesh)
+
+
+def _refusals(mesh: DeviceMesh) -> None:
+    """Layouts the hand conversion does not describe, on a 2-D (data, tp) mesh, refused by name."""
+    same_dim = DTensor.from_local(torch.zeros(2, 3), mesh, (Shard(0), _StridedShard(0, split_factor=2)),
+                                  run_check=False, shape=(8, 3), stride=(3, 1))
+    _raises(lambda: halves_to_blocks(same_dim), "shard tensor dimension 0, which tp splits by halves, on mesh "
+                                                "dimension 0 too; FSDP must shard another dimension")
+    odd = DTensor.from_local(torch.zeros(3, 3), mesh, (Shard(1), _StridedShard(0, split_factor=2)), run_check=False,
+                             shape=(6, 6), stride=(6, 1))
+    _raises(lambda: halves_to_blocks(odd), "dimension 0 of shape (6, 6) must split into 2 halves of 2 blocks")
+    _raises(lambda: blocks_to_halves(odd, odd.placements), "blocks_to_halves: placements must split by halves")
+
+
+def _raises(call: Callable[[], Any], message: str) -> None:
+    try:
+        call()
+    except ValueError as error:
+        assert message in str(error), f"expected {message!r}, got {error}"
+    else:
+        raise AssertionError(f"expected ValueError: {message}")

@@ -11,6 +11,8 @@
 * an MoE layer with a capacity factor (tokens dropped alike on every rank) against one process;
 * ``linmem train ... parallel.tp=2`` on 2 ranks has the loss curve of one process, and its checkpoint loads on
   one process with the weights it exported to ``model/``;
+* the weights split by halves turn into plain blocks and back by hand as torch's ``redistribute`` does, bit for bit
+  (dp = 2 x tp = 2 and dp = ep = 2 x tp = 2: [gate; up], Mamba's [x; z], the experts');
 * the mesh (tp innermost; the tensor-parallel ranks of one data rank take its batch) and the named errors.
 """
 
@@ -73,6 +75,10 @@ def test_two_ranks(tmp_path: Path) -> None:
 
 def test_four_ranks(tmp_path: Path) -> None:
     run_ranks(4, _four_ranks, str(tmp_path))
+
+
+def test_halves_to_blocks() -> None:
+    run_ranks(4, tensor_checks.halves_checks)
 
 
 def test_config_errors() -> None:

@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from linmem.distributed import (
     ParallelConfig,
@@ -31,6 +30,7 @@ from linmem.distributed import (
     sequence_parallel,
     shard_sequence,
 )
+from linmem.distributed.tensor import full_tensor
 from linmem.models import LinmemConfig, LinmemForCausalLM
 
 STEPS, SAVE_AT = 4, 2
@@ -121,8 +121,9 @@ class ParallelRun:
     def check_gradients(self, reference: Optional[dict[str, torch.Tensor]]) -> None:
         """Every parameter's gradient, gathered whole, against the one-process gradient (rank 0 compares)."""
         for name, p in self.model.named_parameters():
-            # a collective: every rank takes part (under tensor parallelism alone the replicated ones are plain)
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            # a collective for a DTensor: every rank takes part (under tensor parallelism alone the replicated ones
+            # are plain)
+            grad = full_tensor(p.grad)
             if reference is not None:
                 err = float((grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-30))
                 assert err < 1e-5, f"{self.config}: gradient of {name} differs from one process ({err:.1e})"
@@ -180,7 +181,7 @@ def compile_check() -> None:
             loss = global_lm_loss(model(ids, use_cache=False).logits, next_token_targets(ids), dist.group.WORLD)
             loss.backward()
             if step == 0:
-                grads = [p.grad.full_tensor() for p in model.parameters()]
+                grads = [full_tensor(p.grad) for p in model.parameters()]
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))

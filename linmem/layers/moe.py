@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.checks import as_dtype
 from ..ops.fused import swiglu, swiglu_grads
 from ..ops.routing import (
     GROUPED_BACKENDS,
@@ -55,14 +56,22 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
-        with torch.autocast(dy.device.type, enabled=False):
-            dweight = None
-            if ctx.needs_input_grad[2]:
-                h = swiglu(gate, up)  # [..., F], recomputed
-                dweight = (dy.flatten(0, -2).T @ h.flatten(0, -2).to(dy.dtype)).to(weight.dtype)  # [D, F]
-            dh = (dy @ weight.to(dy.dtype)).to(gate.dtype)  # [..., F]
-        dgate, dup = swiglu_grads(gate, up, dh)
-        return dgate, dup, dweight
+        if torch.is_autocast_enabled(dy.device.type):  # (building the context manager costs microseconds)
+            with torch.autocast(dy.device.type, enabled=False):
+                return _swiglu_down_grads(gate, up, weight, dy, ctx.needs_input_grad[2])
+        return _swiglu_down_grads(gate, up, weight, dy, ctx.needs_input_grad[2])
+
+
+def _swiglu_down_grads(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor,
+                       weight_grad: bool) -> tuple:
+    """(dgate, dup, dweight or None) of :class:`_SwiGLUDown`, its matmuls in dy's dtype (autocast off)."""
+    dweight = None
+    if weight_grad:
+        h = swiglu(gate, up)  # [..., F], recomputed
+        dweight = as_dtype(dy.flatten(0, -2).T @ as_dtype(h.flatten(0, -2), dy.dtype), weight.dtype)  # [D, F]
+    dh = as_dtype(dy @ as_dtype(weight, dy.dtype), gate.dtype)  # [..., F]
+    dgate, dup = swiglu_grads(gate, up, dh)
+    return dgate, dup, dweight
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

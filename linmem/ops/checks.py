@@ -1,4 +1,5 @@
-"""Checks shared by the ops' input validation, each naming the op and the bad argument in its message.
+"""Checks shared by the ops' input validation, each naming the op and the bad argument in its message (and
+:func:`as_dtype`, the ops' cast of their gradients).
 
 Checks of types and shapes always run. Checks that read values run on CPU tensors, and on device tensors only
 when debug checks are on (``LINMEM_DEBUG=1`` or :func:`set_debug_checks`), and never under ``torch.compile``: the
@@ -14,6 +15,18 @@ from typing import Optional
 import torch
 
 _DEBUG_CHECKS = os.environ.get("LINMEM_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: x itself where it is in dtype already, without ``x.to``'s call (microseconds of host time each,
+    which an op's backward with several casts of its gradients spends on every call).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> as_dtype(x, torch.float32) is x, as_dtype(x, torch.bfloat16).dtype
+        (True, torch.bfloat16)
+    """
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def set_debug_checks(enabled: bool) -> None:

@@ -7,6 +7,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .checks import as_dtype
+
 __all__ = ["pointwise", "mamba2_log_decay"]
 
 class _Pointwise(torch.autograd.Function):
@@ -46,7 +48,7 @@ def pointwise(
 def _mamba2_decay(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = x + dt_bias, -exp(A_log) per head) in fp32 (fp64 for fp64 x): x [..., H, K], A_log [H], dt_bias [H, K]."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    return x.to(acc) + dt_bias.to(acc), -torch.exp(A_log.to(acc))[:, None]
+    return as_dtype(x, acc) + as_dtype(dt_bias, acc), -torch.exp(as_dtype(A_log, acc)).unsqueeze(-1)
 
 
 class _Mamba2LogDecay(torch.autograd.Function):
@@ -66,7 +68,7 @@ class _Mamba2LogDecay(torch.autograd.Function):
         dz = da * torch.sigmoid(z)
         batch = tuple(range(dz.dim() - 2))
         dA_log = (da * F.softplus(z)).sum((*batch, -1))  # d/dA_log of -exp(A_log) s = the output
-        return dz.to(x.dtype), dA_log.to(A_log.dtype), dz.sum(batch).to(dt_bias.dtype)
+        return as_dtype(dz, x.dtype), as_dtype(dA_log, A_log.dtype), as_dtype(dz.sum(batch), dt_bias.dtype)
 
 
 def mamba2_log_decay(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,11 @@ The kernels are imported on first use, so that the interpreter can still be swit
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -25,7 +28,27 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
+#: the kernel modules imported so far, by name (``kernels``)
+_KERNELS: dict[str, ModuleType] = {}
+
+
+def kernels(name: str) -> ModuleType:
+    """The kernel module ``linmem.ops.fused.triton.<name>``, imported on its first use (see the module docstring)
+    and looked up after that: an import statement in a function costs microseconds of host time at every call.
+
+    Example:
+        >>> kernels("swiglu").__name__
+        'linmem.ops.fused.triton.swiglu'
+    """
+    module = _KERNELS.get(name)
+    if module is None:
+        module = _KERNELS[name] = importlib.import_module(f"{__package__}.triton.{name}")
+    return module
+
+
+@functools.lru_cache(maxsize=None)
 def _interpreted() -> bool:
+    """Whether the kernels run in the interpreter (fixed when the kernels were first imported: looked up once)."""
     from ..recurrence.triton.numerics import INTERPRET
 
     return INTERPRET

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import reference
 from ..checks import check_cu_seqlens
-from .backend import use_triton
+from .backend import kernels, use_triton
 
 #: the activations short_conv takes (None: the identity)
 CONV_ACTIVATIONS = (None, "silu")
@@ -39,9 +39,7 @@ def _or_none(x: Optional[Tensor]) -> Optional[Tensor]:
 def short_conv_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], act: int, output_final_state: bool) -> tuple[Tensor, Tensor]:
     """-> (y, final state or empty)."""
-    from .triton.conv import conv_forward
-
-    y, final = conv_forward(x, weight, bias, initial_state, cu_seqlens, act, output_final_state)
+    y, final = kernels("conv").conv_forward(x, weight, bias, initial_state, cu_seqlens, act, output_final_state)
     return y, _or_empty(final, x)
 
 
@@ -53,9 +51,7 @@ def _(x, weight, bias, initial_state, cu_seqlens, act, output_final_state):
 
 
 def _launch_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act):
-    from .triton.conv import conv_backward
-
-    return conv_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
+    return kernels("conv").conv_backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, act)
 
 
 @torch.library.custom_op("linmem::short_conv_bwd", mutates_args=())
@@ -103,10 +99,9 @@ class ShortConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, h0, cu_seqlens, act, output_final_state):
-        from .triton.conv import conv_forward
-
-        y, final = conv_forward(x, weight, bias, h0, cu_seqlens, act, output_final_state)
-        ctx.save_for_backward(x, weight, bias, h0, cu_seqlens)
+        taps = weight.t().contiguous().t()  # [C, W] over tap-major memory: both launchers read it without a copy
+        y, final = kernels("conv").conv_forward(x, taps, bias, h0, cu_seqlens, act, output_final_state)
+        ctx.save_for_backward(x, taps, bias, h0, cu_seqlens)
         ctx.act = act
         ctx.set_materialize_grads(False)
         return y, final
@@ -119,9 +114,7 @@ class ShortConv(torch.autograd.Function):
 @torch.library.custom_op("linmem::short_conv_step", mutates_args=("state",))
 def short_conv_step_op(x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], act: int) -> Tensor:
     """One token x [B, C] against state [B, W-1, C], shifted in place -> y [B, C]."""
-    from .triton.conv import conv_step
-
-    return conv_step(x, state, weight, bias, act)
+    return kernels("conv").conv_step(x, state, weight, bias, act)
 
 
 @short_conv_step_op.register_fake
@@ -246,6 +239,4 @@ def short_conv_step(
     args = (x, state, weight.contiguous(), None if bias is None else bias.contiguous(), _act_code(activation))
     if torch.compiler.is_compiling():
         return short_conv_step_op(*args)
-    from .triton.conv import conv_step
-
-    return conv_step(*args)
+    return kernels("conv").conv_step(*args)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import reference
 from ..checks import values_checkable
-from .backend import logger, triton_refusal
+from .backend import kernels, logger, triton_refusal
 
 #: ``backend=`` of linear_cross_entropy: those of every fused op and "chunked" (the chunks in PyTorch)
 CE_BACKENDS = ("auto", "reference", "chunked", "triton")
@@ -58,7 +58,7 @@ def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index
     count = keep.sum()
     scale = torch.ones(1, device=hidden.device) if reduce_sum else (1.0 / count.clamp(min=1).float()).reshape(1)
     if kernel:
-        from .triton.cross_entropy import softmax_grad_
+        softmax_grad_ = kernels("cross_entropy").softmax_grad_
     else:
         softmax_grad_ = _torch_softmax_grad_
     losses = torch.empty(N, device=hidden.device, dtype=torch.float32)

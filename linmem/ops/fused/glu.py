@@ -11,15 +11,13 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .backend import use_triton
+from .backend import kernels, use_triton
 
 
 @torch.library.custom_op("linmem::swiglu_fwd", mutates_args=())
 def swiglu_fwd_op(gate: Tensor, up: Tensor) -> Tensor:
     """Rows [M, D] -> y [M, D]."""
-    from .triton.swiglu import swiglu_forward
-
-    return swiglu_forward(gate, up)
+    return kernels("swiglu").swiglu_forward(gate, up)
 
 
 @swiglu_fwd_op.register_fake
@@ -29,9 +27,7 @@ def _(gate, up):
 
 @torch.library.custom_op("linmem::swiglu_bwd", mutates_args=())
 def swiglu_bwd_op(gate: Tensor, up: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    from .triton.swiglu import swiglu_backward
-
-    return swiglu_backward(gate, up, dy)
+    return kernels("swiglu").swiglu_backward(gate, up, dy)
 
 
 @swiglu_bwd_op.register_fake
@@ -55,16 +51,12 @@ class SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up):
-        from .triton.swiglu import swiglu_forward
-
         ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+        return kernels("swiglu").swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
-        from .triton.swiglu import swiglu_backward
-
-        return swiglu_backward(*ctx.saved_tensors, dy)
+        return kernels("swiglu").swiglu_backward(*ctx.saved_tensors, dy)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -104,9 +96,7 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: str = "auto") -> Tensor:
     elif torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         y = SwiGLUFn.apply(g, u)
     else:  # nothing to differentiate (inference, or inside another op's forward or backward): the launcher alone
-        from .triton.swiglu import swiglu_forward
-
-        y = swiglu_forward(g, u)
+        y = kernels("swiglu").swiglu_forward(g, u)
     return y.view(gate.shape)
 
 
@@ -131,7 +121,5 @@ def swiglu_grads(gate: Tensor, up: Tensor, dy: Tensor, *, backend: str = "auto")
         raise ValueError(f"swiglu_grads: `dy` must have gate's shape {list(gate.shape)}, got {list(dy.shape)}")
     if not use_triton("swiglu", backend, gate, None if gate.numel() else "no elements"):
         return reference.swiglu_grads(gate, up, dy)
-    from .triton.swiglu import swiglu_backward
-
-    dgate, dup = swiglu_backward(_rows(gate), _rows(up), dy.reshape(-1, dy.shape[-1]))
+    dgate, dup = kernels("swiglu").swiglu_backward(_rows(gate), _rows(up), dy.reshape(-1, dy.shape[-1]))
     return dgate.view(gate.shape), dup.view(up.shape)

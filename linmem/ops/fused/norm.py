@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import reference
 from ..checks import check_positive
-from .backend import use_triton
+from .backend import kernels, use_triton
 
 #: the output-gate activations of gated_rms_norm
 GATE_ACTIVATIONS = {"silu": 1, "sigmoid": 2}
@@ -57,9 +57,7 @@ def _dim_refusal(D: int) -> Optional[str]:
 def rms_norm_fwd_op(x: Tensor, weight: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], eps: float,
                     act: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Rows [M, H, D] -> (y in out_dtype, h = x + residual in residual's dtype, or empty)."""
-    from .triton.norm import rms_norm_forward
-
-    y, h = rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
+    y, h = kernels("norm").rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
     return y, _or_empty(h, x)
 
 
@@ -73,9 +71,7 @@ def _(x, weight, residual, gate, eps, act, out_dtype):
 def rms_norm_bwd_op(x: Tensor, gate: Optional[Tensor], weight: Tensor, dy: Tensor, dh: Optional[Tensor],
                     eps: float, act: int) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dx, dgate or empty, dweight); x is the norm's input (h with a residual)."""
-    from .triton.norm import rms_norm_backward
-
-    dx, dgate, dw = rms_norm_backward(x, gate, weight, dy, dh, eps, act)
+    dx, dgate, dw = kernels("norm").rms_norm_backward(x, gate, weight, dy, dh, eps, act)
     return dx, _or_empty(dgate, x), dw
 
 
@@ -86,9 +82,7 @@ def _(x, gate, weight, dy, dh, eps, act):
 
 
 def _launch_rms_backward(x, gate, weight, dy, dh, eps, act):
-    from .triton.norm import rms_norm_backward
-
-    return rms_norm_backward(x, gate, weight, dy, dh, eps, act)
+    return kernels("norm").rms_norm_backward(x, gate, weight, dy, dh, eps, act)
 
 
 def _rms_gradients(ctx, dy: Optional[Tensor], dh: Optional[Tensor], backward) -> tuple:
@@ -121,9 +115,7 @@ class RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual, gate, eps, act, out_dtype):
-        from .triton.norm import rms_norm_forward
-
-        y, h = rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
+        y, h = kernels("norm").rms_norm_forward(x, weight, residual, gate, eps, act, out_dtype)
         ctx.save_for_backward(x if h is None else h, gate, weight)
         ctx.eps, ctx.act, ctx.has_residual = eps, act, residual is not None
         ctx.set_materialize_grads(False)
@@ -242,9 +234,7 @@ def gated_rms_norm(
 @torch.library.custom_op("linmem::l2_norm_fwd", mutates_args=())
 def l2_norm_fwd_op(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Rows [M, H, D] -> (y [M, H, D], 1 / sqrt(sum(x^2) + eps) [M, H] fp32)."""
-    from .triton.norm import l2_norm_forward
-
-    return l2_norm_forward(x, eps)
+    return kernels("norm").l2_norm_forward(x, eps)
 
 
 @l2_norm_fwd_op.register_fake
@@ -254,9 +244,7 @@ def _(x, eps):
 
 @torch.library.custom_op("linmem::l2_norm_bwd", mutates_args=())
 def l2_norm_bwd_op(y: Tensor, rinv: Tensor, dy: Tensor) -> Tensor:
-    from .triton.norm import l2_norm_backward
-
-    return l2_norm_backward(y, rinv, dy)
+    return kernels("norm").l2_norm_backward(y, rinv, dy)
 
 
 @l2_norm_bwd_op.register_fake
@@ -283,18 +271,14 @@ class L2NormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, eps):
-        from .triton.norm import l2_norm_forward
-
-        y, rinv = l2_norm_forward(x, eps)
+        y, rinv = kernels("norm").l2_norm_forward(x, eps)
         ctx.save_for_backward(y, rinv)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from .triton.norm import l2_norm_backward
-
         y, rinv = ctx.saved_tensors
-        return l2_norm_backward(y, rinv, dy), None
+        return kernels("norm").l2_norm_backward(y, rinv, dy), None
 
 
 def l2_norm(x: Tensor, eps: float = 1e-6, *, head_dim: Optional[int] = None, backend: str = "auto") -> Tensor:

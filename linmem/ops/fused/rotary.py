@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import reference
 from ..checks import check_positive
-from .backend import use_triton
+from .backend import kernels, use_triton
 
 
 def _or_empty(x: Optional[Tensor], like: Tensor) -> Tensor:
@@ -24,9 +24,7 @@ def _or_empty(x: Optional[Tensor], like: Tensor) -> Tensor:
 
 def _launch(q: Tensor, k: Optional[Tensor], position_ids: Tensor, theta: float,
             inverse: bool) -> tuple[Tensor, Optional[Tensor]]:
-    from .triton.rotary import rotary_launch
-
-    return rotary_launch(q, k, position_ids, theta, inverse)
+    return kernels("rotary").rotary_launch(q, k, position_ids, theta, inverse)
 
 
 @torch.library.custom_op("linmem::rotary", mutates_args=())

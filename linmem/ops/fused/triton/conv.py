@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...checks import as_dtype
 from ...triton_launch import cdiv, run_kernel
 from .common import DEFAULT_WARPS, STAGES, activate, activation_grad, next_power_of_2, rounded, total
 
@@ -273,8 +274,8 @@ def _geometry(x: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, int, int]:
 
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional[Tensor],
                  cu_seqlens: Optional[Tensor], act: int, output_final: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """-> (y [B, T, C] in x's dtype, final state [N, W-1, C] or None). weight [C, W]; bias, h0 contiguous; x's
-    channels contiguous."""
+    """-> (y [B, T, C] in x's dtype, final state [N, W-1, C] or None). weight [C, W] (read tap-major: a view of
+    contiguous [W, C] memory is read in place, any other is copied); bias, h0 contiguous; x's channels contiguous."""
     B, T, C = x.shape
     W = weight.shape[1]
     N, steps, varlen = _geometry(x, cu_seqlens)
@@ -296,7 +297,8 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional
 def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], dy: Tensor, dfinal: Optional[Tensor], act: int
                   ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """-> (dx, dweight, dbias, dh0) in the dtypes of x, weight, bias, h0 (None where absent)."""
+    """-> (dx, dweight, dbias, dh0) in the dtypes of x, weight, bias, h0 (None where absent); weight as in
+    :func:`conv_forward`, dweight contiguous [C, W]."""
     B, T, C = x.shape
     W = weight.shape[1]
     N, steps, varlen = _geometry(x, cu_seqlens)
@@ -329,9 +331,9 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], h0: Optiona
         run_kernel(conv_state_bwd_kernel, (N, cdiv(C, BC)), (weight_t, dz, dfinal, dh0, cu_seqlens, T, C),
                    {"W": W, "HAS_DFINAL": dfinal is not None, "IS_VARLEN": varlen, "BJ": next_power_of_2(W - 1),
                     "BC": BC}, DEFAULT_WARPS, STAGES)
-        dh0 = dh0.to(h0.dtype)
-    dbias = None if bias is None else db.sum(0).to(bias.dtype)
-    return dx, dw.sum(0).t().to(weight.dtype).contiguous(), dbias, dh0
+        dh0 = as_dtype(dh0, h0.dtype)
+    dbias = None if bias is None else as_dtype(db.sum(0), bias.dtype)
+    return dx, as_dtype(dw.sum(0).t().contiguous(), weight.dtype), dbias, dh0
 
 
 def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor], act: int) -> Tensor:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...checks import as_dtype
 from ...triton_launch import cdiv, run_kernel
 from .common import STAGES, activate, activation_grad, next_power_of_2, rounded, total
 
@@ -177,7 +178,7 @@ def rms_norm_backward(x: Tensor, gate: Optional[Tensor], weight: Tensor, dy: Ten
                 D if weight.ndim == 2 else 0, eps),
                {"HAS_DH": dh is not None, "GATE": act, "BM": BM, "BD": BD}, _warps(BD), STAGES)
     dweight = dw.sum(0) if weight.ndim == 2 else dw.sum((0, 1))
-    return dx, dgate, dweight.to(weight.dtype)
+    return dx, dgate, as_dtype(dweight, weight.dtype)
 
 
 def l2_norm_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:

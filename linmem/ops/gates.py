@@ -48,7 +48,8 @@ def pointwise(
 def _mamba2_decay(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = x + dt_bias, -exp(A_log) per head) in fp32 (fp64 for fp64 x): x [..., H, K], A_log [H], dt_bias [H, K]."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    return as_dtype(x, acc) + as_dtype(dt_bias, acc), -torch.exp(as_dtype(A_log, acc)).unsqueeze(-1)
+    # x is promoted to acc inside the add (the values of x.to(acc) + dt_bias, one kernel and one buffer fewer)
+    return x + as_dtype(dt_bias, acc), -torch.exp(as_dtype(A_log, acc)).unsqueeze(-1)
 
 
 class _Mamba2LogDecay(torch.autograd.Function):

@@ -67,7 +67,7 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
     them; ``ops`` takes its fake outputs from here too."""
     s = shapes_of(q, v, cu_seqlens)
     P = precision_for(q.dtype)
-    G = q.new_empty(g.shape, dtype=torch.float32) if g is not None else None
+    G = torch.empty_like(g, dtype=torch.float32) if g is not None else None  # (empty_like: no shape to parse)
     hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
     A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
     if not delta:
@@ -75,7 +75,7 @@ def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
     Qg = Kg = None
     if g is not None and g.dim() == 4:
         Qg, Kg = torch.empty_like(q), torch.empty_like(q)
-    return (G, hs, A, v.new_empty(v.shape, dtype=P.writes), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
+    return (G, hs, A, torch.empty_like(v, dtype=P.writes), torch.empty_like(A, dtype=P.wy),
             q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
 
 
@@ -110,10 +110,10 @@ def recompute(plan: dict, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay: int
 def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int, output_final: bool):
     """Forward of the chunked recurrence.
 
-    q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or [B, T, H, K] fp32; beta:
-    [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or None. Returns ``(o, hN, saved)`` with ``saved =
-    (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt None unless ``configs.KEEP_STATES``;
-    ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
+    q, k: [B, T, H, K], v: [B, T, H, V] (one dtype); g: None, [B, T, H] or [B, T, H, K] fp32; beta: [B, T, H] or
+    None; u: [H, K] or None; h0: [N, H, K, V] fp32 or None; every tensor contiguous. Returns ``(o, hN, saved)`` with
+    ``saved = (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt None unless
+    ``configs.KEEP_STATES``; ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
     ``Tt``: T transposed per chunk [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states'
     dtype; ``Qg``, ``Kg``: the delta rule's queries and keys decayed by a per-channel decay, see
     :func:`saved_buffers`). Absent tensors reach the kernels as None.
@@ -151,12 +151,14 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     delta, bonus = beta is not None, u is not None
     do = do.contiguous()
     dhN = dhN.contiguous() if dhN is not None else None
-    plan = plan_for("backward", q, k, v, g, beta, u, h0, cu_seqlens, *saved, do, dhN, scale, decay)
+    # the saved buffers are the forward's own allocations (fresh, so aligned), their dtypes and shapes functions of
+    # its inputs and the settings: the key names only which are present
+    plan = plan_for("backward", q, k, v, g, beta, u, h0, cu_seqlens, do, dhN, scale, decay, *[x is None for x in saved])
     if hs is None:
         hs, d, Tt, Wt = recompute(plan, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay)
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
-    dh0 = torch.empty(s.N, s.H, s.K, s.V, device=dev, dtype=torch.float32) if h0 is not None else None
+    dh0 = torch.empty_like(h0) if h0 is not None else None  # (empty_like: a shape's parsing costs microseconds)
     backward_pass(plan, s, q=Qg if Qg is not None else q, k=Kg if Kg is not None else k, Wt=Wt, G=G, A=A, do=do,
                   dd=dd, dHs=dHs, dhN=dhN, dh0=dh0, cu_seqlens=cu_seqlens, scale=scale, decay=decay, delta=delta,
                   bonus=bonus)
@@ -164,14 +166,14 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     if not delta:
         additive_dv(plan, s, q=q, k=k, G=G, u=u, A=A, do=do, dHs=dHs, dv=dv, cu_seqlens=cu_seqlens, scale=scale,
                     decay=decay)
-    dbeta = torch.empty(beta.shape, device=dev, dtype=torch.float32) if delta else None
+    dbeta = torch.empty_like(beta, dtype=torch.float32) if delta else None
     # the score gradients dA and dL, and Y, in the states' dtype: the products that read them run in it. A
     # per-channel decay's dA and dL feed tf32 products instead, and stay fp32 for fp16 inputs (the products' right
     # factors, up to 2^CHUNK_SPAN, exceed fp16's range): docs/kernels.md, "Precision"
     state_dtype = precision_for(q.dtype).state
     score_dtype = torch.float32 if decay == Decay.CHANNEL and state_dtype == torch.float16 else state_dtype
-    dA = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype)
-    dL = torch.empty(*q.shape[:3], CHUNK, device=dev, dtype=score_dtype) if delta else None
+    dA = torch.empty_like(A, dtype=score_dtype)  # [B, T, H, CHUNK]
+    dL = torch.empty_like(A, dtype=score_dtype) if delta else None
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     dq, dk = torch.empty_like(q), torch.empty_like(k)

@@ -1,12 +1,13 @@
 """linmem's own Python per op call, on a CPU: each op's forward and backward with every kernel launch a no-op.
 
 The CPU proxy of an op's host time on the GPU: the ops of ``dev/gpu/tools/op_host.py`` (at a tinier shape, on
-their Triton path) run on CPU tensors under ``TRITON_INTERPRET=1`` (set here before linmem is imported), which takes the
-Triton launchers, with ``linmem.ops.triton_launch.run_kernel`` replaced by a no-op in every module that imported it
-(``backend="auto"`` is read as ``"triton"``, so ops that name no backend, such as ``swiglu_down``, take the kernels
-too). What is timed is then linmem's Python and the aten ops it calls (allocations, casts, small reductions), not
-the kernels nor their launches (about 6 us each on the fast path). CPU aten ops cost other times than CUDA ones:
-the proxy measures linmem's Python, the GPU profile the whole.
+their Triton path) run on CPU tensors under ``TRITON_INTERPRET=1`` (set here before linmem is imported), which
+takes the Triton launchers, with ``linmem.ops.triton_launch.run_kernel`` replaced by a no-op in every module that
+imported it. ``backend="auto"`` is read as ``"triton"`` (ops that name no backend, such as ``swiglu_down``, take
+the kernels too) and the checks of values that CPU tensors get are off, as for a CUDA tensor without
+``LINMEM_DEBUG=1``. What is timed is then linmem's Python and the aten ops it calls (allocations, casts, small
+reductions) and the autograd engine, not the kernels nor their launches (about 6 us each on the fast path). CPU
+aten ops cost other times than CUDA ones: the proxy measures linmem's Python, the GPU profile the whole.
 
 Per op it prints the median microseconds of ``--calls`` forward calls (the public function, inputs that require
 gradients, as in training) and of as many backward calls (``torch.autograd.grad`` of the outputs of one forward
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "tools"))
 import op_host  # noqa: E402
 
-from linmem.ops import triton_launch  # noqa: E402
+from linmem.ops import checks, triton_launch  # noqa: E402
 from linmem.ops.fused import backend as fused_backend  # noqa: E402
 
 #: the ops timed by default: those of a Gated DeltaNet training step, and the other fused glue
@@ -60,9 +61,10 @@ KERNEL_MODULES = ("linmem.ops.recurrence.triton.launch", "linmem.ops.recurrence.
 
 @contextlib.contextmanager
 def no_launches(counter: list) -> Iterator[None]:
-    """``run_kernel`` a no-op counting its calls in ``counter[0]``, in every loaded linmem module that holds it, and
-    the fused ops' ``backend="auto"`` taken as ``"triton"``; all restored on exit."""
-    real_run, real_use = triton_launch.run_kernel, fused_backend.use_triton
+    """``run_kernel`` a no-op counting its calls in ``counter[0]``, in every loaded linmem module that holds it, the
+    fused ops' ``backend="auto"`` taken as ``"triton"`` and ``values_checkable`` false (a CUDA tensor's path); all
+    restored on exit."""
+    real_run, real_use, real_checkable = triton_launch.run_kernel, fused_backend.use_triton, checks.values_checkable
     for name in KERNEL_MODULES:
         importlib.import_module(name)
 
@@ -72,12 +74,16 @@ def no_launches(counter: list) -> Iterator[None]:
     def use_triton(op, backend, x, refusal=None):
         return real_use(op, "triton" if backend == "auto" else backend, x, refusal)
 
+    def values_checkable(t):
+        return False
+
+    replaced = {"run_kernel": (real_run, run_kernel), "use_triton": (real_use, use_triton),
+                "values_checkable": (real_checkable, values_checkable)}
     patched = [(m, attr, value) for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("linmem")
-               for attr, value, new in (("run_kernel", real_run, run_kernel), ("use_triton", real_use, use_triton))
-               if getattr(m, attr, None) is value]
+               for attr, (value, _) in replaced.items() if getattr(m, attr, None) is value]
     try:
         for m, attr, _ in patched:
-            setattr(m, attr, run_kernel if attr == "run_kernel" else use_triton)
+            setattr(m, attr, replaced[attr][1])
         yield
     finally:
         for m, attr, value in patched:

@@ -121,8 +121,8 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
 
     q, k: [B, T, H, K], v: [B, T, H, V] (contiguous, one dtype); g: None, [B, T, H] or [B, T, H, K] fp32; beta:
     [B, T, H] or None; u: [H, K] or None; h0: [N, H, K, V] fp32 or None. Returns ``(o, hN, saved)`` with ``saved =
-    (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt None unless ``configs.KEEP_STATES``;
-    ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
+    (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt, Kg None unless
+    ``configs.KEEP_STATES``; ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
     ``Tt``: T transposed per chunk [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states'
     dtype; ``Qg``, ``Kg``: the delta rule's queries and keys decayed by a per-channel decay, see
     :func:`saved_buffers`). Absent tensors reach the kernels as None.

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import statistics
 import sys
 from collections import defaultdict
@@ -84,6 +85,12 @@ def packed_lengths(total: int, parts: int) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
 
 
+def gate_argument(backward, g) -> tuple:
+    """``(g,)`` for a revision whose ``chunk_backward`` takes the log decay g (before it read only the saved
+    cumulative gates G), else ``()``."""
+    return (g,) if "g" in inspect.signature(backward).parameters else ()
+
+
 def call(module, op_args: dict, decay: int, do: torch.Tensor, cu_seqlens=None):
     """One forward+backward through ``module``'s launchers: (o, dq, dk, dv, dg, dbeta, du); with ``cu_seqlens``
     the inputs (B = 1) are packed sequences."""
@@ -95,7 +102,8 @@ def call(module, op_args: dict, decay: int, do: torch.Tensor, cu_seqlens=None):
     beta, u = a.get("beta"), a.get("bonus")
     scale = q.shape[-1] ** -0.5
     o, _, saved = module.chunk_forward(q, k, v, g, beta, u, None, cu_seqlens, scale, decay, False)
-    grads = module.chunk_backward(q, k, v, g, beta, u, None, cu_seqlens, saved, do, None, scale, decay)
+    grads = module.chunk_backward(q, k, v, *gate_argument(module.chunk_backward, g), beta, u, None, cu_seqlens,
+                                  saved, do, None, scale, decay)
     return (o, *grads[:6])
 
 

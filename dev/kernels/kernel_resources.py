@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -77,6 +78,12 @@ def case_tag(decay: int, delta: int, bonus: int) -> str:
     return f"d{decay}{'delta' if delta else 'add'}{'B' if bonus else ''}"
 
 
+def gate_argument(backward, g) -> tuple:
+    """``(g,)`` for a revision whose ``chunk_backward`` takes the log decay g (before it read only the saved
+    cumulative gates G), else ``()``."""
+    return (g,) if "g" in inspect.signature(backward).parameters else ()
+
+
 def record_launches(package, dtype: torch.dtype, K: int, varlen: bool) -> list[tuple]:
     """Every launch of a forward+backward of each case of ``CASES``, and of a decoding call of each of
     ``STEP_CASES``, run on meta tensors: ``(case, kernel, args, constexprs, warps, stages, maxnreg)``."""
@@ -104,7 +111,8 @@ def record_launches(package, dtype: torch.dtype, K: int, varlen: bool) -> list[t
         u = torch.empty(H, K, dtype=dtype, device=meta) if bonus else None
         h0 = torch.empty(N, H, K, K, device=meta)
         o, hN, saved = forward(q, k, v, g, beta, u, h0, cu, K ** -0.5, decay, True)
-        backward(q, k, v, g, beta, u, h0, cu, saved, torch.empty_like(o), torch.empty_like(hN), K ** -0.5, decay)
+        backward(q, k, v, *gate_argument(backward, g), beta, u, h0, cu, saved, torch.empty_like(o),
+                 torch.empty_like(hN), K ** -0.5, decay)
     for decay, delta, bonus in STEP_CASES:
         tag = "step-" + case_tag(decay, delta, bonus)
         q, k, v = (torch.empty(N, 16, H, K, dtype=dtype, device=meta) for _ in range(3))

@@ -180,13 +180,16 @@ def _fla(arch: str, shape: ModelShape) -> nn.Module:
 
 
 def build_model(key: str, shape: ModelShape, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                activation_checkpointing: bool = False, mixer: Optional[dict] = None) -> tuple[nn.Module, str]:
+                activation_checkpointing: bool = False, mixer: Optional[dict] = None,
+                recurrence_backend: str = "auto") -> tuple[nn.Module, str]:
     """``(model, note)``: the model of ``key`` built on ``device`` in ``dtype``; the note says what was asked
     and not done (activation checkpointing on a config without the option). Peers' import errors propagate.
 
     ``activation_checkpointing`` is set on linmem configs that have the ``activation_checkpointing`` field;
     peers always run without it. ``mixer`` sets keys of a linmem config's ``mixer`` section (FoX's
-    ``prune_tolerance``); peers are built without it.
+    ``prune_tolerance``); peers are built without it. ``recurrence_backend`` is a linmem config's
+    ``linear_recurrence`` backend (``"triton"`` runs the kernels on a CPU through the Triton interpreter); peers run
+    their own kernels.
     """
     spec = model_spec(key)
     note = ""
@@ -199,7 +202,8 @@ def build_model(key: str, shape: ModelShape, *, device: str = "cuda", dtype: tor
             from ..models import LinmemConfig, LinmemForCausalLM
             from ..models.config import merge_fields
 
-            config = LinmemConfig(**merge_fields(linmem_config_kwargs(spec.arch, shape), {"mixer": mixer or {}}))
+            config = LinmemConfig(**merge_fields(linmem_config_kwargs(spec.arch, shape), {"mixer": mixer or {}}),
+                                  recurrence_backend=recurrence_backend)
             if activation_checkpointing:
                 if hasattr(config, "activation_checkpointing"):
                     config.activation_checkpointing = True

@@ -117,7 +117,7 @@ def launch_both(t: dict, decay: int, do: torch.Tensor, cu_seqlens=None) -> tuple
     beta, u = t.get("beta"), t.get("bonus")
     scale = q.shape[-1] ** -0.5
     o, _, saved = pipeline.chunk_forward(q, k, v, g, beta, u, None, cu_seqlens, scale, decay, False)
-    return (o, *pipeline.chunk_backward(q, k, v, g, beta, u, None, cu_seqlens, saved, do, None, scale, decay)[:6])
+    return (o, *pipeline.chunk_backward(q, k, v, beta, u, None, cu_seqlens, saved, do, None, scale, decay)[:6])
 
 
 # ---------------------------------------------------------------- CPU (interpreter) and GPU, small shapes
@@ -631,11 +631,22 @@ def _saved_bytes(fn) -> int:
     return sum(seen.values())
 
 
+#: GLA-like per-channel decay, RWKV-6, scalar decay, DeltaNet, Gated DeltaNet, KDA; fixed and packed sequences
+SAVED_CASES = [(("vector", "additive", False), False), (("vector", "additive", True), False),
+               (("scalar", "additive", False), True), (("none", "delta", False), False),
+               (("scalar", "delta", False), True), (("vector", "delta", False), False)]
+
+
+def _case_id(x) -> str:
+    return combo_id(x) if isinstance(x, tuple) else ("varlen" if x else "fixed")
+
+
 @pytest.mark.parametrize("combo, varlen", [(("scalar", "delta", False), True), (("vector", "delta", False), False),
                                            (("vector", "additive", True), False), (("none", "additive", False), True)],
-                         ids=lambda x: combo_id(x) if isinstance(x, tuple) else ("varlen" if x else "fixed"))
+                         ids=_case_id)
 def test_recomputed_states_equal_kept_ones(combo, varlen, settings):
-    """The backward that recomputes the chunk-start states (and the delta rule's T^T, W^T and corrected writes)
+    """The backward that recomputes the chunk-start states (and the delta rule's T^T, W^T, corrected writes and a
+    per-channel decay's decayed keys; a scalar decay's WY stage reading the forward's G rather than summing g again)
     gives the gradients of the one that kept them, to the bit (the same kernels on the same inputs), from smaller
     saved tensors."""
     if varlen:
@@ -655,6 +666,51 @@ def test_recomputed_states_equal_kept_ones(combo, varlen, settings):
     for name in results[0][2]:
         assert torch.equal(results[0][2][name], results[1][2][name]), name
     assert saved[1] < saved[0]
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("combo, varlen", SAVED_CASES, ids=_case_id)
+def test_backward_keeps_the_cumulative_gates_not_the_log_decay(combo, varlen, keep, settings):
+    """Of the gates, autograd keeps the chunk-local cumulative sums G alone, which the backward reads, and not the
+    fp32 log decay g they were summed from (for fp32 gates the caller's own tensor): what it saves is the inputs but
+    g and the forward's kept buffers (``pipeline.kept``), each once. Its gradients (an initial state, packed
+    sequences) equal, to the bit, those of the launchers given every buffer of a forward that keeps its states: with
+    ``KEEP_STATES`` off, what the backward recomputes (a scalar decay's WY stage reading the forward's G rather than
+    summing g again, a per-channel decay's decayed keys) gives the kept gradients."""
+    if varlen:
+        t, cu = packed(combo, [37, 64, 90], H=2, K=16, V=16)
+        kwargs = {"cu_seqlens": cu}
+    else:
+        t, cu, kwargs = inputs(combo, B=2, T=100, H=2, K=16, V=16), None, {}
+    settings(KEEP_STATES=keep)
+    leaves = {n: x.detach().requires_grad_(True) for n, x in t.items()}
+    storages = {}
+
+    def pack(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        linear_recurrence(**leaves, output_final_state=True, backend="triton", **kwargs)
+    g = t.get("log_decay")
+    assert g is None or g.untyped_storage().data_ptr() not in storages
+    decay = Decay.of(combo[0])
+    buffers = pipeline.kept(pipeline.saved_buffers(t["q"], t["v"], g, "beta" in t, cu))
+    given = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
+             for n, x in (*t.items(), ("cu_seqlens", cu)) if x is not None and n != "log_decay"}
+    assert sum(storages.values()) == sum(given.values()) + sum(b.nbytes for b in buffers if b is not None)
+    gen = seeded("saved gates", combo)
+    do = torch.randn(t["v"].shape, generator=gen).to(DEVICE)
+    dS = torch.randn(t["initial_state"].shape, generator=gen).to(DEVICE)
+    grads = run("triton", t, do, dS, **kwargs)[2]
+    q, k, v, h0 = t["q"], t["k"], t["v"], t["initial_state"]
+    beta, u = t.get("beta"), t.get("bonus")
+    with configs.override(KEEP_STATES=True):
+        _, _, saved = pipeline.chunk_forward(q, k, v, g, beta, u, h0, cu, 16 ** -0.5, decay, True)
+    launched = pipeline.chunk_backward(q, k, v, beta, u, h0, cu, saved, do, dS, 16 ** -0.5, decay)
+    for name, grad in zip(("q", "k", "v", "log_decay", "beta", "bonus", "initial_state"), launched):
+        assert (grad is None) == (name not in t), name
+        assert grad is None or torch.equal(grads[name], grad), name
 
 
 @pytest.mark.parametrize("combo", [("vector", "delta", False), ("constant", "additive", True)], ids=combo_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import statistics
 import sys
 from pathlib import Path
@@ -45,6 +46,12 @@ def load_revision(label: str, folder: Path):
     return module.chunk_forward, module.chunk_backward
 
 
+def gate_argument(backward, g) -> tuple:
+    """``(g,)`` for a revision whose ``chunk_backward`` takes the log decay g (before it read only the saved
+    cumulative gates G), else ``()``."""
+    return (g,) if "g" in inspect.signature(backward).parameters else ()
+
+
 def call(revision, t: dict, decay: int, do: torch.Tensor) -> tuple:
     """One forward+backward through a revision's launchers: (o, dq, dk, dv, dg, dbeta, du)."""
     forward, backward = revision
@@ -54,7 +61,8 @@ def call(revision, t: dict, decay: int, do: torch.Tensor) -> tuple:
         g = (g[None, None, :].expand(*q.shape[:3]) if g.dim() == 1 else g).float().contiguous()
     scale = q.shape[-1] ** -0.5
     o, _, saved = forward(q, k, v, g, beta, u, None, None, scale, decay, False)
-    return (o, *backward(q, k, v, g, beta, u, None, None, saved, do, None, scale, decay)[:6])
+    return (o, *backward(q, k, v, *gate_argument(backward, g), beta, u, None, None, saved, do, None, scale,
+                         decay)[:6])
 
 
 def largest_difference(a: tuple, b: tuple) -> float:

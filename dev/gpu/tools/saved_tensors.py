@@ -11,6 +11,15 @@ not keep stands side by side::
     python dev/gpu/tools/saved_tensors.py --models deltanet,fla-deltanet --batch 8 --seq-len 2048 --out $OUT/saved
     python dev/gpu/tools/saved_tensors.py --models gla --device cpu --hidden-size 64 --layers 2 --seq-len 64
 
+``--recompute-states`` runs the recurrence's Triton kernels with ``configs.KEEP_STATES`` off (the backward
+recomputes the chunk-start states). linmem's models pick their recurrence backend as a user's do (``auto``: the
+PyTorch chunk backend on a CPU); ``--backend triton`` with ``TRITON_INTERPRET=1`` runs the Triton kernels on a CPU,
+so the GPU's saved tensors are counted without one (slowly: keep the sequence short; every token of a block keeps
+the same bytes from one chunk, 64 tokens, on)::
+
+    TRITON_INTERPRET=1 python dev/gpu/tools/saved_tensors.py --models gla --device cpu --backend triton \
+        --dtype bf16 --batch 1 --seq-len 128 --layers 1 --vocab-size 256
+
 Writes ``saved.json`` (every entry) and ``saved.md`` (the table) to ``--out`` and prints the table.
 """
 
@@ -26,6 +35,9 @@ import torch
 from torch import nn
 
 from linmem.bench.peers import ModelShape, build_model, parse_keys, ARCHITECTURES, PEERS
+from linmem.ops.recurrence.triton import configs
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _block(path: str) -> str:
@@ -110,20 +122,25 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="the models' dtype (default: bf16 on CUDA, else fp32)")
+    parser.add_argument("--backend", default="auto", help="linmem mixers' linear_recurrence backend (peers: their own)")
+    parser.add_argument("--recompute-states", action="store_true",
+                        help="the Triton recurrence's backward recomputes the chunk-start states (KEEP_STATES off)")
     parser.add_argument("--out", default="saved")
     args = parser.parse_args()
     keys = parse_keys(args.models, ARCHITECTURES + PEERS, "model")
     shape = ModelShape(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.layers)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     results = {}
     for key in keys:
         try:
-            model, _ = build_model(key, shape, device=args.device, dtype=dtype)
+            model, _ = build_model(key, shape, device=args.device, dtype=dtype, recurrence_backend=args.backend)
         except ImportError as error:
             print(f"{key}: not built ({error})")
             continue
         ids = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), device=args.device)
-        table = saved_by_module(model, ids)
+        with configs.override(KEEP_STATES=not args.recompute_states):
+            table = saved_by_module(model, ids)
         results[key] = fold(table)
         del model
         if args.device == "cuda":

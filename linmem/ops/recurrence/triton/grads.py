@@ -243,11 +243,12 @@ def key_blocks(s: Shapes, decay: int, bonus: bool, dtype: torch.dtype) -> tuple[
     return bk, (cdiv(s.K, bk) if on_grid else 1)
 
 
-def gate_grad_parts(s: Shapes, g: torch.Tensor, decay: int, bonus: bool, dtype: torch.dtype) -> torch.Tensor:
-    """An empty fp32 [parts, *g.shape] for the gate gradient: a scalar decay's arrives as one part per key block on
-    the grid (their sum is the gradient), a per-channel decay's as one. The WY stages write into the first part."""
+def gate_grad_parts(s: Shapes, G: torch.Tensor, decay: int, bonus: bool, dtype: torch.dtype) -> torch.Tensor:
+    """An empty fp32 [parts, *G.shape] for the gate gradient (G: the cumulative gates, of the log decay's shape): a
+    scalar decay's arrives as one part per key block on the grid (their sum is the gradient), a per-channel decay's
+    as one. The WY stages write into the first part."""
     kgrid = key_blocks(s, decay, bonus, dtype)[1]
-    return torch.empty(kgrid if decay == Decay.SCALAR else 1, *g.shape, device=g.device, dtype=torch.float32)
+    return torch.empty(kgrid if decay == Decay.SCALAR else 1, *G.shape, device=G.device, dtype=torch.float32)
 
 
 def key_channel_grads(plan: dict, s: Shapes, *, q: torch.Tensor, k: torch.Tensor, G: Optional[torch.Tensor],

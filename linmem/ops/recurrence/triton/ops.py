@@ -56,32 +56,32 @@ def _(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
 
 
 @torch.library.custom_op("linmem::recurrence_chunk_bwd", mutates_args=())
-def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
-                 bonus: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor], G: Tensor,
-                 hs: Tensor, A: Tensor, d: Tensor, Tt: Tensor, Wt: Tensor, Qg: Tensor, Kg: Tensor, do: Tensor,
-                 dhN: Optional[Tensor], scale: float, decay: int
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty."""
+def chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Optional[Tensor], bonus: Optional[Tensor],
+                 h0: Optional[Tensor], cu_seqlens: Optional[Tensor], G: Tensor, hs: Tensor, A: Tensor, d: Tensor,
+                 Tt: Tensor, Wt: Tensor, Qg: Tensor, Kg: Tensor, do: Tensor, dhN: Optional[Tensor], scale: float,
+                 decay: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dg, dbeta, dbonus, d initial state); absent ones are empty. The log decay g is not an input:
+    the backward reads its cumulative sums G (empty without a decay), of its shape."""
     saved = (_or_none(G), _or_none(hs), A, _or_none(d), _or_none(Tt), _or_none(Wt), _or_none(Qg), _or_none(Kg))
-    grads = pipeline.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
+    grads = pipeline.chunk_backward(q, k, v, beta, bonus, h0, cu_seqlens, saved, do, dhN, scale, decay)
     return tuple(_or_empty(x, q) for x in grads)
 
 
 @chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
+def _(q, k, v, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
     f32 = torch.float32
     empty = q.new_empty(0)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(g.shape, dtype=f32) if g is not None else empty,
+            q.new_empty(G.shape, dtype=f32) if decay != Decay.NONE else empty,
             q.new_empty(beta.shape, dtype=f32) if beta is not None else empty,
             q.new_empty(bonus.shape, dtype=f32) if bonus is not None else empty,
             q.new_empty(h0.shape, dtype=f32) if h0 is not None else empty)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, _ = inputs
+    q, k, v, _, beta, bonus, h0, cu_seqlens, scale, decay, _ = inputs  # g not kept: the backward reads G
     saved = output[2:]
-    ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved)
+    ctx.save_for_backward(q, k, v, beta, bonus, h0, cu_seqlens, *saved)
     ctx.scale, ctx.decay = scale, decay
     ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
@@ -89,17 +89,19 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, do, dhN, chunk_bwd) -> tuple:
     """The inputs' gradients from the saved tensors (absent ones None or empty, as ``chunk_bwd`` takes
-    them) and the outputs' gradients, through ``chunk_bwd`` (the custom op or the launcher)."""
-    q, k, v, g, beta, bonus, h0, cu_seqlens, *saved = ctx.saved_tensors
+    them) and the outputs' gradients, through ``chunk_bwd`` (the custom op or the launcher). The log decay g was
+    not saved; its gradient dg is fp32, as g is."""
+    q, k, v, beta, bonus, h0, cu_seqlens, *saved = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if dhN is not None and dhN.numel() == 0:  # the final state was not returned
         dhN = None
-    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved, do, dhN, ctx.scale,
+    dq, dk, dv, dg, dbeta, du, dh0 = chunk_bwd(q, k, v, beta, bonus, h0, cu_seqlens, *saved, do, dhN, ctx.scale,
                                                ctx.decay)
     # (a no-op ``.to`` costs microseconds of host time: the fp32 gradients of fp32 inputs skip it)
     cast = lambda grad, x: None if x is None else grad if grad.dtype == x.dtype else grad.to(x.dtype)  # noqa: E731
-    return dq, dk, dv, cast(dg, g), cast(dbeta, beta), cast(du, bonus), cast(dh0, h0), None, None, None, None
+    dg = dg if ctx.decay != Decay.NONE else None
+    return dq, dk, dv, dg, cast(dbeta, beta), cast(du, bonus), cast(dh0, h0), None, None, None, None
 
 
 def _backward(ctx, do, dhN, *_):
@@ -109,19 +111,19 @@ def _backward(ctx, do, dhN, *_):
 chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _launch_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
-    return pipeline.chunk_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt, Qg, Kg), do, dhN,
-                                 scale, decay)
+def _launch_backward(q, k, v, beta, bonus, h0, cu_seqlens, G, hs, A, d, Tt, Wt, Qg, Kg, do, dhN, scale, decay):
+    return pipeline.chunk_backward(q, k, v, beta, bonus, h0, cu_seqlens, (G, hs, A, d, Tt, Wt, Qg, Kg), do, dhN,
+                                   scale, decay)
 
 
 class ChunkRecurrence(torch.autograd.Function):
     """The chunk kernels under autograd without the custom ops (eager mode): same launchers, same saved
-    tensors (absent ones None), same gradients."""
+    tensors (absent ones None; the log decay g not kept, as there), same gradients."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final):
         o, hN, saved = pipeline.chunk_forward(q, k, v, g, beta, bonus, h0, cu_seqlens, scale, decay, output_final)
-        ctx.save_for_backward(q, k, v, g, beta, bonus, h0, cu_seqlens, *saved)
+        ctx.save_for_backward(q, k, v, beta, bonus, h0, cu_seqlens, *saved)
         ctx.scale, ctx.decay = scale, decay
         ctx.set_materialize_grads(False)  # an unused output (the final state, say) has no gradient
         return o, hN

@@ -31,9 +31,10 @@ that pattern); the operands the backward needs transposed (the delta rule's T, f
 are stored transposed by the forward instead.
 
 What the backward reads that the forward computed is saved, or with ``configs.KEEP_STATES`` off recomputed: the
-forward then saves only the cumulative gates G and the scores A (and the per-channel delta rule's decayed q and
-k), and the backward first reruns the WY stage and the forward pass for the chunk-start states, the delta rule's
-T^T, W^T and corrected writes, into fresh buffers.
+forward then saves only the cumulative gates G and the scores A (and the per-channel delta rule's decayed q), and
+the backward first reruns the WY stage and the forward pass for the chunk-start states, the delta rule's T^T, W^T
+and corrected writes (and decayed k), into fresh buffers. Of the gates the backward reads G alone, never the log
+decay g it was summed from: g is not saved (autograd would otherwise keep a second fp32 copy of the gates).
 """
 
 from __future__ import annotations
@@ -58,52 +59,60 @@ from .wy_grads import wy_grads
 from .wy_prep import wy_factors
 
 
+def recomputed_buffers(q: torch.Tensor, v: torch.Tensor, delta: bool, channel: bool,
+                       cu_seqlens: Optional[torch.Tensor]) -> tuple:
+    """Empty buffers of what the backward can recompute, ``(hs, d, Tt, Wt, Kg)``, in the dtypes of
+    ``configs.precision_for``: the chunk-start states ``hs`` [slots, H, K, V]; for the delta rule only, the corrected
+    writes ``d`` [B, T, H, V], ``Tt`` [B, T, H, C] and ``Wt`` [slots, H, K, C]; ``Kg`` (k e^(Gamma - G) in q's dtype,
+    which the sequential passes read instead of k and G) only for the delta rule with a per-channel decay
+    (``channel``). Absent ones are None."""
+    s = shapes_of(q, v, cu_seqlens)
+    P = precision_for(q.dtype)
+    hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
+    if not delta:
+        return hs, None, None, None, None
+    return (hs, v.new_empty(v.shape, dtype=P.writes), q.new_empty(*q.shape[:3], CHUNK, dtype=P.wy),
+            q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), torch.empty_like(q) if channel else None)
+
+
 def saved_buffers(q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], delta: bool,
                   cu_seqlens: Optional[torch.Tensor]) -> tuple:
     """Empty buffers of what the forward saves for the backward, ``(G, hs, A, d, Tt, Wt, Qg, Kg)``, in the dtypes
-    of ``configs.precision_for``: ``G`` [g's shape] fp32 only with a decay (g given), ``d``, ``Tt`` and ``Wt`` only
-    for the delta rule, ``Qg`` and ``Kg`` (q e^G and k e^(Gamma - G) in q's dtype, which the sequential passes
-    read instead of q, k and G) only for the delta rule with a per-channel decay (else None). The forward fills
-    them; ``ops`` takes its fake outputs from here too."""
-    s = shapes_of(q, v, cu_seqlens)
-    P = precision_for(q.dtype)
+    of ``configs.precision_for``: ``G`` [g's shape] fp32 only with a decay (g given), the scores ``A`` [B, T, H, C],
+    ``hs``, ``d``, ``Tt``, ``Wt`` and ``Kg`` as :func:`recomputed_buffers`, and ``Qg`` (q e^G in q's dtype, which the
+    backward pass reads instead of q and G) only for the delta rule with a per-channel decay (else None). The
+    forward fills them; ``ops`` takes its fake outputs from here too."""
+    channel = g is not None and g.dim() == 4
+    hs, d, Tt, Wt, Kg = recomputed_buffers(q, v, delta, channel, cu_seqlens)
     G = torch.empty_like(g, dtype=torch.float32) if g is not None else None  # (empty_like: no shape to parse)
-    hs = q.new_empty(s.slots, s.H, s.K, s.V, dtype=P.state)
-    A = q.new_empty(*q.shape[:3], CHUNK, dtype=P.scores)
-    if not delta:
-        return G, hs, A, None, None, None, None, None
-    Qg = Kg = None
-    if g is not None and g.dim() == 4:
-        Qg, Kg = torch.empty_like(q), torch.empty_like(q)
-    return (G, hs, A, torch.empty_like(v, dtype=P.writes), torch.empty_like(A, dtype=P.wy),
-            q.new_empty(s.slots, s.H, s.K, CHUNK, dtype=P.state), Qg, Kg)
+    A = q.new_empty(*q.shape[:3], CHUNK, dtype=precision_for(q.dtype).scores)
+    Qg = torch.empty_like(q) if delta and channel else None
+    return G, hs, A, d, Tt, Wt, Qg, Kg
 
 
 def kept(saved: tuple) -> tuple:
     """What of the forward's ``(G, hs, A, d, Tt, Wt, Qg, Kg)`` is saved for the backward: all of it with
-    ``configs.KEEP_STATES``, else hs, d, Tt and Wt become None (the backward recomputes them)."""
+    ``configs.KEEP_STATES``, else hs, d, Tt, Wt and Kg become None (the backward recomputes them)."""
     if configs.KEEP_STATES:
         return saved
-    G, _, A, _, _, _, Qg, Kg = saved
-    return G, None, A, None, None, None, Qg, Kg
+    G, _, A, _, _, _, Qg, _ = saved
+    return G, None, A, None, None, None, Qg, None
 
 
-def recompute(plan: dict, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay: int) -> tuple:
-    """The chunk-start states hs and, for the delta rule, the corrected writes d, Tt and Wt, as :func:`chunk_forward`
-    made them, into fresh buffers: the WY stage (delta rule) and the forward pass again. G (and the per-channel delta
-    rule's Kg) are the forward's, read only; a scalar decay's WY stage rewrites G into a scratch copy."""
+def recompute(plan: dict, s, q, k, v, beta, h0, cu_seqlens, G, decay: int) -> tuple:
+    """The chunk-start states hs and, for the delta rule, the corrected writes d, Tt, Wt and (per-channel decay) Kg,
+    as :func:`chunk_forward` made them, into fresh buffers: the WY stage (delta rule) and the forward pass again. G
+    is the forward's, read only (a scalar decay's WY stage, which wrote it in the forward, reads it here)."""
     delta = beta is not None
-    _, hs, _, d, Tt, Wt, _, Kg_scratch = saved_buffers(q, v, g, delta, cu_seqlens)
+    hs, d, Tt, Wt, Kg = recomputed_buffers(q, v, delta, decay == Decay.CHANNEL, cu_seqlens)
     factors = None
     if delta:
-        scalar = decay == Decay.SCALAR
-        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=g if scalar else None,
-                             G=torch.empty_like(G) if scalar else G, Tt=Tt, Wt=Wt, Kg=Kg_scratch,
-                             cu_seqlens=cu_seqlens, decay=decay)
+        factors = wy_factors(plan, s, k=k, v=v, beta=beta, g=None, G=G, Tt=Tt, Wt=Wt, Kg=Kg, cu_seqlens=cu_seqlens,
+                             decay=decay)
     forward_pass(plan, s, k=Kg if Kg is not None else k, vu=factors.U if delta else v,
                  W=factors.W if delta else None, G=G, hs=hs, d=d, h0=h0, hN=None, cu_seqlens=cu_seqlens,
                  factors=factors, decay=decay)
-    return hs, d, Tt, Wt
+    return hs, d, Tt, Wt, Kg
 
 
 @on_inputs_device
@@ -112,7 +121,7 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
 
     q, k: [B, T, H, K], v: [B, T, H, V] (one dtype); g: None, [B, T, H] or [B, T, H, K] fp32; beta: [B, T, H] or
     None; u: [H, K] or None; h0: [N, H, K, V] fp32 or None; every tensor contiguous. Returns ``(o, hN, saved)`` with
-    ``saved = (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt None unless
+    ``saved = (G, hs, A, d, Tt, Wt, Qg, Kg)`` for the backward (:func:`kept`: hs, d, Tt, Wt, Kg None unless
     ``configs.KEEP_STATES``; ``d``, ``Tt``, ``Wt`` only for the delta rule, else None;
     ``Tt``: T transposed per chunk [B, T, H, C], ``Wt``: W transposed per chunk [slots, H, K, C], in the states'
     dtype; ``Qg``, ``Kg``: the delta rule's queries and keys decayed by a per-channel decay, see
@@ -139,11 +148,12 @@ def chunk_forward(q, k, v, g, beta, u, h0, cu_seqlens, scale: float, decay: int,
 
 
 @on_inputs_device
-def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
+def chunk_backward(q, k, v, beta, u, h0, cu_seqlens, saved, do, dhN, scale: float, decay: int):
     """Backward of :func:`chunk_forward`: returns ``(dq, dk, dv, dg, dbeta, du, dh0)``.
 
-    do: [B, T, H, V]; dhN: [N, H, K, V] or None. dg is fp32 shaped like g, dbeta fp32 [B, T, H], du fp32 [H, K],
-    dh0 fp32; entries for absent inputs are None.
+    The inputs as the forward took them but the log decay g, which the backward does not read: ``saved`` (the
+    forward's) holds its cumulative sums G, of g's shape. do: [B, T, H, V]; dhN: [N, H, K, V] or None. dg is fp32
+    shaped like g, dbeta fp32 [B, T, H], du fp32 [H, K], dh0 fp32; entries for absent inputs are None.
     """
     G, hs, A, d, Tt, Wt, Qg, Kg = saved
     s = shapes_of(q, v, cu_seqlens)
@@ -153,9 +163,9 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     dhN = dhN.contiguous() if dhN is not None else None
     # the saved buffers are the forward's own allocations (fresh, so aligned), their dtypes and shapes functions of
     # its inputs and the settings: the key names only which are present
-    plan = plan_for("backward", q, k, v, g, beta, u, h0, cu_seqlens, do, dhN, scale, decay, *[x is None for x in saved])
+    plan = plan_for("backward", q, k, v, beta, u, h0, cu_seqlens, do, dhN, scale, decay, *[x is None for x in saved])
     if hs is None:
-        hs, d, Tt, Wt = recompute(plan, s, q, k, v, g, beta, h0, cu_seqlens, G, Kg, decay)
+        hs, d, Tt, Wt, Kg = recompute(plan, s, q, k, v, beta, h0, cu_seqlens, G, decay)
     dHs = torch.empty_like(hs)
     dd = torch.empty_like(d) if delta else None  # the delta rule's gradient of the corrected writes
     dh0 = torch.empty_like(h0) if h0 is not None else None  # (empty_like: a shape's parsing costs microseconds)
@@ -177,7 +187,7 @@ def chunk_backward(q, k, v, g, beta, u, h0, cu_seqlens, saved, do, dhN, scale: f
     Y = torch.empty_like(d, dtype=state_dtype) if delta else None
     dov = torch.empty(q.shape[:3], device=dev, dtype=torch.float32) if bonus else None
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg_parts = gate_grad_parts(s, g, decay, bonus, q.dtype) if decay != Decay.NONE else None
+    dg_parts = gate_grad_parts(s, G, decay, bonus, q.dtype) if decay != Decay.NONE else None
     dg = dg_parts[0] if decay != Decay.NONE else None
     du = torch.empty(s.slots, s.H, s.K, device=dev, dtype=torch.float32) if bonus else None
     wy_fused = delta and decay in configs.WY_FUSED and q.dtype == torch.bfloat16

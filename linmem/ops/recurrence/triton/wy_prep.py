@@ -127,7 +127,8 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     U = T (beta v) [C, V] (the WY/UT form); the inverse by blocks (:func:`unit_lower_inverse`).
 
     k: [tokens, H, K], v: [tokens, H, V], beta: [tokens, H]; G: [tokens, H(, K)], which a scalar decay
-    (SCALAR_DECAY) stores here first, from its log decay g ([tokens, H]) as ``cumsum.chunk_cumsum_kernel`` would;
+    (SCALAR_DECAY) given its log decay g ([tokens, H]) stores here first, as ``cumsum.chunk_cumsum_kernel`` would
+    (the forward), and without g reads as given (the backward's recomputation: the G this kernel stored);
     outputs Tt: [tokens, H, C] (fp32, T transposed: row s of a chunk holds T[:, s]; first used as scratch for L),
     W: [tokens, H, K], Wt: [slots, H, K, C] (W transposed, per chunk, in the dtype of the backward's W^T dd
     product), U: [tokens, H, V] (W and U fp32, or bf16 where ``configs.factors_dtype`` says so; W is stored only if
@@ -147,8 +148,8 @@ def delta_prep_kernel(k, v, beta, g, G, Tt, W, Wt, U, kg, cu_seqlens, T, H, N, K
     n, t0, nrows = locate_chunk(slot, cu_seqlens, N, T, C, IS_VARLEN)
     rows = tl.arange(0, C)
     valid = rows < nrows
-    if DECAY == SCALAR_DECAY:  # G first, read back below after the barrier: this saves the cumsum stage's launch (a
-        # per-channel G here costs this kernel more than the cumsum stage takes)
+    if DECAY == SCALAR_DECAY and g is not None:  # G first, read back below after the barrier: this saves the cumsum
+        # stage's launch (a per-channel G here costs this kernel more than the cumsum stage takes)
         scalar_cumsum(g, G, t0, nrows, h, H, C)
         tl.debug_barrier()
     b = load_gate_rows(beta, t0, nrows, h, H, rows)
@@ -211,7 +212,8 @@ def wy_factors(plan: dict, s: Shapes, *, k: torch.Tensor, v: torch.Tensor, beta:
     """T, W and U of every chunk: Tt [B, T, H, C] fp32 (T transposed per chunk), Wt [slots, H, K, C] (W transposed
     per chunk, in the states' dtype) and, for a per-channel decay, Kg [B, T, H, K] (k e^(Gamma - G)) are filled
     in; W and U come back. k: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H]; g: a scalar decay's log decay
-    [B, T, H], whose G [B, T, H] this stage writes (else None); G: [B, T, H(, K)] fp32, None without a decay."""
+    [B, T, H], whose G [B, T, H] this stage writes, or None (no decay, a per-channel one, or G written already:
+    the backward's recomputation reads it); G: [B, T, H(, K)] fp32, None without a decay."""
     dtype = factors_dtype(s, k.dtype, decay, k.device)
     bf16 = dtype == torch.bfloat16
     transposed = bf16 and decay in configs.W_READ_TRANSPOSED  # Wt is then bf16 too (the states' dtype)

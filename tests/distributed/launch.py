@@ -10,9 +10,10 @@ Two limits turn a hang into a failure with a message, so no job can hang the sui
 A rank that raises ends its process; the others are stopped (they fail at once when their peer's connections
 close), and :func:`run_ranks` raises with every rank's error, the first one first.
 
-The ranks are forked (no second import of torch), so they run on one thread each and compile in their own
-process: the parent's thread pool and inductor's compile threads do not exist in a fork, and work queued on them
-waits for ever (a job of forked ranks whose parent had compiled before hung so, in their first compile).
+The ranks are forked (no second import of torch; spawned where CUDA is there, :func:`start_method`), so they run
+on one thread each and compile in their own process: the parent's thread pool and inductor's compile threads do
+not exist in a fork, and work queued on them waits for ever (a job of forked ranks whose parent had compiled before
+hung so, in their first compile).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def _stop_hung(context: mp.ProcessContext, what: str, timeout: float) -> str:
             "above); they were killed")
 
 
+def start_method() -> str:
+    """"fork" (the workers inherit the imported modules: no second import of torch), except where CUDA is there:
+    once a backward has run, autograd keeps a thread per CUDA device, and a forked child refuses autograd ("Unable
+    to handle autograd's threading in combination with fork-based multiprocessing", every rank of a GPU machine's
+    run after the first test with a backward); there the ranks are spawned. ``LINMEM_TEST_START_METHOD`` names
+    one."""
+    return os.environ.get("LINMEM_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available() else "fork")
+
+
 def run_ranks(world: int, fn: Callable, *args, timeout: float = JOB_TIMEOUT,
               collective_timeout: float = COLLECTIVE_TIMEOUT) -> None:
     """Run ``fn(*args)`` on ``world`` spawned processes of one gloo group; a failure on any rank fails the call
@@ -109,9 +119,8 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = JOB_TIMEOUT,
     """
     what = f"{getattr(fn, '__name__', fn)} on {world} ranks"
     with tempfile.TemporaryDirectory() as errors:
-        # forked workers inherit the imported modules: starting them costs no second import of torch
         context = mp.start_processes(_worker, args=(world, _free_port(), errors, collective_timeout, fn, args),
-                                     nprocs=world, join=False, start_method="fork")
+                                     nprocs=world, join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=GRACE):

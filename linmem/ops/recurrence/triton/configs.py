@@ -127,7 +127,7 @@ MAX_SPAN = 150
 #: corrected writes (the default). Off, the backward recomputes them from the inputs, as fla's does: one more WY
 #: stage and forward pass per backward, for (K V / C) state-dtype bytes a token and head less (the delta rule's
 #: another 4 C + 2 K + 2 V): at 8 x 2K and 370M, 64-208 MB a layer (``dev/gpu/tools/saved_tensors.py``), 9-20% of
-#: a model's peak, for 8-17% of an eager training step's speed on an H200 (docs/kernels.md)
+#: a model's peak, for 1.5-1.7% of a GLA step's GPU time on an H200 (docs/kernels.md)
 KEEP_STATES = True
 
 #: the names :func:`override` may change

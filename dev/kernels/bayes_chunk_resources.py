@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
@@ -28,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kernel_resources import usage  # noqa: E402  (this folder's tool)
 from linmem.ops.bayes import chunk_bwd, chunk_fwd  # noqa: E402
 
 #: the shared memory one block may take on an H100 / H200
@@ -50,17 +48,6 @@ def signatures(K: int, chunk: int) -> dict:
     }
 
 
-def resources(compiled) -> tuple[int, int, int]:
-    """(shared memory bytes, registers per thread, stack bytes per thread) of a compiled kernel."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
-    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", text).groups())
-    return compiled.metadata.shared, regs, stack
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--K", type=int, nargs="+", default=[64, 128], help="key = value head dims")
@@ -74,7 +61,7 @@ def main() -> None:
             source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
                                constexprs=constexprs)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-            shared, regs, stack = resources(compiled)
+            shared, regs, stack = usage(compiled)
             verdict = "fits" if shared <= SHARED_LIMIT else f"DOES NOT FIT ({SHARED_LIMIT // 1024} KiB)"
             print(f"K = V = {K:3d}  C = {chunk:2d}  warps {warps}  {name:8s}  shared {shared / 1024:6.1f} KiB {verdict}"
                   f"  registers {regs:3d}  stack {stack:5d} B", flush=True)

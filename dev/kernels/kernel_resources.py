@@ -156,22 +156,28 @@ def _specialization(a) -> object:
     return "i32", a % 16 == 0
 
 
-def resources(kernel, compiled) -> tuple[int, int, int, int, int, str, str]:
-    """(shared memory bytes, registers per thread, stack bytes per thread, vectorised and all global load
-    instructions of the PTX, a hash of the PTX without its debug information and its kernel's name, a hash of
-    its :func:`body`)."""
+def usage(compiled) -> tuple[int, int, int]:
+    """(shared memory bytes, registers per thread, stack bytes per thread) of a compiled kernel, by cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", text).groups())
+    return compiled.metadata.shared, regs, stack
+
+
+def resources(kernel, compiled) -> tuple[int, int, int, int, int, str, str]:
+    """(shared memory bytes, registers per thread, stack bytes per thread, vectorised and all global load
+    instructions of the PTX, a hash of the PTX without its debug information and its kernel's name, a hash of
+    its :func:`body`)."""
+    shared, regs, stack = usage(compiled)
     ptx = compiled.asm["ptx"].split(".section")[0]  # the debug sections hold source paths and lines
     code = "\n".join(line for line in ptx.splitlines()  # $L__tmp labels mark inlined functions' debug scopes
                      if not line.strip().startswith((".loc", ".file", "//", "$L__tmp")))
     code = code.replace(kernel.__name__, "KERNEL")
     loads = re.findall(r"\bld\.global\.(v\d)?", ptx)
-    return (compiled.metadata.shared, regs, stack, sum(1 for width in loads if width), len(loads),
+    return (shared, regs, stack, sum(1 for width in loads if width), len(loads),
             hashlib.sha1(code.encode()).hexdigest()[:10], hashlib.sha1(body(code).encode()).hexdigest()[:10])
 
 

@@ -7,15 +7,18 @@ One run, one GPU; everything goes to ``$OUT/bayes_chunk_bench.json`` (and a summ
    and 128, T = 300 (a shorter last chunk), with an initial state and the mixer's process noise ``0.5 (1 - a^2)``:
    fp32 inputs against the fp64 reference, bf16 inputs against the fp32 reference on the same rounded values;
    outputs, variance, final state and every gradient as error ratios (bounds: fp32 1e-4, bf16 5e-3);
-2. timing: forward and forward+backward of "chunk" at C = 32, 64, 128 and "chunk_triton" at C = 16, 32 beside
-   "triton" (the sequential kernels) and ``linear_recurrence`` with the gated delta rule, H = 16, K = V = 64 and 128,
-   B x T = 16K tokens, bf16, with the peak memory of each forward+backward.
+2. timing: forward and forward+backward of "chunk_triton" at C = 16, 32 (``--fused-chunks``) beside "triton" (the
+   sequential kernels), ``linear_recurrence`` with the gated delta rule and, with ``--torch-chunks``, the PyTorch
+   form "chunk" (seconds a call at 1 x 16K), H = 16, K = V = 64 and 128 (``--dims``), B x T = 16K tokens
+   (``--shapes``), bf16, with the peak memory of each forward+backward.
 
     OUT=/tmp/out python dev/gpu/tools/bayes_chunk_bench.py
+    OUT=/tmp/out python dev/gpu/tools/bayes_chunk_bench.py --dims 128 --torch-chunks 128
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -33,10 +36,6 @@ from linmem.ops.bayes.inputs import validate
 
 DEV = "cuda"
 HEADS = 16
-SHAPES = [(8, 2048), (1, 16384)]
-DIMS = [64, 128]
-CHUNKS = [32, 64, 128]
-FUSED_CHUNKS = [16, 32]
 
 
 def chunked(chunk_size, **kwargs):
@@ -62,14 +61,14 @@ def call(backend, t, state=None, chunk_size=64, **extra):
     return bayes_filter(**kwargs, backend=backend)
 
 
-def timing(B, T, K) -> dict:
+def timing(B, T, K, torch_chunks, fused_chunks) -> dict:
     t, _ = filter_inputs(B, T, HEADS, K, K, torch.bfloat16, mixer_noise=True)
     leaves = [t[n].requires_grad_(True) for n in ("q", "k", "v", "log_decay", "obs_noise", "process_noise")]
     beta = torch.sigmoid(torch.randn(B, T, HEADS, device=DEV)).requires_grad_(True)
     runs = {"triton": lambda: call("triton", t)[0]}
-    for C in CHUNKS:
+    for C in torch_chunks:
         runs[f"chunk{C}"] = lambda C=C: call("chunk", t, chunk_size=C)[0]
-    for C in FUSED_CHUNKS:
+    for C in fused_chunks:
         runs[f"chunk_triton{C}"] = lambda C=C: call("chunk_triton", t, chunk_size=C)[0]
     runs["gated_delta"] = lambda: linear_recurrence(t["q"], t["k"], t["v"], log_decay=t["log_decay"], beta=beta)[0]
     row = dict(B=B, T=T, H=HEADS, K=K, V=K)
@@ -95,24 +94,33 @@ def checked(backend, K, dtype) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--dims", type=ints, default=[64, 128], help="K = V, comma-separated")
+    parser.add_argument("--shapes", default="8x2048,1x16384", help="BxT, comma-separated")
+    parser.add_argument("--fused-chunks", type=ints, default=[16, 32], help="chunk sizes of chunk_triton")
+    parser.add_argument("--torch-chunks", type=ints, default=[], help="chunk sizes of the PyTorch form (slow)")
+    args = parser.parse_args()
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     start = time.time()
-    report["checks"] = [checked(backend, K, dtype) for backend in ("chunk", "chunk_triton") for K in DIMS
+    report["checks"] = [checked(backend, K, dtype) for backend in ("chunk", "chunk_triton") for K in args.dims
                         for dtype in (torch.float32, torch.bfloat16)]
     for c in report["checks"]:
         result = f"worst error ratio {c['worst']:.2e} {'ok' if c['ok'] else 'FAIL'}" if "worst" in c else c["error"]
         print(f"check {c['backend']} K={c['K']} {c['dtype']}: {result}")
     report["timing"] = []
-    for K in DIMS:
-        for B, T in SHAPES:
-            row = timing(B, T, K)
+    for K in args.dims:
+        for B, T in shapes:
+            row = timing(B, T, K, args.torch_chunks, args.fused_chunks)
             report["timing"].append(row)
             print(f"K=V={K} {B}x{T}: " + ", ".join(
                 f"{n} {row[f'{n}_fwd_bwd_ms']:.2f} ms (fwd {row[f'{n}_fwd_ms']:.2f}, {row[f'{n}_peak_mib']:.0f} MiB)"
                 if f"{n}_fwd_bwd_ms" in row else f"{n} failed"
-                for n in ["triton", *(f"chunk{C}" for C in CHUNKS), *(f"chunk_triton{C}" for C in FUSED_CHUNKS),
+                for n in ["triton", *(f"chunk{C}" for C in args.torch_chunks),
+                          *(f"chunk_triton{C}" for C in args.fused_chunks),
                           "gated_delta"]))
             (out / "bayes_chunk_bench.json").write_text(json.dumps(report, indent=1))
     report["seconds"] = time.time() - start

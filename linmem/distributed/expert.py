@@ -27,7 +27,8 @@ once over ``tp`` with the shared experts' (the rows and the routing weights ente
 
 from __future__ import annotations
 
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +46,12 @@ from ..ops.routing import (
     grouped_linear,
     limit_capacity,
     router_logits,
+    router_stats,
     top_k_routing,
 )
 from .collectives import all_reduce_sum, all_to_all, exchange_counts, group_size, sum_gradients, sum_partials
 
-__all__ = ["ExpertParallelMoE", "expert_parallel", "global_router_stats"]
+__all__ = ["ExpertParallelMoE", "expert_parallel", "global_router_stats", "stats_reduction"]
 
 
 def global_router_stats(
@@ -64,22 +66,13 @@ def global_router_stats(
 
     logits, probs ``[N, E]``; groups ``[N, k]``; valid ``[N]`` bool or None. ``group=None``: this rank only.
     """
-    E = probs.shape[-1]
-    if valid is not None:
-        probs, groups, real_logits = probs[valid], groups[valid], logits[valid]
-    else:
-        real_logits = logits
-    counts = torch.bincount(groups.reshape(-1), minlength=E).to(probs.dtype)
-    z = torch.logsumexp(real_logits.float(), dim=-1).square().sum()
-    tokens = probs.new_full((1,), float(groups.shape[0]))
-    totals = torch.cat([counts, tokens, probs.sum(0), z[None]])  # one all-reduce for every sum
-    if group is not None:
-        totals = all_reduce_sum(totals, group)
-    counts, tokens, prob_sum, z = totals[:E].detach(), totals[E].detach(), totals[E + 1: 2 * E + 1], totals[-1]
-    n = tokens.clamp_min(1)
-    load = counts / n  # fraction of the tokens that chose each expert (sums to k)
-    return RouterStats(kind=kind, logits=logits, balance_loss=E * (load * prob_sum / n).sum(), z_loss=z / n,
-                       load=load.detach())
+    return router_stats(kind, logits, probs, groups, valid, reduce=stats_reduction(group))
+
+
+def stats_reduction(group: Optional[ProcessGroup]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The ``reduce`` of :func:`linmem.ops.routing.router_stats` over ``group``: a differentiable all-reduce
+    (its backward sums the ranks' gradients); None for None."""
+    return None if group is None else partial(all_reduce_sum, group=group)
 
 
 class _Router(nn.Linear):

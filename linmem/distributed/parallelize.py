@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..layers.moe import MoEFeedForward
 from ..layers.mom import MixtureOfMemories
 from .config import ParallelConfig, ParallelConfigError, ParallelMesh
-from .expert import expert_parallel
+from .expert import expert_parallel, stats_reduction
 from .tensor import apply_tp, splits_halves_by_rows, tensor_parallel_refusal
 
 __all__ = [
@@ -106,7 +106,8 @@ def compile_refusal(model: nn.Module, config: ParallelConfig) -> Optional[str]:
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
     """Expert parallelism, in place, on several ranks (one rank: nothing): every MoE feed-forward becomes an
     :class:`~linmem.distributed.expert.ExpertParallelMoE`, its experts split over the ``ep`` ranks when
-    ``config.ep > 1`` (else each rank keeps all), its balancing statistics over the global batch. Returns the model.
+    ``config.ep > 1`` (else each rank keeps all), its balancing statistics over the global batch; every mixture of
+    memories' balancing statistics, too, are the global batch's (over the data ranks, never ``tp``). Returns the model.
     """
     if mesh.data.size() == 1 and config.tp == 1:
         return model
@@ -114,6 +115,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, config: Parallel
     for block in _blocks(model):
         if isinstance(block.mlp, MoEFeedForward):
             expert_parallel(block.mlp, mesh.ep if config.ep > 1 else None, stats_group)
+        if isinstance(block.mixer, MixtureOfMemories):  # routes alike on every tp rank: the data ranks only
+            block.mixer.stats_reduce = stats_reduction(stats_group)
     return model
 
 

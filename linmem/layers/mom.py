@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +203,8 @@ class MixtureOfMemories(Mixer):
         convs = [m.size for m in self.memory.modules() if isinstance(m, ShortConvolution)]
         self.context = max(convs, default=1) - 1  # past inputs a memory's convolutions read
         self.router_stats: Optional[RouterStats] = None
+        # sums the routing statistics over the global batch's ranks (set under data parallelism); None: these tokens
+        self.stats_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def forward(
         self,
@@ -227,7 +229,7 @@ class MixtureOfMemories(Mixer):
         logits = router_logits(flat, self.router.weight)
         weights, memories, probs = top_k_routing(logits, self.args.top_k)
         valid = None if token_mask is None else token_mask.reshape(-1)
-        self.router_stats = router_stats("mom", logits, probs, memories, valid)
+        self.router_stats = router_stats("mom", logits, probs, memories, valid, self.stats_reduce)
         if self.args.shared_memory:
             memories = torch.cat([memories, torch.full_like(memories[:, :1], self.args.num_memories)], dim=1)
             weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -319,14 +319,42 @@ def router_z_loss(logits: torch.Tensor, valid: Optional[torch.Tensor] = None) ->
 
 
 def router_stats(
-    kind: str, logits: torch.Tensor, probs: torch.Tensor, groups: torch.Tensor, valid: Optional[torch.Tensor] = None
+    kind: str,
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    groups: torch.Tensor,
+    valid: Optional[torch.Tensor] = None,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> RouterStats:
-    """Balancing loss, z-loss and load of one routed layer (see :class:`RouterStats`)."""
-    real_groups = groups if valid is None else groups[valid]
-    return RouterStats(
-        kind=kind, logits=logits, balance_loss=load_balancing_loss(probs, groups, valid),
-        z_loss=router_z_loss(logits, valid), load=group_load(real_groups, probs.shape[-1]).detach(),
-    )
+    """Balancing loss, z-loss and load of one routed layer (see :class:`RouterStats`).
+
+    logits, probs ``[N, E]``; groups ``[N, k]``; valid ``[N]`` bool or None. ``reduce`` (None: these tokens
+    only) sums a tensor over the ranks whose tokens form the global batch, differentiably (the data-parallel
+    group's all-reduce): the per-group counts, the token count, the probability sums and the z-loss's sum go
+    through it in one call, so that the losses are those of the global batch.
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> w, g, p = top_k_routing(logits, 1)
+        >>> router_stats("moe", logits, p, g).load.tolist()
+        [0.5, 0.5]
+    """
+    E = probs.shape[-1]
+    if valid is not None:
+        probs, groups, real_logits = probs[valid], groups[valid], logits[valid]
+    else:
+        real_logits = logits
+    counts = torch.bincount(groups.reshape(-1), minlength=E).to(probs.dtype)
+    z = torch.logsumexp(real_logits.float(), dim=-1).square().sum()
+    tokens = probs.new_full((1,), float(groups.shape[0]))
+    totals = torch.cat([counts, tokens, probs.sum(0), z[None]])  # one reduction for every sum
+    if reduce is not None:
+        totals = reduce(totals)
+    counts, tokens, prob_sum, z = totals[:E].detach(), totals[E].detach(), totals[E + 1: 2 * E + 1], totals[-1]
+    n = tokens.clamp_min(1)
+    load = counts / n  # fraction of the tokens that chose each group (sums to k)
+    return RouterStats(kind=kind, logits=logits, balance_loss=E * (load * prob_sum / n).sum(), z_loss=z / n,
+                       load=load.detach())
 
 
 def load_summary(stats: Sequence[RouterStats]) -> dict[str, torch.Tensor]:

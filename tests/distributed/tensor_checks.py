@@ -130,11 +130,11 @@ def zoo_checks() -> None:
 
 def mom_hybrid() -> LinmemConfig:
     """The training checks' hybrid with a mixture of memories (Gated DeltaNet memories, the shared one, short
-    convolutions) in place of its memory layer, and a dense feed-forward. Without the balancing loss: a mixture's
-    is taken over each data rank's tokens, not the global batch's."""
+    convolutions) in place of its memory layer, and a dense feed-forward; a balancing loss large enough that one
+    taken over each data rank's tokens instead of the global batch's would fail the gradient checks."""
     return LinmemConfig(vocab_size=training_checks.VOCAB, hidden_size=16, num_heads=2, layer_pattern="LN",
                         memory="mom", attention="softmax", intermediate_size=32, recurrence_backend="chunk",
-                        mom=dict(num_memories=3, top_k=2, aux_loss_coef=0.0))
+                        mom=dict(num_memories=3, top_k=2, aux_loss_coef=0.1))
 
 
 def mesh_checks() -> None:

@@ -42,6 +42,7 @@ def _two_ranks(out: str) -> None:
     tensor_checks.zoo_checks()
     tensor_checks.capacity_checks()
     training_checks.training_checks(ParallelConfig(tp=2, activation_checkpointing=True), str(Path(out) / "tp"))
+    training_checks.training_checks(ParallelConfig(dp=2), str(Path(out) / "mom_dp"), tensor_checks.mom_hybrid())
     tensor_checks.trainer_run(str(Path(out) / "trainer"))
 
 

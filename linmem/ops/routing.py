@@ -290,34 +290,6 @@ class RouterStats:
     load: torch.Tensor  # [E] fraction of the real tokens routed to each group (sums to k), detached
 
 
-def load_balancing_loss(
-    probs: torch.Tensor, groups: torch.Tensor, valid: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """Switch-style balancing loss ``E * sum_e f_e P_e`` over the real tokens.
-
-    ``f_e`` is the fraction of tokens that chose group e among their top k (so ``sum_e f_e = k``,
-    as in transformers' ``load_balancing_loss_func``: the loss is k when the load is uniform) and
-    ``P_e`` the mean router probability of e. probs ``[N, E]``, groups ``[N, k]``, valid ``[N]`` bool.
-    """
-    E = probs.shape[-1]
-    if valid is not None:
-        probs, groups = probs[valid], groups[valid]
-    return E * (group_load(groups, E) * probs.mean(dim=0)).sum()
-
-
-def group_load(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Fraction of the tokens routed to each group: groups ``[N, k]`` -> ``[E]`` (sums to k)."""
-    counts = torch.bincount(groups.reshape(-1), minlength=num_groups)
-    return counts.float() / max(groups.shape[0], 1)
-
-
-def router_z_loss(logits: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """ST-MoE's z-loss: the mean of ``logsumexp(logits)^2`` over the real tokens; logits ``[N, E]``."""
-    if valid is not None:
-        logits = logits[valid]
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
-
-
 def router_stats(
     kind: str,
     logits: torch.Tensor,
@@ -327,6 +299,11 @@ def router_stats(
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> RouterStats:
     """Balancing loss, z-loss and load of one routed layer (see :class:`RouterStats`).
+
+    The balancing loss is Switch's ``E * sum_e f_e P_e``: ``f_e`` the fraction of the real tokens that chose group
+    e among their top k (no gradient; ``sum_e f_e = k`` as in transformers' ``load_balancing_loss_func``, so the
+    loss is k when the load is uniform), ``P_e`` their mean router probability of e. The z-loss is ST-MoE's mean of
+    ``logsumexp(logits)^2`` over the real tokens.
 
     logits, probs ``[N, E]``; groups ``[N, k]``; valid ``[N]`` bool or None. ``reduce`` (None: these tokens
     only) sums a tensor over the ranks whose tokens form the global batch, differentiably (the data-parallel
